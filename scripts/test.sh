@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Run the test suites, each inside the environment it needs, building environments first.
+#   scripts/test.sh                 every suite
+#   scripts/test.sh core sglang     only these (core, sglang, vllm, e2e, reliability)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/lib.sh
+
+ALL_SUITES=(core envs sglang vllm e2e reliability)
+suites=("$@")
+[ ${#suites[@]} -eq 0 ] && suites=("${ALL_SUITES[@]}")
+for s in "${suites[@]}"; do
+  case " ${ALL_SUITES[*]} " in *" $s "*) ;; *)
+    echo "unknown suite '$s'; valid: ${ALL_SUITES[*]}" >&2; exit 2 ;;
+  esac
+done
+
+ensure_root_env
+status=0
+for suite in "${suites[@]}"; do
+  [ -d "tests/$suite" ] && ls tests/"$suite"/test_*.py >/dev/null 2>&1 || {
+    echo "== suite $suite: no tests yet, skipped"; continue; }
+  case "$suite" in
+    sglang) env=sglang ;;
+    vllm) env=$(vllm_env_name) ;;
+    *) env= ;;
+  esac
+  if [ -n "$env" ]; then
+    "$ROOT_PY" -m weightsync env build "$env"
+    py=$("$ROOT_PY" -m weightsync env path "$env")
+  else
+    py=$ROOT_PY
+  fi
+  echo "== suite $suite ($py)"
+  start=$(date +%s)
+  "$py" -m pytest "tests/$suite" -q -p no:cacheprovider || status=1
+  echo "== suite $suite: $(( $(date +%s) - start )) s"
+done
+exit $status

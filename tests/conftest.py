@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+import logging
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+logging.getLogger("weightsync").setLevel(logging.INFO)

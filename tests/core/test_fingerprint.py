@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightsync.fingerprint import combine, fingerprint
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64])
+def test_one_changed_element_changes_the_fingerprint(dtype):
+    x = (torch.randn(64, 33) * 100).to(dtype)
+    y = x.clone()
+    y.view(-1)[1234] += 1
+    assert fingerprint(x) != fingerprint(y)
+
+
+def test_fingerprint_is_independent_of_layout():
+    x = torch.randn(17, 9).bfloat16()
+    assert fingerprint(x) == fingerprint(x.t()) == fingerprint(x.t().contiguous())
+
+
+def test_fused_tensor_fingerprint_is_the_combination_of_its_parts():
+    q, k, v = (torch.randn(8, 4) for _ in range(3))
+    assert fingerprint(torch.cat([q, k, v])) == combine([fingerprint(t) for t in (q, k, v)])
+
+
+def test_zero_padding_does_not_change_the_fingerprint():
+    x = torch.randn(5, 4)
+    assert fingerprint(x) == fingerprint(torch.cat([x, torch.zeros(3, 4)]))

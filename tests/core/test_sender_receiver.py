@@ -1,0 +1,96 @@
+"""A whole sync through the core: sender, shared memory, a module receiver, verification."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightsync.dtensor import DTensorV2Source
+from weightsync.endpoint import LocalEndpoint
+from weightsync.models import build_model
+from weightsync.receiver import ModuleWeightReceiver
+from weightsync.sender import WeightSender
+from weightsync.transports.shm import ShmSender
+
+
+def _pair(arch="opt", capacity_bytes=1 << 16):
+    trainer = build_model(arch, "tiny", seed=1)
+    engine_model = build_model(arch, "tiny", seed=2)
+    receiver = ModuleWeightReceiver(engine_model, name="ref")
+    source = DTensorV2Source(trainer)
+    sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=capacity_bytes)
+    return trainer, engine_model, receiver, source, sender
+
+
+def test_sync_makes_engine_weights_equal_and_verifies():
+    trainer, engine_model, receiver, source, sender = _pair()
+    try:
+        sender.add_engine(LocalEndpoint(receiver, name="ref"))
+        report = sender.sync(source.tensors(), version="v1", verify=True)
+    finally:
+        sender.close()
+    assert report["num_buckets"] > 3
+    assert report["verify"]["ref"]["verified"], report["verify"]
+    assert receiver.weight_version() == "v1"
+    want = trainer.state_dict()
+    for name, tensor in engine_model.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+
+
+def test_verification_catches_an_engine_weight_that_differs():
+    trainer, engine_model, receiver, source, sender = _pair()
+    try:
+        sender.add_engine(LocalEndpoint(receiver, name="ref"))
+        sender.sync(source.tensors(), version="v1")
+        with torch.no_grad():
+            engine_model.model.decoder.layers[1].fc1.weight[3, 3] += 1
+        sent = {n: __import__("weightsync.fingerprint").fingerprint.fingerprint(t)
+                for n, t in source.tensors()}
+        result = sender.verify(sent, engines=["ref"])
+    finally:
+        sender.close()
+    assert not result["ref"]["verified"]
+    assert result["ref"]["mismatched"] == ["model.decoder.layers.1.fc1.weight"]
+
+
+def test_shape_mismatch_is_rejected_before_any_weight_changes():
+    trainer = build_model("opt", "small", seed=1)
+    engine_model = build_model("opt", "tiny", seed=2)
+    before = {k: v.clone() for k, v in engine_model.state_dict().items()}
+    receiver = ModuleWeightReceiver(engine_model, name="ref")
+    sender = WeightSender(DTensorV2Source(trainer).specs(), transport=ShmSender(),
+                          capacity_bytes=1 << 16)
+    try:
+        with pytest.raises(ValueError, match=r"tensor 'model.decoder.embed_tokens.weight' "
+                           r"\(trainer shape \(320, 512\).*\(320, 256\)"):
+            sender.add_engine(LocalEndpoint(receiver, name="ref"))
+    finally:
+        sender.close()
+    for name, tensor in engine_model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+
+
+def test_dtype_mismatch_names_both_dtypes():
+    trainer = build_model("opt", "tiny", seed=1)
+    engine_model = build_model("opt", "tiny", seed=2).to(torch.bfloat16)
+    receiver = ModuleWeightReceiver(engine_model, name="ref")
+    sender = WeightSender(DTensorV2Source(trainer).specs(), transport=ShmSender(),
+                          capacity_bytes=1 << 16)
+    try:
+        with pytest.raises(ValueError, match="trainer dtype float32 != engine dtype bfloat16"):
+            sender.add_engine(LocalEndpoint(receiver, name="ref"))
+    finally:
+        sender.close()
+
+
+def test_unknown_name_is_rejected():
+    trainer = build_model("gpt2", "tiny", seed=1)
+    engine_model = build_model("opt", "tiny", seed=2)
+    receiver = ModuleWeightReceiver(engine_model, name="ref")
+    sender = WeightSender(DTensorV2Source(trainer).specs(), transport=ShmSender(),
+                          capacity_bytes=1 << 16)
+    try:
+        with pytest.raises(ValueError, match=r"no parameter for \d+ trainer tensor.*transformer"):
+            sender.add_engine(LocalEndpoint(receiver, name="ref"))
+    finally:
+        sender.close()

@@ -1,0 +1,3 @@
+from weightsync.cli import run
+
+run()

@@ -1,0 +1,154 @@
+"""Buckets: many named tensors packed into one contiguous byte buffer, and unpacked as views.
+
+The layout is planned from refit info alone (names, dtypes, shapes), before any tensor exists, so
+the sender copies each tensor straight into its place as it is gathered and never holds more than
+the buckets in flight. A tensor larger than the capacity gets a bucket of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.wire import (
+    ALIGNMENT_BYTES,
+    BucketDescriptor,
+    TensorMeta,
+    TensorSpec,
+    align,
+    dtype_from_str,
+    dtype_to_str,
+)
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+@dataclass(kw_only=True, slots=True)
+class BucketPlan:
+    """Where each tensor of one bucket goes; `nbytes` is the used (aligned) size."""
+
+    index: int
+    nbytes: int
+    tensors: list[TensorMeta]
+
+    def descriptor(self, handle: dict | None = None) -> BucketDescriptor:
+        return BucketDescriptor(index=self.index, nbytes=self.nbytes, tensors=list(self.tensors),
+                                handle=dict(handle or {}))
+
+
+def plan_buckets(specs: Iterable[TensorSpec], *, capacity_bytes: int) -> list[BucketPlan]:
+    """Lay `specs` out, in order, into buckets of at most `capacity_bytes` each.
+
+    A tensor that alone exceeds the capacity gets a bucket of exactly its (aligned) size.
+    """
+    if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+        raise ValueError(
+            f"bucket capacity_bytes={capacity_bytes!r}: expected a positive int "
+            f"(default {DEFAULT_BUCKET_BYTES})"
+        )
+    plans: list[BucketPlan] = []
+    current: list[TensorMeta] = []
+    used = 0
+
+    def close() -> None:
+        nonlocal current, used
+        if current:
+            plans.append(BucketPlan(index=len(plans), nbytes=used, tensors=current))
+        current, used = [], 0
+
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise ValueError(f"tensor {spec.name!r} appears twice; each name must be sent once")
+        seen.add(spec.name)
+        size = align(spec.nbytes, ALIGNMENT_BYTES)
+        if current and used + size > capacity_bytes:
+            close()
+        current.append(TensorMeta(name=spec.name, dtype=spec.dtype, shape=spec.shape, offset=used))
+        used += size
+        if used >= capacity_bytes:
+            close()
+    close()
+    return plans
+
+
+def max_bucket_bytes(plans: list[BucketPlan]) -> int:
+    return max((p.nbytes for p in plans), default=0)
+
+
+def write_tensor(buffer: torch.Tensor, meta: TensorMeta, tensor: torch.Tensor) -> None:
+    """Copy `tensor` into `buffer` (uint8) at the place `meta` gives, after checking it fits."""
+    if tuple(tensor.shape) != meta.shape:
+        raise ValueError(
+            f"tensor {meta.name!r}: shape {tuple(tensor.shape)} != planned {meta.shape}; "
+            f"the model changed since refit info was taken; call refit_info() again"
+        )
+    dtype = dtype_to_str(tensor.dtype)
+    if dtype != meta.dtype:
+        raise ValueError(
+            f"tensor {meta.name!r}: dtype {dtype} != planned {meta.dtype}; convert it or take "
+            f"refit info again"
+        )
+    if meta.offset + meta.nbytes > buffer.numel():
+        raise ValueError(
+            f"tensor {meta.name!r} needs bytes [{meta.offset}, {meta.offset + meta.nbytes}) "
+            f"but the buffer has {buffer.numel()}"
+        )
+    if meta.nbytes == 0:
+        return
+    dst = buffer[meta.offset : meta.offset + meta.nbytes].view(tensor.dtype).view(tensor.shape)
+    dst.copy_(tensor)
+
+
+def tensor_view(buffer: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    """A zero-copy view of one tensor inside a uint8 `buffer`."""
+    dtype = dtype_from_str(meta.dtype)
+    if meta.nbytes == 0:
+        return torch.empty(meta.shape, dtype=dtype, device=buffer.device)
+    return buffer[meta.offset : meta.offset + meta.nbytes].view(dtype).view(meta.shape)
+
+
+def unpack(buffer: torch.Tensor, descriptor: BucketDescriptor) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of one bucket as (name, view) pairs sharing `buffer`'s memory."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise TypeError(f"bucket buffer must be a 1-D uint8 tensor, got {buffer.dtype} "
+                        f"{tuple(buffer.shape)}")
+    descriptor.validate(buffer.numel())
+    return [(meta.name, tensor_view(buffer, meta)) for meta in descriptor.tensors]
+
+
+def fill_buckets(
+    plans: list[BucketPlan],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    get_buffer,
+) -> Iterator[BucketPlan]:
+    """Copy the stream `tensors` into buckets as laid out by `plans`, yielding each full bucket.
+
+    `get_buffer(plan)` returns the writable uint8 buffer for that bucket (a transport slot). The
+    stream must yield exactly the planned names in the planned order; anything else is an error,
+    raised before the bucket holding it is handed out.
+    """
+    for plan in plans:
+        buffer = get_buffer(plan)
+        for meta in plan.tensors:
+            try:
+                name, tensor = next(tensors)
+            except StopIteration:
+                raise ValueError(
+                    f"tensor stream ended before {meta.name!r} (bucket {plan.index}); the model "
+                    f"has fewer tensors than its refit info"
+                ) from None
+            if name != meta.name:
+                raise ValueError(
+                    f"tensor stream gave {name!r} where refit info expects {meta.name!r}; "
+                    f"the model changed since refit info was taken"
+                )
+            write_tensor(buffer, meta, tensor)
+        yield plan
+    extra = next(tensors, None)
+    if extra is not None:
+        raise ValueError(
+            f"tensor stream has {extra[0]!r} beyond its refit info; take refit info again"
+        )

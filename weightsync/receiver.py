@@ -1,0 +1,339 @@
+"""The receiving side, inside an engine's model process.
+
+`WeightReceiver` is the interface an engine actor offers the trainer (plain data in and out).
+`ModelReceiver` is the engine-independent part of it that runs next to the engine's model: it
+checks refit info with a dry run of the engine's own loader, maps transport buffers to views,
+loads them with the engine's loader (so fused QKV, transposed Conv1D and tied heads stay the
+engine's business), and fingerprints the engine's parameters for verification.
+
+How the dry run works: engines load a tensor by calling `param.weight_loader(param, tensor, ...)`
+(or a default loader when the parameter has none). During a check every parameter's loader is
+wrapped so the call is recorded (which incoming name reached which parameter) and redirected to
+an empty scratch copy of the parameter, so the engine's shape logic runs and raises where a
+shape does not fit, yet no engine weight changes. The recorded map also tells verification which
+trainer tensors make up each engine parameter.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from weightsync.bucket import unpack
+from weightsync.fingerprint import Fingerprint, combine, fingerprint
+from weightsync.transports import ReceiverTransport, receiver_for
+from weightsync.wire import BucketDescriptor, TensorSpec, dtype_to_str
+
+if TYPE_CHECKING:
+    from torch import nn
+
+logger = logging.getLogger(__name__)
+
+LoadFn = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+WeightLoader = Callable[..., Any]
+
+
+class WeightReceiver(ABC):
+    """What an engine actor offers the trainer. Every argument and result is plain data.
+
+    Called by the trainer's sending rank only (rank 0 of the trainer group), in this order:
+      1. `check_refit(specs)` once per trainer, before any sync; nothing is written.
+      2. per sync: `begin(version)`, then `load_bucket(descriptor)` for every bucket in order,
+         then `end(version)`; `abort(reason)` instead of `end` when the sender failed.
+      3. `fingerprints()` whenever the trainer verifies, usually right after `end`.
+    `weight_version()` may be called at any time.
+    """
+
+    @abstractmethod
+    def check_refit(self, specs: list[dict]) -> dict:
+        """Validate the trainer's tensors against the engine's parameters.
+
+        Returns {"param_of": {trainer name: [engine parameter names]}, "num_params": int}.
+        Raises ValueError naming the first tensor whose name, shape or dtype the engine rejects.
+        """
+
+    @abstractmethod
+    def begin(self, version: str) -> None:
+        """Open an update session (the engine stops taking new requests until `end`)."""
+
+    @abstractmethod
+    def load_bucket(self, descriptor: dict) -> dict:
+        """Load one bucket's tensors; returns {"num_tensors", "nbytes", "seconds"}."""
+
+    @abstractmethod
+    def end(self, version: str) -> dict:
+        """Finish: post-process the weights, reset the prefix cache, adopt `version`."""
+
+    @abstractmethod
+    def abort(self, reason: str) -> None:
+        """Close a session that failed; the engine keeps its previous version tag."""
+
+    @abstractmethod
+    def fingerprints(self) -> dict[str, list[int]]:
+        """{engine parameter name: [s1, s2]} of the weights the engine serves now."""
+
+    @abstractmethod
+    def weight_version(self) -> str | None:
+        """The version tag of the weights served now (None before the first sync)."""
+
+
+def _scratch_like(param: torch.Tensor) -> torch.nn.Parameter:
+    scratch = torch.nn.Parameter(torch.empty_like(param.data), requires_grad=False)
+    for key, value in vars(param).items():
+        if key != "weight_loader":
+            setattr(scratch, key, value)
+    return scratch
+
+
+class ModelReceiver:
+    """Engine-side loading and checking for one model replica (one engine worker process).
+
+    `load_fn` is the engine's own `model.load_weights`; `default_loader` is the engine's loader
+    for parameters that carry no `weight_loader` of their own.
+    """
+
+    def __init__(self, model: nn.Module, *, load_fn: LoadFn, default_loader: WeightLoader,
+                 name: str = "engine") -> None:
+        self.model = model
+        self.load_fn = load_fn
+        self.default_loader = default_loader
+        self.name = name
+        self.accepted: dict[str, TensorSpec] = {}
+        self.param_of: dict[str, list[str]] = {}
+        self._transports: dict[str, ReceiverTransport] = {}
+
+    # ---- tracing -------------------------------------------------------------------------
+    @contextmanager
+    def _traced_loaders(self, *, dry_run: bool) -> Iterator[dict[str, Any]]:
+        """Wrap every parameter's loader; yields the trace state {"current": name, "hits": {}}."""
+        state: dict[str, Any] = {"current": None, "hits": {}}
+        params = dict(self.model.named_parameters())
+        saved: dict[str, tuple[bool, Any]] = {}
+
+        def make(pname: str, original: WeightLoader) -> WeightLoader:
+            def traced(param: torch.Tensor, loaded: torch.Tensor, *args: Any, **kwargs: Any):
+                incoming = state["current"]
+                state["hits"].setdefault(incoming, [])
+                if pname not in state["hits"][incoming]:
+                    state["hits"][incoming].append(pname)
+                target = _scratch_like(param) if dry_run else param
+                return original(target, loaded, *args, **kwargs)
+
+            return traced
+
+        try:
+            for pname, param in params.items():
+                has = "weight_loader" in vars(param)
+                original = vars(param).get("weight_loader", self.default_loader)
+                saved[pname] = (has, vars(param).get("weight_loader"))
+                param.weight_loader = make(pname, original)
+            yield state
+        finally:
+            for pname, (has, original) in saved.items():
+                param = params[pname]
+                if has:
+                    param.weight_loader = original
+                else:
+                    del param.weight_loader
+
+    def _feed(self, state: dict[str, Any],
+              tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            state["current"] = name
+            yield name, tensor
+
+    # ---- refit check ---------------------------------------------------------------------
+    def check_refit(self, specs: list[TensorSpec]) -> dict[str, Any]:
+        """Dry-run the engine's loader on empty tensors of the trainer's specs; see module doc."""
+        if not specs:
+            raise ValueError(f"{self.name}: the trainer offers no tensors (an empty model?)")
+        params = dict(self.model.named_parameters())
+        by_name = {s.name: s for s in specs}
+        if len(by_name) != len(specs):
+            dup = sorted({s.name for s in specs if sum(t.name == s.name for t in specs) > 1})
+            raise ValueError(f"{self.name}: tensors named twice in refit info: {dup}")
+        # Materialising tensors happens lazily, one at a time, inside the engine's loader.
+        from weightsync.wire import dtype_from_str
+
+        def empties() -> Iterator[tuple[str, torch.Tensor]]:
+            for spec in specs:
+                yield spec.name, torch.zeros(spec.shape, dtype=dtype_from_str(spec.dtype))
+
+        with self._traced_loaders(dry_run=True) as state:
+            try:
+                self.load_fn(self._feed(state, empties()))
+            except Exception as exc:  # the engine's loader rejected a tensor
+                name = state["current"]
+                spec = by_name.get(name)
+                targets = state["hits"].get(name) or []
+                shapes = ", ".join(f"{p} {tuple(params[p].shape)}" for p in targets if p in params)
+                raise ValueError(
+                    f"{self.name}: tensor {name!r} (trainer shape "
+                    f"{spec.shape if spec else '?'}, dtype {spec.dtype if spec else '?'}) was "
+                    f"rejected by the engine's loader"
+                    + (f" for engine parameter {shapes}" if shapes else "")
+                    + f": {type(exc).__name__}: {exc}"
+                ) from None
+        hits: dict[str, list[str]] = {k: v for k, v in state["hits"].items() if k is not None}
+        missing = [s.name for s in specs if s.name not in hits]
+        if missing:
+            raise ValueError(
+                f"{self.name}: the engine's model has no parameter for {len(missing)} trainer "
+                f"tensor(s), e.g. {missing[:5]}; check the model architecture and HF naming"
+            )
+        for spec in specs:
+            for pname in hits[spec.name]:
+                engine_dtype = dtype_to_str(params[pname].dtype)
+                if engine_dtype != spec.dtype:
+                    raise ValueError(
+                        f"{self.name}: tensor {spec.name!r}: trainer dtype {spec.dtype} != "
+                        f"engine dtype {engine_dtype} (parameter {pname!r}); send "
+                        f"{engine_dtype} (the worker's dtype= option)"
+                    )
+        covered = {p for targets in hits.values() for p in targets}
+        uncovered = sorted(set(params) - covered)
+        if uncovered:
+            raise ValueError(
+                f"{self.name}: {len(uncovered)} engine parameter(s) would get no trainer tensor, "
+                f"e.g. {uncovered[:5]}; a sync would leave them stale"
+            )
+        self.accepted = by_name
+        self.param_of = hits
+        return {"param_of": hits, "num_params": len(params)}
+
+    # ---- loading -------------------------------------------------------------------------
+    def _transport(self, kind: str) -> ReceiverTransport:
+        transport = self._transports.get(kind)
+        if transport is None:
+            transport = self._transports[kind] = receiver_for(kind)
+        return transport
+
+    def check_descriptor(self, descriptor: BucketDescriptor) -> None:
+        """Every tensor of the bucket was accepted by check_refit, with the same dtype/shape."""
+        if not self.accepted:
+            raise ValueError(f"{self.name}: load before check_refit; call check_refit first")
+        for meta in descriptor.tensors:
+            spec = self.accepted.get(meta.name)
+            if spec is None:
+                raise ValueError(f"{self.name}: bucket {descriptor.index} carries {meta.name!r}, "
+                                 f"which refit info did not announce")
+            if spec.shape != meta.shape or spec.dtype != meta.dtype:
+                raise ValueError(
+                    f"{self.name}: tensor {meta.name!r}: bucket has {meta.dtype} {meta.shape}, "
+                    f"refit info announced {spec.dtype} {spec.shape}"
+                )
+
+    def receive(self, descriptor: BucketDescriptor) -> list[tuple[str, torch.Tensor]]:
+        """Views of one bucket's tensors, after checking them against refit info."""
+        self.check_descriptor(descriptor)
+        handle = descriptor.handle
+        data = self._transport(handle["kind"]).receive(handle, descriptor.nbytes)
+        return unpack(data, descriptor)
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.load_fn(iter(named_tensors))
+
+    def release(self, descriptor: BucketDescriptor) -> None:
+        self._transport(descriptor.handle["kind"]).release(descriptor.handle)
+
+    # ---- verification --------------------------------------------------------------------
+    def fingerprints(self) -> dict[str, list[int]]:
+        covered = {p for targets in self.param_of.values() for p in targets}
+        return {name: list(fingerprint(p.data)) for name, p in self.model.named_parameters()
+                if name in covered}
+
+    def close(self) -> None:
+        for transport in self._transports.values():
+            transport.close()
+        self._transports.clear()
+
+
+def expected_fingerprints(param_of: dict[str, list[str]],
+                          sent: dict[str, Fingerprint]) -> dict[str, Fingerprint]:
+    """What each engine parameter's fingerprint must be, from the trainer tensors' fingerprints.
+
+    A trainer tensor that lands in several engine parameters cannot be checked this way and is
+    left out (its parameters are then compared through their other tensors only if exclusive).
+    """
+    parts: dict[str, list[Fingerprint]] = {}
+    shared: set[str] = set()
+    for name, targets in param_of.items():
+        if len(targets) != 1:
+            shared.update(targets)
+            continue
+        parts.setdefault(targets[0], []).append(tuple(sent[name]))
+    return {p: combine(prints) for p, prints in parts.items() if p not in shared}
+
+
+def copy_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """The plainest engine loader: shapes must match exactly."""
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class ModuleWeightReceiver(WeightReceiver):
+    """A `WeightReceiver` for a plain torch module whose parameters carry the senders' names.
+
+    The reference receiver: what an engine's loader does, with nothing engine-specific (used by
+    the core tests and the GPU transport benchmarks).
+    """
+
+    def __init__(self, model: nn.Module, *, name: str = "module") -> None:
+        params = dict(model.named_parameters())
+
+        def load_fn(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for pname, tensor in weights:
+                param = params.get(pname)
+                if param is not None:
+                    getattr(param, "weight_loader", copy_loader)(param, tensor)
+
+        self.receiver = ModelReceiver(model, load_fn=load_fn, default_loader=copy_loader,
+                                      name=name)
+        self._version: str | None = None
+        self._session: str | None = None
+
+    def check_refit(self, specs: list[dict]) -> dict:
+        from weightsync.wire import specs_from_dicts
+
+        return self.receiver.check_refit(specs_from_dicts(specs))
+
+    def begin(self, version: str) -> None:
+        if self._session is not None:
+            raise RuntimeError(f"update session {self._session!r} is still open")
+        self._session = version
+
+    def load_bucket(self, descriptor: dict) -> dict:
+        import time
+
+        start = time.perf_counter()
+        bucket = BucketDescriptor.from_dict(descriptor)
+        if self._session is None:
+            raise RuntimeError("load_bucket outside an update session; call begin first")
+        views = self.receiver.receive(bucket)
+        self.receiver.load(views)
+        del views
+        self.receiver.release(bucket)
+        return {"num_tensors": len(bucket.tensors), "nbytes": bucket.nbytes,
+                "seconds": time.perf_counter() - start}
+
+    def end(self, version: str) -> dict:
+        if self._session != version:
+            raise RuntimeError(f"end({version!r}) but the open session is {self._session!r}")
+        self._session = None
+        self._version = version
+        return {"weight_version": version}
+
+    def abort(self, reason: str) -> None:
+        self._session = None
+
+    def fingerprints(self) -> dict[str, list[int]]:
+        return self.receiver.fingerprints()
+
+    def weight_version(self) -> str | None:
+        return self._version

@@ -1,0 +1,191 @@
+"""The trainer side: `WeightSyncWorker` and its DTensor v2 implementation.
+
+One worker per trainer rank, usually a Ray actor started in an engine's environment by the
+launcher (`backends/*/worker.py` name the concrete classes). The driver calls every method on all
+ranks at once, because gathering a DTensor is a collective; only rank 0 talks to engines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from weightsync.bucket import DEFAULT_BUCKET_BYTES
+from weightsync.dtensor import DTensorV2Source, init_trainer_group, shard_model
+from weightsync.endpoint import Endpoint, RayEndpoint
+from weightsync.fingerprint import fingerprint
+from weightsync.sender import DEFAULT_TIMEOUT_S, WeightSender
+from weightsync.transports.shm import ShmSender
+from weightsync.wire import as_plain, dtype_from_str, specs_to_dicts
+
+logger = logging.getLogger(__name__)
+
+
+class WeightSyncWorker(ABC):
+    """Keeps engines in step with one trainer rank's model. All methods: every rank, together.
+
+    Order of calls, driven by the training loop:
+      1. `refit_info()` once: what every sync will send (plain data, HF names).
+      2. `connect(engines)` once per engine set: rank 0 checks refit info with each engine;
+         nothing is written to an engine before every check passed.
+      3. per training step: `sync(version)`: begin, buckets, end on every engine.
+      4. `verify()` whenever wanted (or `sync(..., verify=True)`): fingerprints compared.
+    """
+
+    @abstractmethod
+    def refit_info(self) -> list[dict]:
+        """[{name, dtype, shape, nbytes}] in send order. Called once, on all ranks."""
+
+    @abstractmethod
+    def connect(self, engines: dict[str, Any]) -> dict[str, Any]:
+        """Register engines {name: engine actor handle}; checks refit info. All ranks."""
+
+    @abstractmethod
+    def sync(self, version: str, *, verify: bool = False) -> dict[str, Any]:
+        """Deliver the current weights to every connected engine; a plain-data report on rank
+        0, {"rank": r} on the others. All ranks."""
+
+
+class DTensorV2WeightSyncWorker(WeightSyncWorker):
+    """A trainer rank holding an FSDP2 (DTensor) model built from a HF checkpoint directory.
+
+    It also trains (`train_step`) and produces reference generations, which tests and the demo
+    use; a training framework would instead wrap its own model in `DTensorV2Source` and
+    `WeightSender`.
+    """
+
+    engine_env: str | None = None
+
+    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int,
+                 model_path: str, dtype: str = "float32", sync_dtype: str | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 lr: float = 1e-3, seed: int = 0) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
+        torch.manual_seed(seed)
+        self.rank, self.world_size = rank, world_size
+        self.log = logging.LoggerAdapter(logger, {"rank": rank})
+        self.device = init_trainer_group(rank=rank, world_size=world_size,
+                                         master_addr=master_addr, master_port=master_port)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype_from_str(dtype))
+        self.model_path = model_path
+        self.model = shard_model(model, device=self.device)
+        self.source = DTensorV2Source(self.model, dtype=sync_dtype)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.sender: WeightSender | None = None
+        self._version = 0
+
+    # ---- weight sync -----------------------------------------------------------------------
+    def refit_info(self) -> list[dict]:
+        return specs_to_dicts(self.source.specs())
+
+    def _make_sender(self) -> WeightSender:
+        return WeightSender(self.source.specs(), transport=ShmSender(num_slots=2),
+                            capacity_bytes=self.bucket_bytes, timeout_s=self.timeout_s)
+
+    def _endpoint(self, name: str, engine: Any) -> Endpoint:
+        return RayEndpoint(engine, name=name)
+
+    def connect(self, engines: dict[str, Any]) -> dict[str, Any]:
+        if self.rank != 0:
+            return {"rank": self.rank}
+        if self.sender is None:
+            self.sender = self._make_sender()
+        answers = {}
+        for name, engine in engines.items():
+            answer = self.sender.add_engine(self._endpoint(name, engine))
+            answers[name] = {"num_params": answer["num_params"]}
+        return as_plain(answers)
+
+    def sync(self, version: str | None = None, *, verify: bool = False,
+             engines: list[str] | None = None) -> dict[str, Any]:
+        self._version += 1
+        version = version or f"v{self._version}"
+        tensors = self.source.tensors()
+        if self.rank != 0:
+            for _ in tensors:  # take part in every gather
+                pass
+            return {"rank": self.rank}
+        if self.sender is None or not self.sender.engines:
+            for _ in tensors:
+                pass
+            raise ValueError("sync before connect: call connect({name: engine}) first")
+        report = self.sender.sync(tensors, version=version, engines=engines, verify=verify)
+        self.log.info("sync %s: %.3f s, %.2f GB/s", version, report["sync_s"], report["gbps"])
+        return as_plain(report)
+
+    # ---- training, for tests and the demo ------------------------------------------------------
+    def train_step(self, token_ids: list[list[int]]) -> float:
+        """One optimizer step of next-token loss on `token_ids` (same batch on every rank)."""
+        self.model.train()
+        batch = torch.tensor(token_ids, device=self.device)
+        loss = self.model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        return float(loss.detach())
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return dict(self.source.tensors())
+
+    def tensor_fingerprints(self) -> dict[str, list[int]]:
+        """{HF name: fingerprint} of what a sync sends (all ranks; meaningful on rank 0)."""
+        return {name: list(fingerprint(t)) for name, t in self.source.tensors()}
+
+    def reference_generate(self, prompts: list[list[int]], *, max_new_tokens: int) -> Any:
+        """Greedy continuations from an unsharded float32 copy of the current weights.
+
+        Returns {"tokens": [[ids]], "logprobs": [[float]]} on rank 0, None elsewhere."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        state = self.full_state()
+        if self.rank != 0:
+            return None
+        config = AutoConfig.from_pretrained(self.model_path)
+        with torch.device("meta"):
+            reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        reference.load_state_dict({k: v.float().cpu() for k, v in state.items()}, strict=False,
+                                  assign=True)
+        reference.tie_weights()
+        reference.eval()
+        tokens, logprobs = [], []
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = torch.tensor([prompt])
+                out = reference.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                         output_scores=True, return_dict_in_generate=True,
+                                         pad_token_id=config.pad_token_id)
+                new = out.sequences[0, len(prompt):].tolist()
+                tokens.append(new)
+                logprobs.append([float(torch.log_softmax(s[0].float(), -1)[t])
+                                 for s, t in zip(out.scores, new)])
+        return {"tokens": tokens, "logprobs": logprobs}
+
+    def set_weights_from(self, other_seed: int) -> None:
+        """Overwrite the model with another seed's random weights (tests: a big change)."""
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(other_seed)
+            for param in self.model.parameters():
+                local = param.to_local() if hasattr(param, "to_local") else param
+                local.copy_(torch.randn(local.shape, generator=gen) * 0.05)
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def ping(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pid": os.getpid(), "torch": str(torch.__version__)}
