@@ -1,0 +1,1 @@
+"""Engine backends: the only code that imports an engine. Each subpackage runs in its env."""

@@ -71,8 +71,7 @@ def _pair_evidence(a: str, b: str) -> str:
     pa, pb = envs.pins(a), envs.pins(b)
     ea, eb = envs.get(a).engine, envs.get(b).engine
     reqs = f"{ea}=={pa[ea]}\n{eb}=={pb[eb]}\n"
-    cmd = [*envs.uv_command(), "pip", "compile", "--python-version", "3.11", "--no-header",
-           "--python-platform", "x86_64-manylinux_2_28", "-"]
+    cmd = [*envs.uv_command(), "pip", "compile", "--python-version", "3.11", "--no-header", "-"]
     pinned = subprocess.run(cmd, input=reqs, capture_output=True, text=True, timeout=300)
     if pinned.returncode != 0:
         reason = next((ln.strip() for ln in pinned.stderr.splitlines() if "Because" in ln

