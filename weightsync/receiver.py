@@ -337,3 +337,59 @@ class ModuleWeightReceiver(WeightReceiver):
 
     def weight_version(self) -> str | None:
         return self._version
+
+
+def checkpoint_specs(path: str) -> dict[str, TensorSpec]:
+    """Name, dtype and shape of every tensor in a safetensors checkpoint directory (headers
+    only; nothing is loaded)."""
+    import glob
+    import json
+    import os
+    import struct
+
+    dtypes = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+              "I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64",
+              "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path!r}; cannot check refit info")
+    specs: dict[str, TensorSpec] = {}
+    for file in files:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                specs[name] = TensorSpec(name=name, dtype=dtypes.get(entry["dtype"], "?"),
+                                         shape=tuple(entry["shape"]))
+    return specs
+
+
+def check_against_checkpoint(specs: list[TensorSpec], path: str, *, engine_dtype: str,
+                             name: str = "engine") -> None:
+    """Refit check for engines without a dry run: the trainer's tensors must be the ones the
+    engine was started from (same names and shapes), in the engine's dtype."""
+    known = checkpoint_specs(path)
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise ValueError(f"{name}: tensor {spec.name!r} appears twice in refit info")
+        seen.add(spec.name)
+        ref = known.get(spec.name)
+        if ref is None:
+            raise ValueError(f"{name}: the engine's model has no parameter for trainer tensor "
+                             f"{spec.name!r}; check the model architecture and HF naming")
+        if ref.shape != spec.shape:
+            raise ValueError(f"{name}: tensor {spec.name!r}: trainer shape {spec.shape} != "
+                             f"engine shape {ref.shape}")
+        if spec.dtype != engine_dtype:
+            raise ValueError(f"{name}: tensor {spec.name!r}: trainer dtype {spec.dtype} != "
+                             f"engine dtype {engine_dtype}; send {engine_dtype} (the worker's "
+                             f"dtype= option)")
+    # A tied head is stored once by the engine and is not sent.
+    missing = sorted(set(known) - seen - {"lm_head.weight"})
+    if missing:
+        raise ValueError(f"{name}: {len(missing)} engine tensor(s) would get no trainer tensor, "
+                         f"e.g. {missing[:5]}; a sync would leave them stale")
+    if not specs:
+        raise ValueError(f"{name}: the trainer offers no tensors (an empty model?)")

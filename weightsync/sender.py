@@ -105,6 +105,10 @@ class WeightSender:
             for slot in list(in_flight):
                 self._wait_all(in_flight.pop(slot))
             ends = self._broadcast("end", version, names=names)
+            for name, end in zip(names, ends):
+                # Engines that learn the tensor -> parameter map while loading report it here.
+                if isinstance(end, dict) and "param_of" in end:
+                    self.engines[name].param_of = end.pop("param_of")
         except BaseException as exc:
             self._abort(names, f"{type(exc).__name__}: {exc}")
             raise

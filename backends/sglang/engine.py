@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import shutil
 import subprocess
 import sys

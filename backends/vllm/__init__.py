@@ -1,0 +1,1 @@
+"""vLLM backend (env "vllm" on GPU machines, "vllm-cpu" elsewhere)."""
