@@ -39,7 +39,7 @@ class SenderTransport(ABC):
     def handle(self, slot: int) -> dict[str, Any]:
         """Plain data a receiver needs to reach `slot`'s bytes; includes "kind"."""
 
-    def send(self, slot: int, nbytes: int) -> None:
+    def send(self, slot: int, nbytes: int) -> None:  # noqa: B027 - optional hook
         """Move the bytes, for transports that push (collectives); called after the receiver
         was asked to receive. Shared memory and CUDA IPC need nothing here."""
 
