@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENVS_DIR = REPO_ROOT / "envs"
 _STAMP = ".weightsync-stamp"
-_BUILDING = ".weightsync-building"
+_BUILDING = ".venv.building"  # beside the venv: uv refuses a venv folder that is not a venv yet
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -92,10 +92,15 @@ def lock_hash(name: str) -> str:
     return digest.hexdigest()
 
 
+def building_marker(name: str) -> Path:
+    """Present while a build runs; left behind by an interrupted one."""
+    return env_dir(name) / _BUILDING
+
+
 def state(name: str) -> str:
     """"built", "stale" (lock changed), "partial" (interrupted build) or "absent"."""
     venv = venv_dir(name)
-    if (venv / _BUILDING).exists():
+    if building_marker(name).exists():
         return "partial"
     if not python_path(name).exists():
         return "absent"
@@ -164,8 +169,7 @@ def build(name: str, *, quiet: bool = False) -> dict[str, object]:
     if current == "partial":
         logger.warning("env %s: an earlier build was interrupted; rebuilding from scratch", name)
         shutil.rmtree(venv, ignore_errors=True)
-    venv.mkdir(parents=True, exist_ok=True)
-    (venv / _BUILDING).write_text(str(os.getpid()))
+    building_marker(name).write_text(str(os.getpid()))
     cmd = [*uv_command(), "sync", "--locked", "--no-install-project"]
     if quiet:
         cmd.append("--quiet")
@@ -176,7 +180,7 @@ def build(name: str, *, quiet: bool = False) -> dict[str, object]:
         raise RuntimeError(f"env {name!r}: `uv sync --locked` failed (exit {result.returncode}); "
                            f"see the output above")
     (venv / _STAMP).write_text(lock_hash(name))
-    (venv / _BUILDING).unlink()
+    building_marker(name).unlink()
     action = "rebuilt" if current in ("partial", "stale") else "built"
     return {"env": name, "action": action, "seconds": time.perf_counter() - start}
 

@@ -38,7 +38,7 @@ def test_build_of_an_up_to_date_env_is_a_fast_no_op():
 
 def test_interrupted_build_is_detected():
     envs.build("vllm-cpu", quiet=True)
-    marker = envs.venv_dir("vllm-cpu") / ".weightsync-building"
+    marker = envs.building_marker("vllm-cpu")
     marker.write_text("1")
     try:
         assert envs.state("vllm-cpu") == "partial"
