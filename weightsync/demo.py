@@ -21,10 +21,11 @@ TEXT = "weightsync keeps every engine in step with the trainer. "
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="train a tiny model and keep SGLang and vLLM in step")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--engines", default="sglang,vllm", help="comma-separated: sglang, vllm")
     p.add_argument("--model-size", default="tiny", help="tiny, small, base or medium")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--plot", metavar="FILE.png", help="draw loss and sync times over steps")
     p.set_defaults(run=run)
 
 
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     }
     handles = {name: actors[name]() for name in engines}
     trainer = launcher.TrainerGroup("weightsync.worker.DTensorV2WeightSyncWorker",
-                                    model_path=model, lr=3e-3, seed=0)
+                                    model_path=model, lr=2e-3, seed=0)
     trainer.call("connect", handles)
     steps: list[dict[str, Any]] = []
     ok = True
@@ -79,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
             verified = bool(report["verify"][name]["verified"])
             same = got["tokens"][0] == want
             ok &= verified and same
+            engine_s = report["engines"][name].get("session_s", report["sync_s"])
             row["engines"][name] = {"verified": verified, "matches_reference": same,
-                                    "sync_s": report["sync_s"], "gbps": report["gbps"],
+                                    "sync_s": engine_s, "gbps": report["nbytes"] / engine_s / 1e9,
                                     "text": _continuation(got["tokens"][0])}
         steps.append(row)
         if not args.json:
@@ -96,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"reference continuation: {summary['reference'][:60]!r}")
         print("every sync verified and every engine matched the trainer" if ok
               else "FAILED: a sync did not verify or an engine differed from the trainer")
+    if args.plot:
+        _plot(steps, args.plot)
     for handle in handles.values():
         try:
             ray.get(handle.shutdown.remote(), timeout=60)
@@ -104,3 +108,22 @@ def run(args: argparse.Namespace) -> int:
     ray.shutdown()
     time.sleep(0.1)
     return 0 if ok else 1
+
+
+def _plot(steps: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_sync) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [s["step"] for s in steps]
+    ax_loss.plot(xs, [s["loss"] for s in steps], marker="o")
+    ax_loss.set(xlabel="step", ylabel="training loss", title="loss")
+    for name in steps[0]["engines"]:
+        ax_sync.plot(xs, [s["engines"][name]["sync_s"] * 1e3 for s in steps], marker="o",
+                     label=name)
+    ax_sync.set(xlabel="step", ylabel="sync ms", title="sync time per engine")
+    ax_sync.legend()
+    fig.tight_layout()
+    fig.savefig(path)

@@ -39,8 +39,10 @@ class EngineState:
 class WeightSender:
     """Plans buckets once from refit info, then runs syncs into registered engines."""
 
-    def __init__(self, specs: list[TensorSpec], *, transport: SenderTransport,
+    def __init__(self, specs: list[TensorSpec], *, transport: SenderTransport | None,
                  capacity_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """`transport` may be set later (`self.transport = ...`), e.g. once the engines are
+        known, as a collective transport needs their number."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be positive")
         self.specs = specs
@@ -75,6 +77,8 @@ class WeightSender:
     def sync(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: str,
              engines: list[str] | None = None, verify: bool = False) -> dict[str, Any]:
         """Send every tensor of `tensors` (in refit-info order) to `engines` (default: all)."""
+        if self.transport is None:
+            raise ValueError("sync without a transport; set WeightSender.transport first")
         names = list(self.engines) if engines is None else list(engines)
         unknown = [n for n in names if n not in self.engines]
         if unknown:
@@ -146,4 +150,5 @@ class WeightSender:
                 logger.warning("abort on engine %r failed too: %s", name, exc)
 
     def close(self) -> None:
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()

@@ -19,10 +19,13 @@ from weightsync.dtensor import DTensorV2Source, init_trainer_group, shard_model
 from weightsync.endpoint import Endpoint, RayEndpoint
 from weightsync.fingerprint import fingerprint
 from weightsync.sender import DEFAULT_TIMEOUT_S, WeightSender
+from weightsync.transports import SenderTransport
 from weightsync.transports.shm import ShmSender
 from weightsync.wire import as_plain, dtype_from_str, specs_to_dicts
 
 logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("shm", "cuda_ipc", "gloo", "nccl")
 
 
 class WeightSyncWorker(ABC):
@@ -63,11 +66,16 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
     def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int,
                  model_path: str, dtype: str = "float32", sync_dtype: str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 lr: float = 1e-3, seed: int = 0) -> None:
+                 lr: float = 1e-3, seed: int = 0, transport: str = "shm",
+                 collective_host: str = "127.0.0.1") -> None:
         from transformers import AutoModelForCausalLM
 
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r}: expected one of {TRANSPORTS}")
+        self.transport = transport
+        self.collective_host = collective_host
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
         self.log = logging.LoggerAdapter(logger, {"rank": rank})
@@ -87,9 +95,17 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
     def refit_info(self) -> list[dict]:
         return specs_to_dicts(self.source.specs())
 
-    def _make_sender(self) -> WeightSender:
-        return WeightSender(self.source.specs(), transport=ShmSender(num_slots=2),
-                            capacity_bytes=self.bucket_bytes, timeout_s=self.timeout_s)
+    def _make_transport(self, num_receivers: int) -> SenderTransport:
+        if self.transport == "shm":
+            return ShmSender(num_slots=2)
+        if self.transport == "cuda_ipc":
+            from weightsync.transports.cuda_ipc import CudaIpcSender
+
+            return CudaIpcSender(num_slots=2)
+        from weightsync.transports.collective import CollectiveSender
+
+        return CollectiveSender(num_receivers=num_receivers, backend=self.transport,
+                                host=self.collective_host, timeout_s=self.timeout_s)
 
     def _endpoint(self, name: str, engine: Any) -> Endpoint:
         return RayEndpoint(engine, name=name)
@@ -98,11 +114,19 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         if self.rank != 0:
             return {"rank": self.rank}
         if self.sender is None:
-            self.sender = self._make_sender()
+            self.sender = WeightSender(self.source.specs(), transport=None,
+                                       capacity_bytes=self.bucket_bytes, timeout_s=self.timeout_s)
+        elif engines and self.transport in ("gloo", "nccl"):
+            raise ValueError(f"transport {self.transport!r} forms one group for all engines: "
+                             f"connect every engine in one connect() call")
         answers = {}
         for name, engine in engines.items():
             answer = self.sender.add_engine(self._endpoint(name, engine))
-            answers[name] = {"num_params": answer["num_params"]}
+            answers[name] = {"num_params": answer["num_params"],
+                             "num_receivers": answer.get("num_receivers", 1)}
+        if self.sender.transport is None and answers:
+            self.sender.transport = self._make_transport(
+                sum(a["num_receivers"] for a in answers.values()))
         return as_plain(answers)
 
     def sync(self, version: str | None = None, *, verify: bool = False,

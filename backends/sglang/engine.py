@@ -259,6 +259,7 @@ class SglEngineActor(WeightReceiver):
             raise RuntimeError(f"sglang: update {self._open!r} is still open")
         self._session("begin")
         self._open = version
+        self._begin_t = time.perf_counter()
 
     def load_bucket(self, descriptor: dict) -> dict:
         if self._open is None:
@@ -276,7 +277,8 @@ class SglEngineActor(WeightReceiver):
         flushed = self.client.flush_cache()
         self._version = version
         return {"weight_version": version, "cache_flushed": flushed,
-                "end_s": time.perf_counter() - start}
+                "end_s": time.perf_counter() - start,
+                "session_s": time.perf_counter() - self._begin_t}
 
     def abort(self, reason: str) -> None:
         logger.warning("sglang: update %r aborted: %s", self._open, reason)
@@ -301,6 +303,9 @@ class SglEngineActor(WeightReceiver):
             logprobs.append([float(p[0]) for p in pairs])
         return {"tokens": tokens, "logprobs": logprobs,
                 "weight_version": outs[0]["meta_info"].get("weight_version")}
+
+    def server_url(self) -> str | None:
+        return getattr(self.client, "base", None)
 
     def engine_weight_version(self) -> str | None:
         return self.client.weight_version()

@@ -53,6 +53,7 @@ class VllmEngineActor(WeightReceiver):
             raise RuntimeError(f"vllm: update {self._open!r} is still open")
         self._rpc("weightsync_begin")
         self._open = version
+        self._begin_t = time.perf_counter()
 
     def load_bucket(self, descriptor: dict) -> dict:
         if self._open is None:
@@ -71,7 +72,9 @@ class VllmEngineActor(WeightReceiver):
             self.llm.update_weight_version(version)
         self._version = version
         return as_plain({"weight_version": version, "cache_flushed": flushed,
-                         "end_s": time.perf_counter() - start, "param_of": result["param_of"]})
+                         "end_s": time.perf_counter() - start,
+                         "session_s": time.perf_counter() - self._begin_t,
+                         "param_of": result["param_of"]})
 
     def abort(self, reason: str) -> None:
         # vLLM's layerwise reload cannot be rolled back: an aborted update leaves layers

@@ -23,6 +23,7 @@ import torch
 _RECEIVERS: dict[str, str] = {
     "shm": "weightsync.transports.shm:ShmReceiver",
     "cuda_ipc": "weightsync.transports.cuda_ipc:CudaIpcReceiver",
+    "collective": "weightsync.transports.collective:CollectiveReceiver",
 }
 
 
