@@ -1,14 +1,21 @@
-"""The vLLM engine actor: a real vLLM `LLM` (V1 engine) that generates and receives weights.
+"""The vLLM engine actor: a real vLLM engine (V1) that generates and receives weights.
 
 The receiving side runs inside vLLM's workers (backends/vllm/extension.py), reached through
-`LLM.collective_rpc` with plain data; the bytes travel through the core's transport. On a CPU
-machine vLLM needs `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache); the actor sets 1 unless given.
+collective_rpc with plain data; the bytes travel through the core's transport. Two deliveries:
+`mode="engine"` wraps an in-process `vllm.LLM`; `mode="http"` starts vLLM's OpenAI-compatible
+server on 127.0.0.1 with the extension and reaches it through its `/collective_rpc` endpoint
+(served only with VLLM_SERVER_DEV_MODE=1). vLLM's API key guards only its /v1 routes, not
+/collective_rpc: the server is bound to loopback for that reason, and the key is sent anyway.
+On a CPU machine vLLM needs `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache); the actor sets 1.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -20,23 +27,158 @@ logger = logging.getLogger(__name__)
 EXTENSION = "backends.vllm.extension.WeightsyncWorkerExtension"
 
 
+
+class _InProcess:
+    def __init__(self, model_path: str, args: dict[str, Any]) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(model=model_path, worker_extension_cls=EXTENSION, **args)
+
+    def rpc(self, method: str, args: tuple) -> list[dict]:
+        return self.llm.collective_rpc(method, args=args)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    def set_version(self, version: str) -> None:
+        if hasattr(self.llm, "update_weight_version"):
+            self.llm.update_weight_version(version)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list, list]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logprobs=1,
+                                ignore_eos=True)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                 use_tqdm=False)
+        tokens, logprobs = [], []
+        for out in outs:
+            ids = list(out.outputs[0].token_ids)
+            tokens.append(ids)
+            logprobs.append([float(step[t].logprob) for step, t in
+                             zip(out.outputs[0].logprobs, ids)])
+        return tokens, logprobs
+
+    def shutdown(self) -> None:
+        del self.llm
+
+
+class _Http:
+    def __init__(self, model_path: str, args: dict[str, Any], *, api_key: str | None,
+                 startup_timeout_s: float = 600.0) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.base = f"http://127.0.0.1:{port}"
+        self.model = model_path
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+               "--host", "127.0.0.1", "--port", str(port), "--worker-extension-cls", EXTENSION]
+        for key, value in args.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                cmd.append(flag)
+            elif value not in (False, None):
+                cmd += [flag, str(value)]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm server exited with {self.proc.returncode} at start")
+            try:
+                if self._request("GET", "/health", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise RuntimeError(f"vllm server not healthy after {startup_timeout_s:.0f} s")
+            time.sleep(1)
+
+    def _request(self, method: str, path: str, body: Any = None,
+                 timeout: float = 300) -> tuple[int, Any]:
+        import urllib.error
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw, status = resp.read(), resp.status
+        except urllib.error.HTTPError as exc:
+            raw, status = exc.read(), exc.code
+        try:
+            return status, json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            return status, raw.decode(errors="replace")
+
+    def rpc(self, method: str, args: tuple) -> list[dict]:
+        status, out = self._request("POST", "/collective_rpc",
+                                    {"method": method, "args": list(args)})
+        if status != 200:
+            raise RuntimeError(f"vllm server /collective_rpc {method} answered {status}: {out}")
+        return out["results"]
+
+    def reset_prefix_cache(self) -> bool:
+        status, out = self._request("POST", "/reset_prefix_cache")
+        return status == 200
+
+    def set_version(self, version: str) -> None:
+        self._request("POST", "/update_weight_version", {"new_version": version})
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list, list]:
+        status, out = self._request("POST", "/v1/completions", {
+            "model": self.model, "prompt": prompts, "max_tokens": max_new_tokens,
+            "temperature": 0.0, "logprobs": 1, "ignore_eos": True,
+            "return_tokens_as_token_ids": True})
+        if status != 200:
+            raise RuntimeError(f"vllm server /v1/completions answered {status}: {out}")
+        tokens, logprobs = [], []
+        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+            tokens.append([int(t.split(":")[-1]) for t in choice["logprobs"]["tokens"]])
+            logprobs.append([float(x) for x in choice["logprobs"]["token_logprobs"]])
+        return tokens, logprobs
+
+    def shutdown(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
 class VllmEngineActor(WeightReceiver):
     """A Ray actor (env "vllm"/"vllm-cpu") holding one vLLM engine. Order: see WeightReceiver."""
 
-    def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int = 256,
+    def __init__(self, model_path: str, *, mode: str = "engine", dtype: str = "float32",
+                 max_model_len: int = 256, api_key: str | None = None,
                  engine_args: dict[str, Any] | None = None) -> None:
+        if mode not in ("engine", "http"):
+            raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        from vllm import LLM
-
-        self.llm = LLM(model=model_path, dtype=dtype, enforce_eager=True,
-                       max_model_len=max_model_len, worker_extension_cls=EXTENSION,
-                       **(engine_args or {}))
+        args = {"dtype": dtype, "enforce_eager": True, "max_model_len": max_model_len,
+                **(engine_args or {})}
+        self.mode = mode
+        self.client = (_InProcess(model_path, args) if mode == "engine"
+                       else _Http(model_path, args, api_key=api_key))
         self._version: str | None = None
         self._open: str | None = None
         self._broken: str | None = None
 
     def _rpc(self, method: str, *args: Any) -> Any:
-        replies = self.llm.collective_rpc(method, args=args)
+        replies = self.client.rpc(method, args)
         for reply in replies:
             if not reply["ok"]:
                 error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(
@@ -67,9 +209,8 @@ class VllmEngineActor(WeightReceiver):
         result = self._rpc("weightsync_end")
         self._open = None
         self._broken = None
-        flushed = bool(self.llm.reset_prefix_cache())
-        if hasattr(self.llm, "update_weight_version"):
-            self.llm.update_weight_version(version)
+        flushed = self.client.reset_prefix_cache()
+        self.client.set_version(version)
         self._version = version
         return as_plain({"weight_version": version, "cache_flushed": flushed,
                          "end_s": time.perf_counter() - start,
@@ -92,24 +233,15 @@ class VllmEngineActor(WeightReceiver):
 
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 8) -> dict[str, Any]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         if self._broken:
             raise RuntimeError(f"vllm engine does not serve: {self._broken}")
         if self._open:
             raise RuntimeError(f"vllm engine does not serve during update {self._open!r}")
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logprobs=1,
-                                ignore_eos=True)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                 use_tqdm=False)
-        tokens, logprobs = [], []
-        for out in outs:
-            ids = list(out.outputs[0].token_ids)
-            tokens.append(ids)
-            logprobs.append([float(step[t].logprob) for step, t in
-                             zip(out.outputs[0].logprobs, ids)])
+        tokens, logprobs = self.client.generate(prompts, max_new_tokens)
         return {"tokens": tokens, "logprobs": logprobs, "weight_version": self._version}
 
+    def server_url(self) -> str | None:
+        return getattr(self.client, "base", None)
+
     def shutdown(self) -> None:
-        del self.llm
+        self.client.shutdown()
