@@ -154,13 +154,13 @@ class TrainerGroup:
     """
 
     def __init__(self, qualname: str, *, world_size: int = 2, env: str | None = None,
-                 timeout_s: float = 600.0, **kwargs: Any) -> None:
+                 call_timeout_s: float = 1200.0, **kwargs: Any) -> None:
         import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        self.timeout_s = timeout_s
+        self.timeout_s = call_timeout_s
         self.ranks = [
             launch(qualname, env=env, rank=rank, world_size=world_size, master_addr="127.0.0.1",
                    master_port=port, **kwargs)

@@ -56,11 +56,14 @@ class WeightSender:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
-    def add_engine(self, endpoint: Endpoint) -> dict[str, Any]:
-        """Check refit info with the engine (nothing is written) and remember it."""
+    def add_engine(self, endpoint: Endpoint, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Check refit info with the engine (nothing is written) and remember it.
+
+        `timeout_s` bounds this first call, which also waits for an engine still starting."""
         if endpoint.name in self.engines:
             raise ValueError(f"engine {endpoint.name!r} is registered already")
-        answer = endpoint.call("check_refit", specs_to_dicts(self.specs), timeout_s=self.timeout_s)
+        answer = endpoint.call("check_refit", specs_to_dicts(self.specs),
+                               timeout_s=timeout_s or self.timeout_s)
         self.engines[endpoint.name] = EngineState(endpoint=endpoint, param_of=answer["param_of"])
         return answer
 

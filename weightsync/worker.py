@@ -110,7 +110,9 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
     def _endpoint(self, name: str, engine: Any) -> Endpoint:
         return RayEndpoint(engine, name=name)
 
-    def connect(self, engines: dict[str, Any]) -> dict[str, Any]:
+    def connect(self, engines: dict[str, Any], *,
+                startup_timeout_s: float = 900.0) -> dict[str, Any]:
+        """Also waits up to `startup_timeout_s` for engines that are still starting."""
         if self.rank != 0:
             return {"rank": self.rank}
         if self.sender is None:
@@ -121,7 +123,8 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
                              f"connect every engine in one connect() call")
         answers = {}
         for name, engine in engines.items():
-            answer = self.sender.add_engine(self._endpoint(name, engine))
+            answer = self.sender.add_engine(self._endpoint(name, engine),
+                                            timeout_s=startup_timeout_s)
             answers[name] = {"num_params": answer["num_params"],
                              "num_receivers": answer.get("num_receivers", 1)}
         if self.sender.transport is None and answers:

@@ -304,6 +304,34 @@ class SglEngineActor(WeightReceiver):
         return {"tokens": tokens, "logprobs": logprobs,
                 "weight_version": outs[0]["meta_info"].get("weight_version")}
 
+    # ---- SGLang's own paths, for benchmarks -------------------------------------------------
+    def native_update_from_tensor(self, checkpoint_dir: str) -> float:
+        """Seconds for update_weights_from_tensor of the checkpoint's tensors (read into memory
+        first, untimed), inside SGLang's update session."""
+        from safetensors.torch import load_file
+
+        named = []
+        for name in sorted(os.listdir(checkpoint_dir)):
+            if name.endswith(".safetensors"):
+                named += list(load_file(os.path.join(checkpoint_dir, name)).items())
+        engine = self.client.engine
+        start = time.perf_counter()
+        self._session("begin")
+        ok, text = engine.update_weights_from_tensor(named, flush_cache=False)
+        self._session("end")
+        seconds = time.perf_counter() - start
+        if not ok:
+            raise RuntimeError(f"sglang update_weights_from_tensor failed: {text}")
+        return seconds
+
+    def native_update_from_disk(self, checkpoint_dir: str) -> float:
+        start = time.perf_counter()
+        result = self.client.engine.update_weights_from_disk(checkpoint_dir)
+        seconds = time.perf_counter() - start
+        if not result[0]:
+            raise RuntimeError(f"sglang update_weights_from_disk failed: {result[1]}")
+        return seconds
+
     def server_url(self) -> str | None:
         return getattr(self.client, "base", None)
 

@@ -240,6 +240,12 @@ class VllmEngineActor(WeightReceiver):
         tokens, logprobs = self.client.generate(prompts, max_new_tokens)
         return {"tokens": tokens, "logprobs": logprobs, "weight_version": self._version}
 
+    def native_reload(self, checkpoint_dir: str) -> float:
+        """Seconds for vLLM's own reload_weights from a checkpoint directory."""
+        start = time.perf_counter()
+        self.client.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir})
+        return time.perf_counter() - start
+
     def server_url(self) -> str | None:
         return getattr(self.client, "base", None)
 

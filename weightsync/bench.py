@@ -1,0 +1,253 @@
+"""`weightsync bench`: our sync beside the engines' native paths and a memcpy, in one run.
+
+For each OPT size: a 2-rank FSDP2 trainer (bf16, gloo) in the sglang env, one SGLang and one vLLM
+engine (bf16, in-process). Measured, best of `--repeats` after one warm-up:
+- memcpy: one torch copy_ of the same bytes in the trainer process (the floor);
+- transport: gather + pack every tensor into shared-memory buckets + copy out into preallocated
+  tensors, with no engine (the core alone);
+- weightsync: sync into one engine (begin, buckets, end), and apart from it the cost of verifying;
+- native, each stage timed on its own and summed (the best case for the native path, as nothing
+  moves between the stages): SGLang gather + update_weights_from_tensor (tensors already in the
+  engine's process), gather + save safetensors + update_weights_from_disk; vLLM gather + save +
+  reload_weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from weightsync.worker import DTensorV2WeightSyncWorker
+
+log = logging.getLogger("weightsync.bench")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="sync speed beside native engine paths and memcpy")
+    p.add_argument("--sizes", default="medium", help="comma-separated: tiny,small,base,medium")
+    p.add_argument("--engines", default="sglang,vllm")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--bucket-mb", type=int, default=256)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", metavar="FILE.png", help="GB/s against model size")
+    p.set_defaults(run=run)
+
+
+class BenchWorker(DTensorV2WeightSyncWorker):
+    """The trainer worker plus the measurements that need the trainer's process."""
+
+    def bench_memcpy(self, nbytes: int, repeats: int = 3) -> float:
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        src.fill_(1)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        return min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+
+    def bench_gather(self) -> float:
+        start = time.perf_counter()
+        for _ in self.source.tensors():
+            pass
+        return time.perf_counter() - start
+
+    def bench_gather_save(self, out_dir: str) -> float:
+        """Gather every tensor and write one safetensors file (rank 0); seconds for both."""
+        from safetensors.torch import save_file
+
+        start = time.perf_counter()
+        state = dict(self.source.tensors())
+        if self.rank == 0:
+            save_file(state, os.path.join(out_dir, "model.safetensors"))
+        seconds = time.perf_counter() - start
+        if self.rank == 0:
+            for name in os.listdir(self.model_path):
+                if name.endswith((".json", ".txt")) and "index" not in name:
+                    shutil.copy(os.path.join(self.model_path, name), out_dir)
+        return seconds
+
+    def bench_transport(self) -> float:
+        """Gather + pack into shared-memory buckets + copy out, with no engine."""
+        from weightsync.bucket import fill_buckets, plan_buckets, unpack
+        from weightsync.transports.shm import ShmReceiver, ShmSender
+
+        specs = self.source.specs()
+        plans = plan_buckets(specs, capacity_bytes=self.bucket_bytes)
+        dst = {s.name: torch.empty(s.shape, dtype=getattr(torch, s.dtype)) for s in specs}
+        sender, receiver = ShmSender(num_slots=2), ShmReceiver()
+        start = time.perf_counter()
+        tensors = self.source.tensors()
+        if self.rank == 0:
+            for plan in fill_buckets(plans, tensors,
+                                     lambda p: sender.buffer(p.index % 2, p.nbytes)):
+                desc = plan.descriptor(sender.handle(plan.index % 2))
+                for name, view in unpack(receiver.receive(desc.handle, desc.nbytes), desc):
+                    dst[name].copy_(view)
+        else:
+            for _ in tensors:
+                pass
+        seconds = time.perf_counter() - start
+        receiver.close()
+        sender.close()
+        return seconds
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from weightsync import launcher
+    from weightsync.models import make_tiny_model, model_bytes
+
+    work = tempfile.mkdtemp(prefix=f"weightsync-bench-{size}-", dir="/dev/shm")
+    model = make_tiny_model(os.path.join(work, "model"), arch="opt", size=size, seed=0,
+                            dtype="bfloat16")
+    nbytes = model_bytes("opt", size, dtype="bfloat16")
+    actors = {
+        "sglang": lambda: launcher.launch("backends.sglang.engine.SglEngineActor", model,
+                                          dtype="bfloat16",
+                                          engine_args={"mem_fraction_static": 0.3}),
+        "vllm": lambda: launcher.launch("backends.vllm.engine.VllmEngineActor", model,
+                                        dtype="bfloat16"),
+    }
+    handles = {name: actors[name]() for name in engines}
+    launcher.register_actor("weightsync.bench.BenchWorker", "sglang")
+    trainer = launcher.TrainerGroup("weightsync.bench.BenchWorker", env="sglang",
+                                    model_path=model, dtype="bfloat16",
+                                    bucket_bytes=args.bucket_mb << 20, timeout_s=300)
+    trainer.call("connect", handles)
+    r = max(1, args.repeats)
+    result: dict[str, Any] = {"size": size, "nbytes": nbytes}
+    result["memcpy_s"] = trainer.call("bench_memcpy", nbytes)
+    result["gather_s"] = min(trainer.call("bench_gather") for _ in range(r))
+    trainer.call("bench_transport")
+    result["transport_s"] = min(trainer.call("bench_transport") for _ in range(r))
+    save_dir = os.path.join(work, "saved")
+    os.makedirs(save_dir, exist_ok=True)
+    result["gather_save_s"] = min(trainer.call("bench_gather_save", save_dir) for _ in range(r))
+    result["engines"] = {}
+    for name, handle in handles.items():
+        trainer.call("sync", engines=[name])  # warm-up: maps segments, learns the load map
+        times = [trainer.call("sync", engines=[name])["engines"][name]["session_s"]
+                 for _ in range(r)]
+        syncs = [trainer.call("sync", engines=[name]) for _ in range(r)]
+        plain = min(s["sync_s"] for s in syncs)
+        checked = [trainer.call("sync", engines=[name], verify=True) for _ in range(r)]
+        verified = all(c["verify"][name]["verified"] for c in checked)
+        with_verify = min(c["sync_s"] + c["verify"]["verify_s"] for c in checked)
+        native: dict[str, float] = {}
+        if name == "sglang":
+            ray.get(handle.native_update_from_tensor.remote(save_dir))  # warm-up
+            native["gather+update_weights_from_tensor"] = result["gather_s"] + min(
+                ray.get(handle.native_update_from_tensor.remote(save_dir)) for _ in range(r))
+            ray.get(handle.native_update_from_disk.remote(save_dir))
+            native["gather+save+update_weights_from_disk"] = result["gather_save_s"] + min(
+                ray.get(handle.native_update_from_disk.remote(save_dir)) for _ in range(r))
+        else:
+            ray.get(handle.native_reload.remote(save_dir))
+            native["gather+save+reload_weights"] = result["gather_save_s"] + min(
+                ray.get(handle.native_reload.remote(save_dir)) for _ in range(r))
+        result["engines"][name] = {
+            "sync_s": plain, "engine_session_s": min(times),
+            "verify_extra_s": max(0.0, with_verify - plain), "verified": verified,
+            "native_s": native,
+        }
+        log.info("%s %s: sync %.3f s, native %s", size, name, plain, native)
+    for handle in handles.values():
+        ray.get(handle.shutdown.remote(), timeout=120)
+        ray.kill(handle.handle)
+    trainer.call("shutdown")
+    trainer.kill()
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    from weightsync import envs, launcher
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    for env in ["sglang"] + (["vllm"] if "vllm" in engines else []):
+        env = envs.default_vllm_env() if env == "vllm" else env
+        envs.build(env)
+    launcher.init_ray(num_cpus=2, log_to_driver=False)
+    results = [_bench_size(size, engines, args) for size in sizes]
+    ray.shutdown()
+    rows = []
+    for res in results:
+        n = res["nbytes"]
+        rows.append([res["size"], f"{n / 1e9:.3f}", "memcpy", f"{_gbps(n, res['memcpy_s']):.2f}",
+                     f"{res['memcpy_s'] * 1e3:.0f}"])
+        rows.append([res["size"], "", "transport alone (shm)",
+                     f"{_gbps(n, res['transport_s']):.2f}", f"{res['transport_s'] * 1e3:.0f}"])
+        for name, eng in res["engines"].items():
+            rows.append([res["size"], "", f"{name}: weightsync sync",
+                         f"{_gbps(n, eng['sync_s']):.2f}", f"{eng['sync_s'] * 1e3:.0f}"])
+            rows.append([res["size"], "", f"{name}: + verify (extra)", "",
+                         f"{eng['verify_extra_s'] * 1e3:.0f}"])
+            for path, seconds in eng["native_s"].items():
+                rows.append([res["size"], "", f"{name}: native {path}",
+                             f"{_gbps(n, seconds):.2f}", f"{seconds * 1e3:.0f}"])
+    largest = results[-1]
+    summary = {
+        "model_size": largest["size"], "nbytes": largest["nbytes"],
+        "memcpy_gbps": _gbps(largest["nbytes"], largest["memcpy_s"]),
+        "transport_gbps": _gbps(largest["nbytes"], largest["transport_s"]),
+        "engines": {
+            name: {"weightsync_gbps": _gbps(largest["nbytes"], eng["sync_s"]),
+                   "verify_extra_s": eng["verify_extra_s"], "verified": eng["verified"],
+                   "native_gbps": {p: _gbps(largest["nbytes"], s)
+                                   for p, s in eng["native_s"].items()}}
+            for name, eng in largest["engines"].items()},
+        "runs": results,
+    }
+    if args.json:
+        json.dump(summary, sys.stdout, indent=1)
+        print()
+    else:
+        header = ["size", "GB", "path", "GB/s", "ms"]
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+        for row in [header, ["-" * w for w in widths], *rows]:
+            print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+def _plot(results: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r["nbytes"] / 1e9 for r in results]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, [_gbps(r["nbytes"], r["memcpy_s"]) for r in results], "k--", label="memcpy")
+    for name in results[0]["engines"]:
+        ax.plot(xs, [_gbps(r["nbytes"], r["engines"][name]["sync_s"]) for r in results],
+                marker="o", label=f"{name} weightsync")
+        for p in results[0]["engines"][name]["native_s"]:
+            ax.plot(xs, [_gbps(r["nbytes"], r["engines"][name]["native_s"][p]) for r in results],
+                    marker="x", linestyle=":", label=f"{name} native {p}")
+    ax.set(xlabel="model GB (bf16)", ylabel="GB/s", title="weight sync throughput")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
