@@ -10,6 +10,7 @@ every rank of the trainer group iterates `tensors()` in the same order.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -124,3 +125,53 @@ def shard_model(model: nn.Module, *, device: str = "cpu") -> nn.Module:
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _dim0_sharded(tensor: torch.Tensor) -> bool:
+    placements = getattr(tensor, "placements", None)
+    if placements is None or tensor.device_mesh.ndim != 1:
+        return False
+    from torch.distributed.tensor import Shard
+
+    return isinstance(placements[0], Shard) and placements[0].dim == 0
+
+
+def _replicated(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import Replicate
+
+    placements = getattr(tensor, "placements", None)
+    return placements is not None and all(isinstance(p, Replicate) for p in placements)
+
+
+class ShardPieces:
+    """Each rank's own part of every tensor, with its byte offset inside the full tensor.
+
+    FSDP2 shards along dim 0, so a rank's shard is one contiguous byte range of the full
+    (row-major) tensor: ranks can write their shards straight into a shared bucket, with no
+    all-gather. Tensors sharded otherwise (tensor parallel) are gathered and written by rank 0.
+    Yields (name, data or None, byte offset); every rank iterates in the same order.
+    """
+
+    def __init__(self, source: DTensorV2Source, *, rank: int) -> None:
+        self.source = source
+        self.rank = rank
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None, int]]:
+        for name, tensor in self.source._state_dict().items():
+            tensor = tensor.detach()
+            out_dtype = self.source._out_dtype(tensor)
+            if _dim0_sharded(tensor):
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                _, offset = compute_local_shape_and_global_offset(
+                    tensor.shape, tensor.device_mesh, tensor.placements)
+                local = tensor.to_local()
+                row_bytes = math.prod(tensor.shape[1:]) * out_dtype.itemsize
+                data = local.to(out_dtype).contiguous() if local.numel() else None
+                yield name, data, offset[0] * row_bytes
+            elif _replicated(tensor) or not hasattr(tensor, "placements"):
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                yield name, (local.to(out_dtype).contiguous() if self.rank == 0 else None), 0
+            else:
+                full = tensor.full_tensor().to(out_dtype).contiguous()
+                yield name, (full if self.rank == 0 else None), 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,9 +77,14 @@ class WeightSender:
         tickets = [(n, self.engines[n].endpoint.submit(method, *args)) for n in names]
         return self._wait_all(tickets)
 
-    def sync(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: str,
-             engines: list[str] | None = None, verify: bool = False) -> dict[str, Any]:
-        """Send every tensor of `tensors` (in refit-info order) to `engines` (default: all)."""
+    def sync(self, tensors: Iterator[tuple[str, torch.Tensor]] | None, *, version: str,
+             engines: list[str] | None = None, verify: bool = False,
+             write_bucket: Callable[[BucketPlan, int, torch.Tensor], None] | None = None,
+             ) -> dict[str, Any]:
+        """Send every tensor of `tensors` (in refit-info order) to `engines` (default: all).
+
+        Instead of `tensors`, `write_bucket(plan, slot, buffer)` may fill each bucket itself
+        (the trainer's ranks writing their own shards into shared memory)."""
         if self.transport is None:
             raise ValueError("sync without a transport; set WeightSender.transport first")
         names = list(self.engines) if engines is None else list(engines)
@@ -98,7 +103,11 @@ class WeightSender:
                 self._wait_all(in_flight.pop(slot, []))
                 return self.transport.buffer(slot, plan.nbytes)
 
-            for plan in fill_buckets(self.plans, tensors, get_buffer):
+            if write_bucket is None:
+                filled = fill_buckets(self.plans, tensors, get_buffer)
+            else:
+                filled = _write_each(self.plans, get_buffer, write_bucket, num_slots)
+            for plan in filled:
                 slot = plan.index % num_slots
                 descriptor = plan.descriptor(self.transport.handle(slot)).to_dict()
                 in_flight[slot] = [
@@ -155,3 +164,11 @@ class WeightSender:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _write_each(plans: list[BucketPlan], get_buffer: Callable[[BucketPlan], torch.Tensor],
+                write_bucket: Callable[[BucketPlan, int, torch.Tensor], None],
+                num_slots: int) -> Iterator[BucketPlan]:
+    for plan in plans:
+        write_bucket(plan, plan.index % num_slots, get_buffer(plan))
+        yield plan

@@ -67,7 +67,7 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
                  model_path: str, dtype: str = "float32", sync_dtype: str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
                  lr: float = 1e-3, seed: int = 0, transport: str = "shm",
-                 collective_host: str = "127.0.0.1") -> None:
+                 collective_host: str = "127.0.0.1", shard_direct: bool = True) -> None:
         from transformers import AutoModelForCausalLM
 
         if bucket_bytes <= 0:
@@ -76,6 +76,8 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
             raise ValueError(f"transport={transport!r}: expected one of {TRANSPORTS}")
         self.transport = transport
         self.collective_host = collective_host
+        # Ranks write their own FSDP shards into the shared-memory buckets (no all-gather).
+        self.shard_direct = shard_direct and transport == "shm" and world_size > 1
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
         self.log = logging.LoggerAdapter(logger, {"rank": rank})
@@ -136,18 +138,65 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
              engines: list[str] | None = None) -> dict[str, Any]:
         self._version += 1
         version = version or f"v{self._version}"
+        import torch.distributed as dist
+
+        ready = [self.sender is not None and bool(self.sender.engines)]
+        dist.broadcast_object_list(ready, src=0)
+        if not ready[0]:
+            raise ValueError("sync before connect: call connect({name: engine}) first")
+        if self.shard_direct:
+            return self._sync_shards(version, verify=verify, engines=engines)
         tensors = self.source.tensors()
         if self.rank != 0:
             for _ in tensors:  # take part in every gather
                 pass
             return {"rank": self.rank}
-        if self.sender is None or not self.sender.engines:
-            for _ in tensors:
-                pass
-            raise ValueError("sync before connect: call connect({name: engine}) first")
         report = self.sender.sync(tensors, version=version, engines=engines, verify=verify)
         self.log.info("sync %s: %.3f s, %.2f GB/s", version, report["sync_s"], report["gbps"])
         return as_plain(report)
+
+    def _sync_shards(self, version: str, *, verify: bool,
+                     engines: list[str] | None) -> dict[str, Any]:
+        """Every rank copies its own shard of each tensor into the shared bucket at its offset.
+
+        Per bucket: rank 0 broadcasts the slot's handle once the engines are done with it (the
+        other ranks wait for it: the slot is free), all ranks write, a barrier, then rank 0 hands
+        the bucket to the engines."""
+        import torch.distributed as dist
+
+        from weightsync.bucket import plan_buckets
+        from weightsync.dtensor import ShardPieces
+        from weightsync.transports.shm import ShmReceiver
+
+        pieces = iter(ShardPieces(self.source, rank=self.rank))
+
+        def write(plan: Any, buffer: torch.Tensor) -> None:
+            for meta in plan.tensors:
+                name, data, offset = next(pieces)
+                assert name == meta.name, f"shard stream gave {name!r}, plan has {meta.name!r}"
+                if data is not None:
+                    start = meta.offset + offset
+                    buffer[start:start + data.nbytes].copy_(data.reshape(-1).view(torch.uint8))
+
+        if self.rank == 0:
+            def write_bucket(plan: Any, slot: int, buffer: torch.Tensor) -> None:
+                dist.broadcast_object_list([self.sender.transport.handle(slot)], src=0)
+                write(plan, buffer)
+                dist.barrier()
+
+            report = self.sender.sync(None, version=version, engines=engines, verify=verify,
+                                      write_bucket=write_bucket)
+            self.log.info("sync %s: %.3f s, %.2f GB/s", version, report["sync_s"],
+                          report["gbps"])
+            return as_plain(report)
+        if not hasattr(self, "_shard_maps"):
+            self._shard_maps = ShmReceiver(max_open=4)
+        for plan in plan_buckets(self.source.specs(), capacity_bytes=self.bucket_bytes):
+            handle: list[Any] = [None]
+            dist.broadcast_object_list(handle, src=0)
+            write(plan, self._shard_maps.receive(handle[0], plan.nbytes))
+            dist.barrier()
+        return {"rank": self.rank}
 
     # ---- training, for tests and the demo ------------------------------------------------------
     def train_step(self, token_ids: list[list[int]]) -> float:

@@ -78,3 +78,45 @@ def test_state_dict_adapter_renames_to_hf():
     names = [s.name for s in DTensorV2Source(model).specs()]
     assert names and all(n.startswith("hf.") for n in names)
     assert "hf.lm_head.weight" not in names
+
+
+def _pieces_main(rank, world_size, port, results):
+    from weightsync.dtensor import ShardPieces
+
+    init_trainer_group(rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                       master_port=port)
+    model = shard_model(build_model("gpt2", "tiny", seed=5), device="cpu")
+    source = DTensorV2Source(model)
+    out = []
+    for name, data, offset in ShardPieces(source, rank=rank):
+        out.append((name, None if data is None else data.reshape(-1).view(torch.uint8).numpy()
+                    .copy(), offset))
+    results.put((rank, out))
+    torch.distributed.destroy_process_group()
+
+
+def test_shard_pieces_written_at_their_offsets_rebuild_every_full_tensor():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_pieces_main, args=(r, 2, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    by_rank = dict(results.get(timeout=240) for _ in range(2))
+    for p in procs:
+        p.join(timeout=60)
+    reference = build_model("gpt2", "tiny", seed=5).state_dict()
+    names = [n for n, _, _ in by_rank[0]]
+    assert names == [n for n, _, _ in by_rank[1]]
+    assert "lm_head.weight" not in names
+    for i, name in enumerate(names):
+        want = reference[name].contiguous()
+        buf = torch.zeros(want.numel() * want.element_size(), dtype=torch.uint8)
+        written = 0
+        for rank in (0, 1):
+            _, data, offset = by_rank[rank][i]
+            if data is not None:
+                buf[offset:offset + data.size] = torch.from_numpy(data)
+                written += data.size
+        assert written == buf.numel(), name  # each byte written exactly once
+        assert torch.equal(buf.view(want.dtype).view(want.shape), want), name
