@@ -67,10 +67,14 @@ class WeightSender:
         self.engines[endpoint.name] = EngineState(endpoint=endpoint, param_of=answer["param_of"])
         return answer
 
-    def _wait_all(self, tickets: list[tuple[str, Any]]) -> list[Any]:
+    def _wait_all(self, tickets: list[tuple[str, Any]],
+                  load_s: dict[str, float] | None = None) -> list[Any]:
         results = []
         for name, ticket in tickets:
-            results.append(self.engines[name].endpoint.wait(ticket, timeout_s=self.timeout_s))
+            result = self.engines[name].endpoint.wait(ticket, timeout_s=self.timeout_s)
+            if load_s is not None and isinstance(result, dict):
+                load_s[name] = load_s.get(name, 0.0) + float(result.get("seconds", 0.0))
+            results.append(result)
         return results
 
     def _broadcast(self, method: str, *args: Any, names: list[str]) -> list[Any]:
@@ -94,13 +98,14 @@ class WeightSender:
         num_slots = getattr(self.transport, "num_slots", 1)
         in_flight: dict[int, list[tuple[str, Any]]] = {}
         sent: dict[str, Fingerprint] = {}
+        load_s: dict[str, float] = {}
         start = time.perf_counter()
         self._broadcast("begin", version, names=names)
         try:
 
             def get_buffer(plan: BucketPlan) -> torch.Tensor:
                 slot = plan.index % num_slots
-                self._wait_all(in_flight.pop(slot, []))
+                self._wait_all(in_flight.pop(slot, []), load_s)
                 return self.transport.buffer(slot, plan.nbytes)
 
             if write_bucket is None:
@@ -119,7 +124,7 @@ class WeightSender:
                     for meta in plan.tensors:
                         sent[meta.name] = fingerprint(tensor_view(buffer, meta))
             for slot in list(in_flight):
-                self._wait_all(in_flight.pop(slot))
+                self._wait_all(in_flight.pop(slot), load_s)
             ends = self._broadcast("end", version, names=names)
             for name, end in zip(names, ends):
                 # Engines that learn the tensor -> parameter map while loading report it here.
@@ -133,7 +138,8 @@ class WeightSender:
         report: dict[str, Any] = {
             "version": version, "nbytes": self.nbytes, "num_buckets": len(self.plans),
             "sync_s": sync_s, "gbps": self.nbytes / sync_s / 1e9 if sync_s > 0 else 0.0,
-            "engines": {n: {"status": "ok", **(e or {})} for n, e in zip(names, ends)},
+            "engines": {n: {"status": "ok", "load_s": load_s.get(n, 0.0), **(e or {})}
+                        for n, e in zip(names, ends)},
         }
         if verify:
             report["verify"] = self.verify(sent, engines=names)

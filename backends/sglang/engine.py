@@ -257,9 +257,9 @@ class SglEngineActor(WeightReceiver):
     def begin(self, version: str) -> None:
         if self._open is not None:
             raise RuntimeError(f"sglang: update {self._open!r} is still open")
+        self._begin_t = time.perf_counter()
         self._session("begin")
         self._open = version
-        self._begin_t = time.perf_counter()
 
     def load_bucket(self, descriptor: dict) -> dict:
         if self._open is None:
