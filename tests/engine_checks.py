@@ -32,3 +32,43 @@ def training_batch(step: int) -> list[list[int]]:
     tok = make_tokenizer()
     text = f"step {step}: the engines follow the trainer, bucket by bucket."
     return [tok(text).input_ids[:48]] * 2
+
+
+def check_sync_after_training(engine, trainer, name: str, version: str, *, steps: int) -> dict:
+    """Train, sync with verification, then the engine serves exactly the trainer's weights."""
+    for step in range(steps):
+        trainer.call("train_step", training_batch(step))
+    report = trainer.call("sync", version, verify=True)
+    assert report["verify"][name]["verified"], report["verify"]
+    assert report["verify"][name]["num_checked"] > 10
+    assert ray.get(engine.weight_version.remote()) == version
+    assert_engine_matches_reference(engine, trainer)
+    return report
+
+
+def check_repeated_syncs(engine, trainer, name: str, prefix: str, *, rounds: int) -> None:
+    """Several syncs of very different weights, with requests served in between."""
+    before = ray.get(engine.generate.remote(prompt_ids()))
+    for round_ in range(rounds):
+        trainer.call("set_weights_from", 100 + round_)
+        report = trainer.call("sync", f"{prefix}-{round_}", verify=True)
+        assert report["verify"][name]["verified"]
+        out = ray.get(engine.generate.remote(prompt_ids()))
+        assert out["weight_version"] == f"{prefix}-{round_}"
+        assert_engine_matches_reference(engine, trainer)
+    assert out["tokens"] != before["tokens"]
+
+
+def check_server_on_loopback_demands_key(engine, path: str) -> None:
+    import urllib.error
+    import urllib.request
+
+    import pytest
+
+    base = ray.get(engine.server_url.remote())
+    assert base.startswith("http://127.0.0.1:")
+    req = urllib.request.Request(base + path, data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 401

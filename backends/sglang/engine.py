@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ import torch
 
 from backends.sglang.loader import LOADER
 from weightsync.receiver import WeightReceiver
+from weightsync.server import LocalServer, cli_flags
 from weightsync.wire import as_plain
 
 logger = logging.getLogger(__name__)
@@ -82,60 +82,15 @@ class _InProcess:
 
 
 class _Http:
-    def __init__(self, model_path: str, engine_args: dict[str, Any], *, api_key: str | None,
-                 startup_timeout_s: float = 600.0) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.base = f"http://127.0.0.1:{port}"
-        self.api_key = api_key
+    def __init__(self, model_path: str, engine_args: dict[str, Any], *,
+                 api_key: str | None) -> None:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-               "--host", "127.0.0.1", "--port", str(port), "--custom-weight-loader", LOADER]
-        for key, value in engine_args.items():
-            flag = "--" + key.replace("_", "-")
-            if value is True:
-                cmd.append(flag)
-            elif value is not False and value is not None:
-                cmd += [flag, str(value)]
+               "--custom-weight-loader", LOADER, *cli_flags(engine_args)]
         if api_key:
             cmd += ["--api-key", api_key]
-        self.proc = subprocess.Popen(cmd, start_new_session=True)
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sglang server exited with {self.proc.returncode} at start")
-            try:
-                if self._request("GET", "/health", timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.shutdown()
-                raise RuntimeError(f"sglang server not healthy after {startup_timeout_s:.0f} s")
-            time.sleep(1)
-
-    def _request(self, method: str, path: str, body: Any = None,
-                 timeout: float = 120) -> tuple[int, Any]:
-        import urllib.error
-        import urllib.request
-
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read()
-                status = resp.status
-        except urllib.error.HTTPError as exc:
-            raw, status = exc.read(), exc.code
-        try:
-            return status, json.loads(raw) if raw else None
-        except json.JSONDecodeError:
-            return status, raw.decode(errors="replace")
+        self.server = LocalServer(cmd, name="sglang", api_key=api_key)
+        self.base = self.server.base
+        self._request = self.server.request
 
     def _ok(self, path: str, body: Any) -> tuple[bool, str]:
         status, out = self._request("POST", path, body)
@@ -184,14 +139,7 @@ class _Http:
         return out.get("weight_version") if status == 200 and isinstance(out, dict) else None
 
     def shutdown(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.server.shutdown()
 
 
 class SglEngineActor(WeightReceiver):

@@ -11,15 +11,14 @@ On a CPU machine vLLM needs `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache); the acto
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from typing import Any
 
 from weightsync.receiver import WeightReceiver
+from weightsync.server import LocalServer, cli_flags
 from weightsync.wire import as_plain
 
 logger = logging.getLogger(__name__)
@@ -65,61 +64,16 @@ class _InProcess:
 
 
 class _Http:
-    def __init__(self, model_path: str, args: dict[str, Any], *, api_key: str | None,
-                 startup_timeout_s: float = 600.0) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.base = f"http://127.0.0.1:{port}"
+    def __init__(self, model_path: str, args: dict[str, Any], *, api_key: str | None) -> None:
         self.model = model_path
-        self.api_key = api_key
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-               "--host", "127.0.0.1", "--port", str(port), "--worker-extension-cls", EXTENSION]
-        for key, value in args.items():
-            flag = "--" + key.replace("_", "-")
-            if value is True:
-                cmd.append(flag)
-            elif value not in (False, None):
-                cmd += [flag, str(value)]
+               "--worker-extension-cls", EXTENSION, *cli_flags(args)]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm server exited with {self.proc.returncode} at start")
-            try:
-                if self._request("GET", "/health", timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.shutdown()
-                raise RuntimeError(f"vllm server not healthy after {startup_timeout_s:.0f} s")
-            time.sleep(1)
-
-    def _request(self, method: str, path: str, body: Any = None,
-                 timeout: float = 300) -> tuple[int, Any]:
-        import urllib.error
-        import urllib.request
-
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw, status = resp.read(), resp.status
-        except urllib.error.HTTPError as exc:
-            raw, status = exc.read(), exc.code
-        try:
-            return status, json.loads(raw) if raw else None
-        except json.JSONDecodeError:
-            return status, raw.decode(errors="replace")
+        self.server = LocalServer(cmd, name="vllm", api_key=api_key,
+                                  env={"VLLM_SERVER_DEV_MODE": "1"})
+        self.base = self.server.base
+        self._request = self.server.request
 
     def rpc(self, method: str, args: tuple) -> list[dict]:
         status, out = self._request("POST", "/collective_rpc",
@@ -149,14 +103,7 @@ class _Http:
         return tokens, logprobs
 
     def shutdown(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.server.shutdown()
 
 
 class VllmEngineActor(WeightReceiver):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from tests.engine_checks import assert_engine_matches_reference, prompt_ids, training_batch
+from tests.engine_checks import check_repeated_syncs, check_sync_after_training, prompt_ids
 from weightsync import launcher
 from weightsync.models import make_tiny_model
 
@@ -28,27 +28,14 @@ def setup(tmp_path_factory):
 
 def test_sync_after_training_is_verified_and_generation_matches_reference(setup):
     engine, trainer = setup
-    for step in range(3):
-        trainer.call("train_step", training_batch(step))
-    report = trainer.call("sync", "step-3", verify=True)
-    assert report["verify"]["sglang"]["verified"], report["verify"]
-    assert report["verify"]["sglang"]["num_checked"] > 10
+    report = check_sync_after_training(engine, trainer, "sglang", "step-3", steps=3)
     assert report["engines"]["sglang"]["weight_version"] == "step-3"
-    assert ray.get(engine.engine_weight_version.remote()) == "step-3"
-    assert_engine_matches_reference(engine, trainer)
+    assert ray.get(engine.engine_weight_version.remote()) == "step-3"  # SGLang's own tag
 
 
 def test_repeated_syncs_with_requests_in_between(setup):
     engine, trainer = setup
-    before = ray.get(engine.generate.remote(prompt_ids()))
-    for round_ in range(3):
-        trainer.call("set_weights_from", 100 + round_)
-        report = trainer.call("sync", f"round-{round_}", verify=True)
-        assert report["verify"]["sglang"]["verified"]
-        out = ray.get(engine.generate.remote(prompt_ids()))
-        assert out["weight_version"] == f"round-{round_}"
-        assert_engine_matches_reference(engine, trainer)
-    assert out["tokens"] != before["tokens"]
+    check_repeated_syncs(engine, trainer, "sglang", "round", rounds=3)
 
 
 def test_shape_mismatch_is_rejected_before_any_engine_weight_changes(setup):

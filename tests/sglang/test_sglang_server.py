@@ -3,13 +3,14 @@ fed by a 2-rank FSDP2 trainer through the non-colocated path: a gloo broadcast g
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
-
 import pytest
 import ray
 
-from tests.engine_checks import assert_engine_matches_reference, prompt_ids, training_batch
+from tests.engine_checks import (
+    check_repeated_syncs,
+    check_server_on_loopback_demands_key,
+    check_sync_after_training,
+)
 from weightsync import launcher
 from weightsync.models import make_tiny_model
 
@@ -33,31 +34,15 @@ def setup(tmp_path_factory):
 
 def test_gpt2_over_http_and_gloo_is_verified_and_matches_reference(setup):
     engine, trainer = setup
-    for step in range(2):
-        trainer.call("train_step", training_batch(step))
-    report = trainer.call("sync", "http-1", verify=True)
-    assert report["verify"]["sglang-http"]["verified"], report["verify"]
-    assert ray.get(engine.engine_weight_version.remote()) == "http-1"
-    assert_engine_matches_reference(engine, trainer)
+    check_sync_after_training(engine, trainer, "sglang-http", "http-1", steps=2)
+    assert ray.get(engine.engine_weight_version.remote()) == "http-1"  # SGLang's own tag
 
 
 def test_repeated_syncs_over_http_with_requests_in_between(setup):
     engine, trainer = setup
-    for round_ in range(2):
-        trainer.call("set_weights_from", 200 + round_)
-        report = trainer.call("sync", f"http-round-{round_}", verify=True)
-        assert report["verify"]["sglang-http"]["verified"]
-        assert ray.get(engine.generate.remote(prompt_ids()))["weight_version"] == \
-            f"http-round-{round_}"
-        assert_engine_matches_reference(engine, trainer)
+    check_repeated_syncs(engine, trainer, "sglang-http", "http-round", rounds=2)
 
 
 def test_server_listens_on_loopback_and_demands_the_api_key(setup):
     engine, _ = setup
-    base = ray.get(engine.server_url.remote())
-    assert base.startswith("http://127.0.0.1:")
-    req = urllib.request.Request(base + "/update_weights_from_tensor", data=b"{}",
-                                 method="POST", headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(req, timeout=30)
-    assert err.value.code == 401
+    check_server_on_loopback_demands_key(engine, "/update_weights_from_tensor")
