@@ -111,7 +111,7 @@ def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict
     from weightsync import launcher
     from weightsync.models import make_tiny_model, model_bytes
 
-    work = tempfile.mkdtemp(prefix=f"weightsync-bench-{size}-", dir="/dev/shm")
+    work = tempfile.mkdtemp(prefix=f"wsbench-{size}-", dir="/dev/shm")
     model = make_tiny_model(os.path.join(work, "model"), arch="opt", size=size, seed=0,
                             dtype="bfloat16")
     nbytes = model_bytes("opt", size, dtype="bfloat16")

@@ -263,5 +263,10 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def process_stats(self) -> dict[str, int]:
+        from weightsync.procstats import process_tree_stats
+
+        return process_tree_stats()
+
     def ping(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid(), "torch": str(torch.__version__)}

@@ -155,10 +155,15 @@ class SglEngineActor(WeightReceiver):
         self.client = (_InProcess(model_path, {**args, "custom_weight_loader": [LOADER]})
                        if mode == "engine" else _Http(model_path, args, api_key=api_key))
         self.sessions = self.client.has_session()
-        self.reply_dir = tempfile.mkdtemp(prefix=f"weightsync-reply-{os.getpid()}-",
+        # Named like the shared-memory segments, so a sender sweeps it if this actor dies.
+        self.reply_dir = tempfile.mkdtemp(prefix=f"weightsync-{os.getpid()}-reply-",
                                           dir="/dev/shm")
         self._version: str | None = None
         self._open: str | None = None
+        self._loaded = 0
+        # Set when an update failed after some buckets were loaded: SGLang cannot roll back,
+        # so the engine refuses requests until a sync completes rather than serve mixed weights.
+        self._broken: str | None = None
         logger.info("sglang engine up (%s), update sessions: %s", mode, self.sessions)
 
     # ---- control channel -------------------------------------------------------------------
@@ -204,7 +209,9 @@ class SglEngineActor(WeightReceiver):
 
     def begin(self, version: str) -> None:
         if self._open is not None:
-            raise RuntimeError(f"sglang: update {self._open!r} is still open")
+            # Only one trainer drives an engine: an update still open means its sender died.
+            self.abort(f"update {self._open!r} never ended; a new update {version!r} began")
+        self._loaded = 0
         self._begin_t = time.perf_counter()
         self._session("begin")
         self._open = version
@@ -212,6 +219,7 @@ class SglEngineActor(WeightReceiver):
     def load_bucket(self, descriptor: dict) -> dict:
         if self._open is None:
             raise RuntimeError("sglang: load_bucket outside an update; call begin first")
+        self._loaded += 1
         return as_plain(self._control("load", descriptor=descriptor))
 
     def end(self, version: str) -> dict:
@@ -222,6 +230,7 @@ class SglEngineActor(WeightReceiver):
         self._control("noop", weight_version=version)
         self._session("end")
         self._open = None
+        self._broken = None
         flushed = self.client.flush_cache()
         self._version = version
         return {"weight_version": version, "cache_flushed": flushed,
@@ -232,6 +241,9 @@ class SglEngineActor(WeightReceiver):
         logger.warning("sglang: update %r aborted: %s", self._open, reason)
         if self._open is not None:
             self._session("end", needed=False)
+            if self._loaded:
+                self._broken = (f"update {self._open!r} was aborted after {self._loaded} "
+                                f"bucket(s) ({reason}); sync again")
         self._open = None
 
     def fingerprints(self) -> dict[str, list[int]]:
@@ -242,6 +254,10 @@ class SglEngineActor(WeightReceiver):
 
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 8) -> dict[str, Any]:
+        if self._broken:
+            raise RuntimeError(f"sglang engine does not serve: {self._broken}")
+        if self._open:
+            raise RuntimeError(f"sglang engine does not serve during update {self._open!r}")
         sampling = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
         outs = self.client.generate(prompts, sampling)
         tokens, logprobs = [], []
@@ -279,6 +295,12 @@ class SglEngineActor(WeightReceiver):
         if not result[0]:
             raise RuntimeError(f"sglang update_weights_from_disk failed: {result[1]}")
         return seconds
+
+    def process_stats(self) -> dict[str, int]:
+        """File descriptors and memory of this actor and the engine processes it started."""
+        from weightsync.procstats import process_tree_stats
+
+        return process_tree_stats()
 
     def server_url(self) -> str | None:
         return getattr(self.client, "base", None)

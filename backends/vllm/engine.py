@@ -122,6 +122,7 @@ class VllmEngineActor(WeightReceiver):
                        else _Http(model_path, args, api_key=api_key))
         self._version: str | None = None
         self._open: str | None = None
+        self._loaded = 0
         self._broken: str | None = None
 
     def _rpc(self, method: str, *args: Any) -> Any:
@@ -139,7 +140,9 @@ class VllmEngineActor(WeightReceiver):
 
     def begin(self, version: str) -> None:
         if self._open is not None:
-            raise RuntimeError(f"vllm: update {self._open!r} is still open")
+            # Only one trainer drives an engine: an update still open means its sender died.
+            self.abort(f"update {self._open!r} never ended; a new update {version!r} began")
+        self._loaded = 0
         self._rpc("weightsync_begin")
         self._open = version
         self._begin_t = time.perf_counter()
@@ -147,6 +150,7 @@ class VllmEngineActor(WeightReceiver):
     def load_bucket(self, descriptor: dict) -> dict:
         if self._open is None:
             raise RuntimeError("vllm: load_bucket outside an update; call begin first")
+        self._loaded += 1
         return as_plain(self._rpc("weightsync_load", descriptor))
 
     def end(self, version: str) -> dict:
@@ -192,6 +196,12 @@ class VllmEngineActor(WeightReceiver):
         start = time.perf_counter()
         self.client.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir})
         return time.perf_counter() - start
+
+    def process_stats(self) -> dict[str, int]:
+        """File descriptors and memory of this actor and the engine processes it started."""
+        from weightsync.procstats import process_tree_stats
+
+        return process_tree_stats()
 
     def server_url(self) -> str | None:
         return getattr(self.client, "base", None)

@@ -1,7 +1,8 @@
 """POSIX shared memory between processes of one host (the CPU transport).
 
 Segments live in /dev/shm, are created owner-only (0600) and are named
-`weightsync-<creator pid>-<random>-<slot>`. The sender unlinks its segments on close and at exit; a
+`weightsync-<creator pid>-<random>-<slot>` (engine actors' reply folders follow the same
+`weightsync-<pid>-` naming). The sender unlinks its segments on close and at exit; a
 segment whose creator died without unlinking is swept by the next sender on the host. The receiver
 keeps each segment it mapped (the sender reuses its slots across buckets and syncs), so the pages
 are mapped once and later syncs pay only the copy.
@@ -14,6 +15,7 @@ import logging
 import mmap
 import os
 import secrets
+import shutil
 import weakref
 from typing import Any
 
@@ -53,8 +55,12 @@ def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
         except ValueError:
             continue
         if pid != os.getpid() and not _pid_alive(pid):
+            path = os.path.join(shm_dir, name)
             try:
-                os.unlink(os.path.join(shm_dir, name))
+                if os.path.isdir(path):  # an engine's reply folder
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
                 removed.append(name)
             except FileNotFoundError:
                 pass
