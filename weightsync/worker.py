@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 TRANSPORTS = ("shm", "cuda_ipc", "gloo", "nccl")
 
 
+class _RankLog(logging.LoggerAdapter):
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[rank {self.extra['rank']}] {msg}", kwargs
+
+
 class WeightSyncWorker(ABC):
     """Keeps engines in step with one trainer rank's model. All methods: every rank, together.
 
@@ -80,7 +85,7 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         self.shard_direct = shard_direct and transport == "shm" and world_size > 1
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
-        self.log = logging.LoggerAdapter(logger, {"rank": rank})
+        self.log = _RankLog(logger, {"rank": rank})
         self.device = init_trainer_group(rank=rank, world_size=world_size,
                                          master_addr=master_addr, master_port=master_port)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype_from_str(dtype))
