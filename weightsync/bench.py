@@ -3,8 +3,8 @@
 For each OPT size: a 2-rank FSDP2 trainer (bf16, gloo) in the sglang env, one SGLang and one vLLM
 engine (bf16, in-process). Measured, best of `--repeats` after one warm-up:
 - memcpy: one torch copy_ of the same bytes in the trainer process (the floor);
-- transport: gather + pack every tensor into shared-memory buckets + copy out into preallocated
-  tensors, with no engine (the core alone);
+- transport: pack every (already gathered) tensor into shared-memory buckets and copy it out
+  into preallocated tensors through a receiver's mapping: two copies, no gather, no engine;
 - weightsync: sync into one engine (begin, buckets, end), and apart from it the cost of verifying;
 - native, each stage timed on its own and summed (the best case for the native path, as nothing
   moves between the stages): SGLang gather + update_weights_from_tensor (tensors already in the
@@ -74,26 +74,31 @@ class BenchWorker(DTensorV2WeightSyncWorker):
         return seconds
 
     def bench_transport(self) -> float:
-        """Gather + pack into shared-memory buckets + copy out, with no engine."""
+        """Pack already-gathered tensors into shared-memory buckets and copy them out into
+        preallocated tensors through a receiver mapping: the transport alone, no gather, no
+        engine. Rank 0 measures; the other ranks only take part in the gather beforehand."""
         from weightsync.bucket import fill_buckets, plan_buckets, unpack
         from weightsync.transports.shm import ShmReceiver, ShmSender
 
+        tensors = list(self.source.tensors())
+        if self.rank != 0:
+            return 0.0
         specs = self.source.specs()
         plans = plan_buckets(specs, capacity_bytes=self.bucket_bytes)
-        dst = {s.name: torch.empty(s.shape, dtype=getattr(torch, s.dtype)) for s in specs}
+        dst = {name: torch.empty_like(t) for name, t in tensors}
         sender, receiver = ShmSender(num_slots=2), ShmReceiver()
-        start = time.perf_counter()
-        tensors = self.source.tensors()
-        if self.rank == 0:
-            for plan in fill_buckets(plans, tensors,
+
+        def one_pass() -> float:
+            start = time.perf_counter()
+            for plan in fill_buckets(plans, iter(tensors),
                                      lambda p: sender.buffer(p.index % 2, p.nbytes)):
                 desc = plan.descriptor(sender.handle(plan.index % 2))
                 for name, view in unpack(receiver.receive(desc.handle, desc.nbytes), desc):
                     dst[name].copy_(view)
-        else:
-            for _ in tensors:
-                pass
-        seconds = time.perf_counter() - start
+            return time.perf_counter() - start
+
+        one_pass()  # first touch of the segments' pages
+        seconds = one_pass()
         receiver.close()
         sender.close()
         return seconds
