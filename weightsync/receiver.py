@@ -17,6 +17,7 @@ trainer tensors make up each engine parameter.
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -309,8 +310,6 @@ class ModuleWeightReceiver(WeightReceiver):
         self._session = version
 
     def load_bucket(self, descriptor: dict) -> dict:
-        import time
-
         start = time.perf_counter()
         bucket = BucketDescriptor.from_dict(descriptor)
         if self._session is None:
@@ -393,3 +392,80 @@ def check_against_checkpoint(specs: list[TensorSpec], path: str, *, engine_dtype
                          f"e.g. {missing[:5]}; a sync would leave them stale")
     if not specs:
         raise ValueError(f"{name}: the trainer offers no tensors (an empty model?)")
+
+
+class EngineSession(WeightReceiver):
+    """The update-session rules every engine actor follows, around engine-specific hooks.
+
+    One update is open at a time; one still open when the next `begin` arrives was left by a
+    sender that died, and is aborted. An engine cannot roll a model back, so an update aborted
+    once weights may be mixed leaves the engine refusing requests (`check_serving`) until a
+    later sync completes. Subclasses implement `_engine_begin`, `_engine_load`, `_engine_end`
+    (returns extra report fields) and `_engine_abort` (returns whether weights may be mixed).
+    """
+
+    engine_name = "engine"
+
+    def __init__(self) -> None:
+        self._version: str | None = None
+        self._open: str | None = None
+        self._loaded = 0
+        self._broken: str | None = None
+        self._begin_t = 0.0
+
+    @abstractmethod
+    def _engine_begin(self) -> None: ...
+
+    @abstractmethod
+    def _engine_load(self, descriptor: dict) -> dict: ...
+
+    @abstractmethod
+    def _engine_end(self, version: str) -> dict: ...
+
+    @abstractmethod
+    def _engine_abort(self, reason: str) -> bool: ...
+
+    def begin(self, version: str) -> None:
+        if self._open is not None:
+            # Only one trainer drives an engine: an update still open means its sender died.
+            self.abort(f"update {self._open!r} never ended; a new update {version!r} began")
+        self._loaded = 0
+        self._begin_t = time.perf_counter()
+        self._engine_begin()
+        self._open = version
+
+    def load_bucket(self, descriptor: dict) -> dict:
+        if self._open is None:
+            raise RuntimeError(f"{self.engine_name}: load_bucket outside an update; call begin "
+                               f"first")
+        self._loaded += 1
+        return self._engine_load(descriptor)
+
+    def end(self, version: str) -> dict:
+        if self._open != version:
+            raise RuntimeError(f"{self.engine_name}: end({version!r}) but the open update is "
+                               f"{self._open!r}")
+        start = time.perf_counter()
+        extra = self._engine_end(version)
+        self._open, self._broken, self._version = None, None, version
+        return {"weight_version": version, "end_s": time.perf_counter() - start,
+                "session_s": time.perf_counter() - self._begin_t, **extra}
+
+    def abort(self, reason: str) -> None:
+        if self._open is not None:
+            logger.warning("%s: update %r aborted: %s", self.engine_name, self._open, reason)
+            if self._engine_abort(reason) or self._loaded:
+                self._broken = (f"update {self._open!r} was aborted after {self._loaded} "
+                                f"bucket(s) ({reason}); sync again")
+        self._open = None
+
+    def weight_version(self) -> str | None:
+        return self._version
+
+    def check_serving(self) -> None:
+        """Raise unless the engine holds one complete set of weights."""
+        if self._broken:
+            raise RuntimeError(f"{self.engine_name} engine does not serve: {self._broken}")
+        if self._open:
+            raise RuntimeError(f"{self.engine_name} engine does not serve during update "
+                               f"{self._open!r}")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from backends.sglang.loader import LOADER
-from weightsync.receiver import WeightReceiver
+from weightsync.receiver import EngineSession
 from weightsync.server import LocalServer, cli_flags
 from weightsync.wire import as_plain
 
@@ -142,13 +142,16 @@ class _Http:
         self.server.shutdown()
 
 
-class SglEngineActor(WeightReceiver):
+class SglEngineActor(EngineSession):
     """A Ray actor (env "sglang") holding one SGLang engine. See WeightReceiver for the order."""
+
+    engine_name = "sglang"
 
     def __init__(self, model_path: str, *, mode: str = "engine", dtype: str = "float32",
                  api_key: str | None = None, engine_args: dict[str, Any] | None = None) -> None:
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
+        super().__init__()
         args = {**(CPU_ENGINE_ARGS if not torch.cuda.is_available() else {}), "dtype": dtype,
                 **(engine_args or {})}
         self.mode = mode
@@ -158,12 +161,6 @@ class SglEngineActor(WeightReceiver):
         # Named like the shared-memory segments, so a sender sweeps it if this actor dies.
         self.reply_dir = tempfile.mkdtemp(prefix=f"weightsync-{os.getpid()}-reply-",
                                           dir="/dev/shm")
-        self._version: str | None = None
-        self._open: str | None = None
-        self._loaded = 0
-        # Set when an update failed after some buckets were loaded: SGLang cannot roll back,
-        # so the engine refuses requests until a sync completes rather than serve mixed weights.
-        self._broken: str | None = None
         logger.info("sglang engine up (%s), update sessions: %s", mode, self.sessions)
 
     # ---- control channel -------------------------------------------------------------------
@@ -207,57 +204,28 @@ class SglEngineActor(WeightReceiver):
     def check_refit(self, specs: list[dict]) -> dict:
         return as_plain(self._read_only("check", specs=specs))
 
-    def begin(self, version: str) -> None:
-        if self._open is not None:
-            # Only one trainer drives an engine: an update still open means its sender died.
-            self.abort(f"update {self._open!r} never ended; a new update {version!r} began")
-        self._loaded = 0
-        self._begin_t = time.perf_counter()
+    def _engine_begin(self) -> None:
         self._session("begin")
-        self._open = version
 
-    def load_bucket(self, descriptor: dict) -> dict:
-        if self._open is None:
-            raise RuntimeError("sglang: load_bucket outside an update; call begin first")
-        self._loaded += 1
+    def _engine_load(self, descriptor: dict) -> dict:
         return as_plain(self._control("load", descriptor=descriptor))
 
-    def end(self, version: str) -> dict:
-        if self._open != version:
-            raise RuntimeError(f"sglang: end({version!r}) but the open update is {self._open!r}")
-        start = time.perf_counter()
+    def _engine_end(self, version: str) -> dict:
         # The version rides on a last, empty control call, so SGLang's own tag moves too.
         self._control("noop", weight_version=version)
         self._session("end")
-        self._open = None
-        self._broken = None
-        flushed = self.client.flush_cache()
-        self._version = version
-        return {"weight_version": version, "cache_flushed": flushed,
-                "end_s": time.perf_counter() - start,
-                "session_s": time.perf_counter() - self._begin_t}
+        return {"cache_flushed": self.client.flush_cache()}
 
-    def abort(self, reason: str) -> None:
-        logger.warning("sglang: update %r aborted: %s", self._open, reason)
-        if self._open is not None:
-            self._session("end", needed=False)
-            if self._loaded:
-                self._broken = (f"update {self._open!r} was aborted after {self._loaded} "
-                                f"bucket(s) ({reason}); sync again")
-        self._open = None
+    def _engine_abort(self, reason: str) -> bool:
+        self._session("end", needed=False)
+        return False  # weights are mixed only if a bucket was loaded
 
     def fingerprints(self) -> dict[str, list[int]]:
         return self._read_only("fingerprints")["fingerprints"]
 
-    def weight_version(self) -> str | None:
-        return self._version
-
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 8) -> dict[str, Any]:
-        if self._broken:
-            raise RuntimeError(f"sglang engine does not serve: {self._broken}")
-        if self._open:
-            raise RuntimeError(f"sglang engine does not serve during update {self._open!r}")
+        self.check_serving()
         sampling = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
         outs = self.client.generate(prompts, sampling)
         tokens, logprobs = [], []

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from weightsync.receiver import WeightReceiver
+from weightsync.receiver import EngineSession
 from weightsync.server import LocalServer, cli_flags
 from weightsync.wire import as_plain
 
@@ -106,24 +106,23 @@ class _Http:
         self.server.shutdown()
 
 
-class VllmEngineActor(WeightReceiver):
+class VllmEngineActor(EngineSession):
     """A Ray actor (env "vllm"/"vllm-cpu") holding one vLLM engine. Order: see WeightReceiver."""
+
+    engine_name = "vllm"
 
     def __init__(self, model_path: str, *, mode: str = "engine", dtype: str = "float32",
                  max_model_len: int = 256, api_key: str | None = None,
                  engine_args: dict[str, Any] | None = None) -> None:
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
+        super().__init__()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         args = {"dtype": dtype, "enforce_eager": True, "max_model_len": max_model_len,
                 **(engine_args or {})}
         self.mode = mode
         self.client = (_InProcess(model_path, args) if mode == "engine"
                        else _Http(model_path, args, api_key=api_key))
-        self._version: str | None = None
-        self._open: str | None = None
-        self._loaded = 0
-        self._broken: str | None = None
 
     def _rpc(self, method: str, *args: Any) -> Any:
         replies = self.client.rpc(method, args)
@@ -138,56 +137,28 @@ class VllmEngineActor(WeightReceiver):
     def check_refit(self, specs: list[dict]) -> dict:
         return as_plain(self._rpc("weightsync_check", specs))
 
-    def begin(self, version: str) -> None:
-        if self._open is not None:
-            # Only one trainer drives an engine: an update still open means its sender died.
-            self.abort(f"update {self._open!r} never ended; a new update {version!r} began")
-        self._loaded = 0
+    def _engine_begin(self) -> None:
         self._rpc("weightsync_begin")
-        self._open = version
-        self._begin_t = time.perf_counter()
 
-    def load_bucket(self, descriptor: dict) -> dict:
-        if self._open is None:
-            raise RuntimeError("vllm: load_bucket outside an update; call begin first")
-        self._loaded += 1
+    def _engine_load(self, descriptor: dict) -> dict:
         return as_plain(self._rpc("weightsync_load", descriptor))
 
-    def end(self, version: str) -> dict:
-        if self._open != version:
-            raise RuntimeError(f"vllm: end({version!r}) but the open update is {self._open!r}")
-        start = time.perf_counter()
+    def _engine_end(self, version: str) -> dict:
         result = self._rpc("weightsync_end")
-        self._open = None
-        self._broken = None
         flushed = self.client.reset_prefix_cache()
         self.client.set_version(version)
-        self._version = version
-        return as_plain({"weight_version": version, "cache_flushed": flushed,
-                         "end_s": time.perf_counter() - start,
-                         "session_s": time.perf_counter() - self._begin_t,
-                         "param_of": result["param_of"]})
+        return as_plain({"cache_flushed": flushed, "param_of": result["param_of"]})
 
-    def abort(self, reason: str) -> None:
-        # vLLM's layerwise reload cannot be rolled back: an aborted update leaves layers
-        # without weights, so the engine refuses to serve until a sync completes.
-        if self._open is not None:
-            self._broken = f"update {self._open!r} was aborted ({reason}); sync again"
-            logger.error("vllm: %s", self._broken)
-        self._open = None
+    def _engine_abort(self, reason: str) -> bool:
+        # Layerwise reload moved every layer's weights out at begin: mixed even with no bucket.
+        return True
 
     def fingerprints(self) -> dict[str, list[int]]:
         return self._rpc("weightsync_fingerprints")
 
-    def weight_version(self) -> str | None:
-        return self._version
-
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 8) -> dict[str, Any]:
-        if self._broken:
-            raise RuntimeError(f"vllm engine does not serve: {self._broken}")
-        if self._open:
-            raise RuntimeError(f"vllm engine does not serve during update {self._open!r}")
+        self.check_serving()
         tokens, logprobs = self.client.generate(prompts, max_new_tokens)
         return {"tokens": tokens, "logprobs": logprobs, "weight_version": self._version}
 
