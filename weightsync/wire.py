@@ -192,3 +192,27 @@ def as_plain(obj: Any) -> Any:
     if obj is None:
         return None
     raise TypeError(f"{type(obj).__name__} cannot cross an environment boundary: {obj!r}")
+
+
+def ok_reply(result: Any) -> dict[str, Any]:
+    """A call's outcome as plain data, for code inside an engine process that must not raise
+    (an escaping exception kills SGLang's scheduler; vLLM drops its type)."""
+    return {"ok": True, "result": result}
+
+
+def error_reply(exc: BaseException) -> dict[str, Any]:
+    import traceback
+
+    return {"ok": False, "type": type(exc).__name__, "error": str(exc),
+            "traceback": traceback.format_exc(limit=8)}
+
+
+def unwrap_replies(replies: list[dict[str, Any]]) -> Any:
+    """The first reply's result; a failed reply is raised again, ValueError/TypeError as
+    themselves (the caller's bad input), anything else as RuntimeError."""
+    for reply in replies:
+        if not reply["ok"]:
+            error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(
+                reply["type"], RuntimeError)
+            raise error_type(reply["error"])
+    return replies[0]["result"]

@@ -27,7 +27,7 @@ import torch
 from backends.sglang.loader import LOADER
 from weightsync.receiver import EngineSession
 from weightsync.server import LocalServer, cli_flags
-from weightsync.wire import as_plain
+from weightsync.wire import as_plain, unwrap_replies
 
 logger = logging.getLogger(__name__)
 
@@ -176,12 +176,7 @@ class SglEngineActor(EngineSession):
         if not replies:
             raise RuntimeError(f"sglang ran no weightsync loader for {op}; is "
                                f"custom_weight_loader={LOADER!r} set?")
-        for reply in replies:
-            if not reply["ok"]:
-                error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(
-                    reply["type"], RuntimeError)
-                raise error_type(reply["error"])
-        return replies[0]["result"]
+        return unwrap_replies(replies)
 
     def _session(self, op: str, *, needed: bool = True) -> None:
         if not self.sessions:

@@ -14,8 +14,9 @@ import json
 import logging
 import os
 import time
-import traceback
 from typing import Any
+
+from weightsync.wire import error_reply, ok_reply
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +64,9 @@ def weightsync_load(model: Any, named_tensors: list) -> None:
     try:
         message = json.loads(named_tensors[0][0])
         reply_dir = message["reply"]
-        reply = {"ok": True, "result": _run(model, message)}
+        reply = ok_reply(_run(model, message))
     except BaseException as exc:  # noqa: BLE001 - an escaping exception kills the engine
-        reply = {"ok": False, "type": type(exc).__name__, "error": str(exc),
-                 "traceback": traceback.format_exc(limit=8)}
+        reply = error_reply(exc)
     if reply_dir is None:
         logger.error("weightsync control message unreadable: %s", reply)
         return

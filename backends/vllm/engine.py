@@ -19,7 +19,7 @@ from typing import Any
 
 from weightsync.receiver import EngineSession
 from weightsync.server import LocalServer, cli_flags
-from weightsync.wire import as_plain
+from weightsync.wire import as_plain, unwrap_replies
 
 logger = logging.getLogger(__name__)
 
@@ -125,13 +125,7 @@ class VllmEngineActor(EngineSession):
                        else _Http(model_path, args, api_key=api_key))
 
     def _rpc(self, method: str, *args: Any) -> Any:
-        replies = self.client.rpc(method, args)
-        for reply in replies:
-            if not reply["ok"]:
-                error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(
-                    reply["type"], RuntimeError)
-                raise error_type(reply["error"])
-        return replies[0]["result"]
+        return unwrap_replies(self.client.rpc(method, args))
 
     # ---- WeightReceiver --------------------------------------------------------------------
     def check_refit(self, specs: list[dict]) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -46,11 +45,12 @@ _keep_cpu_linear_weights()
 
 def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapped(self: Any, *args: Any) -> dict[str, Any]:
+        from weightsync.wire import error_reply, ok_reply
+
         try:
-            return {"ok": True, "result": fn(self, *args)}
+            return ok_reply(fn(self, *args))
         except BaseException as exc:  # noqa: BLE001 - see module doc
-            return {"ok": False, "type": type(exc).__name__, "error": str(exc),
-                    "traceback": traceback.format_exc(limit=8)}
+            return error_reply(exc)
 
     wrapped.__name__ = fn.__name__
     return wrapped
