@@ -27,3 +27,16 @@ def test_fused_tensor_fingerprint_is_the_combination_of_its_parts():
 def test_zero_padding_does_not_change_the_fingerprint():
     x = torch.randn(5, 4)
     assert fingerprint(x) == fingerprint(torch.cat([x, torch.zeros(3, 4)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_fingerprint_is_exact_against_integer_sums(dtype):
+    # Large enough for several chunks, with extreme words, so a lost bit in the float64
+    # reduction would show.
+    x = torch.randint(-32768, 32767, (3 << 20,), dtype=torch.int16)
+    x[:1000] = -32768
+    x = x.view(torch.uint8) if dtype == torch.uint8 else x.view(dtype)
+    ints = x.view(torch.uint8) if dtype == torch.uint8 else x.view(torch.int16)
+    wide = [int(v) for v in ints.tolist()]
+    mask = (1 << 64) - 1
+    assert fingerprint(x) == (sum(wide) & mask, sum(v * v for v in wide) & mask)
