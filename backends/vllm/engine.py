@@ -144,8 +144,9 @@ class VllmEngineActor(EngineSession):
         return as_plain({"cache_flushed": flushed, "param_of": result["param_of"]})
 
     def _engine_abort(self, reason: str) -> bool:
-        # Layerwise reload moved every layer's weights out at begin: mixed even with no bucket.
-        return True
+        # Loading is in place: weights are mixed only once a bucket was loaded, which
+        # EngineSession counts.
+        return False
 
     def fingerprints(self) -> dict[str, list[int]]:
         return self._rpc("weightsync_fingerprints")

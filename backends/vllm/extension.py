@@ -5,12 +5,17 @@ Why this and not vLLM's weight-transfer factory: the factory's engines are creat
 `update_weights` synchronises a CUDA device, which a CPU worker lacks. A worker extension is one
 class on the worker, called through `collective_rpc` with plain data; that is all we need.
 
-Loading goes through vLLM's layerwise reload (initialize -> load_weights per bucket -> finalize):
-on CPU, vLLM prepacks Linear weights for its GEMM kernels after loading and drops the original
-parameter, so a plain `load_weights` on the live model fails half-way. We also keep those
-parameters (vLLM's `remove_weight` off) so the engine's weights can be fingerprinted afterwards.
-Layerwise reload holds on to incoming tensors until their layer is complete, so each bucket is
-copied out of the transport buffer before loading (one extra memcpy on this path).
+Loading is in place: each bucket goes through the model's own `load_weights`, whose loaders copy
+every tensor into its (possibly fused) parameter at once, so the transport's buffer can be reused
+as soon as the call returns. On CPU that alone is not enough: after loading, vLLM packs each
+Linear's weight into a private oneDNN (or sgl-kernel) buffer that its GEMM reads instead of the
+parameter, and by default drops the parameter. So (1) we keep the parameters (vLLM's
+`remove_weight` off), which also lets the engine's weights be fingerprinted, and (2) after a
+bucket is loaded, every module that owns a touched parameter re-runs its
+`process_weights_after_loading`, which re-packs from the new weights. Ownership is by parameter
+identity, because a tied LM head shares the embedding's parameter under a name that no checkpoint
+tensor uses, and its packed copy is what computes the logits. vLLM's layerwise reload (rebuild each
+layer, re-process) does the same work at four times the cost and holds on to the incoming tensors.
 Every method returns {"ok": ..., "result"|"error"} instead of raising: vLLM turns a worker
 exception into a bare Exception and loses its type.
 """
@@ -87,13 +92,31 @@ class WeightsyncWorkerExtension:
 
     @_guard
     def weightsync_begin(self) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        self._ws_state()["open"] = True
 
+    def _ws_repack(self, touched: set[str]) -> None:
+        """Re-run `process_weights_after_loading` on every module owning a touched parameter
+        (CPU only: elsewhere unquantized layers compute from the parameters themselves)."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or not touched:
+            return
         state = self._ws_state()
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(state["receiver"].model)
-        state["open"] = True
+        model = state["receiver"].model
+        owners = state.get("owners")
+        if owners is None:
+            # parameter name (as load_weights reports it) -> modules holding that tensor
+            by_id: dict[int, list[Any]] = {}
+            for module in model.modules():
+                if getattr(module, "quant_method", None) is None:
+                    continue
+                for param in module.parameters(recurse=False):
+                    by_id.setdefault(id(param), []).append(module)
+            owners = state["owners"] = {name: by_id.get(id(p), [])
+                                        for name, p in model.named_parameters()}
+        modules = {id(m): m for name in touched for m in owners.get(name, [])}
+        for module in modules.values():
+            module.quant_method.process_weights_after_loading(module)
 
     @_guard
     def weightsync_load(self, descriptor: dict) -> dict[str, Any]:
@@ -108,18 +131,19 @@ class WeightsyncWorkerExtension:
         receiver = state["receiver"]
         start = time.perf_counter()
         bucket = BucketDescriptor.from_dict(descriptor)
-        # Layerwise reload keeps the tensors it is given until their whole layer has arrived,
-        # which may be after the sender reused this buffer: hand it copies.
-        views = [(n, t.clone()) for n, t in receiver.receive(bucket)]
+        views = receiver.receive(bucket)
         model = receiver.model
+        touched: set[str] = set()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             known = [(n, t) for n, t in views if n in receiver.param_of]
             if known:
-                model.load_weights(known)
+                touched.update(model.load_weights(known))
             # First sight of a tensor: load it alone to learn which parameters it lands in.
             for name, tensor in views:
                 if name not in receiver.param_of:
                     receiver.param_of[name] = sorted(model.load_weights([(name, tensor)]))
+                    touched.update(receiver.param_of[name])
+            self._ws_repack(touched)
         del views, known
         receiver.release(bucket)
         return {"num_tensors": len(bucket.tensors), "nbytes": bucket.nbytes,
@@ -127,19 +151,7 @@ class WeightsyncWorkerExtension:
 
     @_guard
     def weightsync_end(self) -> dict[str, Any]:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         state = self._ws_state()
-        model = state["receiver"].model
-        with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(model, self.vllm_config.model_config)
-            # On CPU an embedding that doubles as the tied LM head keeps a prepacked copy for
-            # the logits GEMM, which layerwise reload does not refresh: rebuild it.
-            for module in model.modules():
-                if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
-                    module.quant_method.process_weights_after_loading(module)
         state["open"] = False
         return {"param_of": state["receiver"].param_of}
 
