@@ -43,6 +43,9 @@ def check_sync_after_training(engine, trainer, name: str, version: str, *, steps
     assert report["verify"][name]["num_checked"] > 10
     assert ray.get(engine.weight_version.remote()) == version
     assert_engine_matches_reference(engine, trainer)
+    # And once the engine's background work is done (vLLM on CPU re-packs its GEMM weights).
+    ray.get(engine.settle.remote(), timeout=300)
+    assert_engine_matches_reference(engine, trainer)
     return report
 
 

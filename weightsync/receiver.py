@@ -337,6 +337,11 @@ class ModuleWeightReceiver(WeightReceiver):
     def weight_version(self) -> str | None:
         return self._version
 
+    def settle(self, timeout_s: float = 120.0) -> dict:
+        """Wait for work an engine finishes in the background after an update (none by
+        default); reports {"background_s": seconds it took} where there is some."""
+        return {}
+
 
 def checkpoint_specs(path: str) -> dict[str, TensorSpec]:
     """Name, dtype and shape of every tensor in a safetensors checkpoint directory (headers
@@ -461,6 +466,11 @@ class EngineSession(WeightReceiver):
 
     def weight_version(self) -> str | None:
         return self._version
+
+    def settle(self, timeout_s: float = 120.0) -> dict:
+        """Wait for work an engine finishes in the background after an update (none by
+        default); reports {"background_s": seconds it took} where there is some."""
+        return {}
 
     def check_serving(self) -> None:
         """Raise unless the engine holds one complete set of weights."""

@@ -151,6 +151,13 @@ class VllmEngineActor(EngineSession):
     def fingerprints(self) -> dict[str, list[int]]:
         return self._rpc("weightsync_fingerprints")
 
+    def settle(self, timeout_s: float = 120.0) -> dict:
+        """On CPU the packed GEMMs are rebuilt in the background after an update."""
+        result = self._rpc("weightsync_repacked", timeout_s)
+        if result["error"]:
+            raise RuntimeError(f"vllm: re-packing GEMM weights failed: {result['error']}")
+        return {"background_s": result["repack_s"]}
+
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 8) -> dict[str, Any]:
         self.check_serving()
