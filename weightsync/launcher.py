@@ -5,6 +5,12 @@ Each actor runs as an `ActorHost` whose interpreter is the env's venv python (Ra
 `runtime_env={"py_executable": ...}`); the host imports the class by name in that process and
 forwards calls to it. `launch()` returns an `ActorProxy` that reads like the actor itself:
 `proxy.method.remote(*args)`. Only plain data should go through those calls across envs.
+
+More than one machine: `launch(..., node_id=...)` places an actor on that Ray node and first
+builds its env there (`build_env_on_node`), with no shared filesystem: Ray ships this project's
+files to the node (a runtime_env working_dir), a task on the node copies them into a node-local
+folder named by their content hash ($WEIGHTSYNC_NODE_DIR, default ~/.cache/weightsync/nodes) and
+runs `uv sync --locked` there, and the actor starts from that venv's python.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from weightsync import envs
@@ -68,6 +75,15 @@ class ActorHost:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.obj, method)(*args, **kwargs)
 
+    def where(self) -> dict[str, Any]:
+        """The Ray node, interpreter and process this actor runs in (plain data)."""
+        import sys
+
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "python": sys.executable,
+                "pid": os.getpid()}
+
 
 @dataclass(slots=True)
 class _Method:
@@ -95,24 +111,127 @@ class ActorProxy:
 
 def launch(qualname: str, *args: Any, env: str | None = None, name: str | None = None,
            num_cpus: float = 0, env_vars: dict[str, str] | None = None, build: bool = True,
-           max_concurrency: int = 1, **kwargs: Any) -> ActorProxy:
-    """Start `qualname(*args, **kwargs)` as a Ray actor in its env (building the env first)."""
+           max_concurrency: int = 1, node_id: str | None = None, **kwargs: Any) -> ActorProxy:
+    """Start `qualname(*args, **kwargs)` as a Ray actor in its env (building the env first).
+
+    `node_id` (a Ray node id) places it on that node, with the env built on that node."""
     import ray
 
     env = env or env_of(qualname)
     runtime_env: dict[str, Any] = {"env_vars": {"PYTHONUNBUFFERED": "1", **(env_vars or {})}}
     if env != "driver":
         envs.get(env)
-        if build and envs.state(env) != "built":
-            logger.info("env %s is %s; building it first", env, envs.state(env))
-            envs.build(env)
-        runtime_env["py_executable"] = str(envs.python_path(env))
+        if node_id is not None and node_id != ray.get_runtime_context().get_node_id():
+            runtime_env["py_executable"] = build_env_on_node(env, node_id)["python"]
+        else:
+            if build and envs.state(env) != "built":
+                logger.info("env %s is %s; building it first", env, envs.state(env))
+                envs.build(env)
+            runtime_env["py_executable"] = str(envs.python_path(env))
+    elif node_id is not None and node_id != ray.get_runtime_context().get_node_id():
+        raise ValueError(f"{qualname} runs in the driver's env, which exists on the driver's "
+                         f"node only; launch it without node_id or give it an env")
     options: dict[str, Any] = {"runtime_env": runtime_env, "num_cpus": num_cpus,
                                "max_concurrency": max_concurrency}
     if name:
         options["name"] = name
+    if node_id is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     handle = ray.remote(ActorHost).options(**options).remote(qualname, args, kwargs)
     return ActorProxy(handle=handle, qualname=qualname, env=env)
+
+
+# ---- env builds on other nodes --------------------------------------------------------------
+# What a node needs to build any env: the code and every lock (Ray ships the working_dir).
+_PROJECT_FILES = ("pyproject.toml", "uv.lock", "README.md", "weightsync", "backends", "envs")
+_SHIP_EXCLUDES = [".git", ".venv", "envs/*/.venv", "envs/*/.venv.building", "__pycache__",
+                  "tests", "docs", "scripts", ".github", ".ci"]
+_node_pythons: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def project_key() -> str:
+    """Content hash of what a node needs to build envs (code, pyprojects, locks)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for top in _PROJECT_FILES:
+        path = envs.REPO_ROOT / top
+        files = [path] if path.is_file() else sorted(
+            p for p in path.rglob("*") if p.is_file() and ".venv" not in p.parts
+            and "__pycache__" not in p.parts and not p.name.endswith(".building"))
+        for f in files:
+            digest.update(str(f.relative_to(envs.REPO_ROOT)).encode())
+            digest.update(f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _node_dir() -> Path:
+    return Path(os.environ.get("WEIGHTSYNC_NODE_DIR",
+                               Path.home() / ".cache" / "weightsync" / "nodes"))
+
+
+def _build_here(env: str, key: str) -> dict[str, Any]:
+    """Runs as a Ray task on the target node, in Ray's copy of the project (the cwd)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    import ray
+
+    root = _node_dir() / key
+    if not (root / "pyproject.toml").exists():
+        staging = root.with_name(f"{key}.tmp-{os.getpid()}")
+        shutil.copytree(os.getcwd(), staging, symlinks=True)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(staging, root)
+        except OSError:  # another task won the race
+            shutil.rmtree(staging, ignore_errors=True)
+    # A fresh interpreter, so that `weightsync.envs` is the node's copy whatever this worker
+    # had imported before.
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from weightsync import envs; "
+            "r = envs.build(sys.argv[2], quiet=True); "
+            "print('WEIGHTSYNC-BUILD ' + json.dumps({**r, 'python': str(envs.python_path("
+            "sys.argv[2]))}))")
+    result = subprocess.run([sys.executable, "-c", code, str(root), env], capture_output=True,
+                            text=True, cwd=root)
+    for line in result.stdout.splitlines():
+        if line.startswith("WEIGHTSYNC-BUILD "):
+            out = json.loads(line.removeprefix("WEIGHTSYNC-BUILD "))
+            return {**out, "root": str(root), "node_id": ray.get_runtime_context().get_node_id()}
+    tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
+    raise RuntimeError(f"building env {env!r} on node {ray.get_runtime_context().get_node_id()}"
+                       f" in {root} failed (exit {result.returncode}):\n{tail}")
+
+
+def build_env_on_node(env: str, node_id: str, *, timeout_s: float = 1800.0) -> dict[str, Any]:
+    """Build `env` on the Ray node `node_id` (once per driver); returns {"python": path on that
+    node, "root", "node_id", "action", "seconds"}."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    envs.get(env)
+    cached = _node_pythons.get((env, node_id))
+    if cached is not None:
+        return cached
+    task = ray.remote(_build_here).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        runtime_env={"working_dir": str(envs.REPO_ROOT), "excludes": _SHIP_EXCLUDES})
+    out = ray.get(task.remote(env, project_key()), timeout=timeout_s)
+    logger.info("env %s on node %s: %s in %.1f s (%s)", env, node_id[:8], out["action"],
+                out["seconds"], out["python"])
+    _node_pythons[(env, node_id)] = out
+    return out
+
+
+def build_env_on_all_nodes(env: str) -> dict[str, dict[str, Any]]:
+    """`build_env_on_node` on every alive node of the Ray cluster; {node_id: result}."""
+    import ray
+
+    return {n["NodeID"]: build_env_on_node(env, n["NodeID"]) for n in ray.nodes() if n["Alive"]}
 
 
 def init_ray(**kwargs: Any) -> None:

@@ -107,6 +107,7 @@ class ModelReceiver:
         self.accepted: dict[str, TensorSpec] = {}
         self.param_of: dict[str, list[str]] = {}
         self._transports: dict[str, ReceiverTransport] = {}
+        self._previous: dict[str, torch.Tensor] | None = None
 
     # ---- tracing -------------------------------------------------------------------------
     @contextmanager
@@ -236,8 +237,41 @@ class ModelReceiver:
         data = self._transport(handle["kind"]).receive(handle, descriptor.nbytes)
         return unpack(data, descriptor)
 
-    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]], *,
+             keep_previous: bool = False) -> None:
+        """Load through the engine's loaders. With `keep_previous`, first copy every parameter
+        these tensors land in (once per update), so that `restore_previous()` can undo it."""
+        if keep_previous:
+            self._keep_previous([name for name, _ in named_tensors])
         self.load_fn(iter(named_tensors))
+
+    # ---- keeping the previous weights (costs one copy of what an update touches) ---------------
+    def _keep_previous(self, names: list[str]) -> None:
+        if self._previous is None:
+            self._previous = {}
+        params = dict(self.model.named_parameters())
+        for name in names:
+            targets = self.param_of.get(name)
+            if targets is None:
+                raise RuntimeError(f"{self.name}: cannot keep the previous weights of {name!r}: "
+                                   f"its parameters are unknown (check_refit first)")
+            for pname in targets:
+                if pname not in self._previous:
+                    self._previous[pname] = params[pname].detach().clone()
+
+    def restore_previous(self) -> int:
+        """Put back what `load(..., keep_previous=True)` overwrote in this update; how many
+        parameters that was."""
+        previous, self._previous = self._previous or {}, None
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for pname, saved in previous.items():
+                params[pname].copy_(saved)
+        return len(previous)
+
+    def drop_previous(self) -> None:
+        """The update is complete: forget the copies."""
+        self._previous = None
 
     def release(self, descriptor: BucketDescriptor) -> None:
         self._transport(descriptor.handle["kind"]).release(descriptor.handle)
@@ -335,7 +369,14 @@ class ModuleWeightReceiver(WeightReceiver):
         return self.receiver.fingerprints()
 
     def weight_version(self) -> str | None:
+        self._expire_idle()
         return self._version
+
+    def _expire_idle(self) -> None:
+        idle = time.perf_counter() - self._last_call
+        if self._open is not None and idle > self.idle_timeout_s:
+            self.abort(f"its sender made no call for {idle:.0f} s (idle_timeout_s="
+                       f"{self.idle_timeout_s:g}); it is presumed dead")
 
     def settle(self, timeout_s: float = 120.0) -> dict:
         """Wait for work an engine finishes in the background after an update (none by
@@ -403,20 +444,28 @@ class EngineSession(WeightReceiver):
     """The update-session rules every engine actor follows, around engine-specific hooks.
 
     One update is open at a time; one still open when the next `begin` arrives was left by a
-    sender that died, and is aborted. An engine cannot roll a model back, so an update aborted
-    once weights may be mixed leaves the engine refusing requests (`check_serving`) until a
-    later sync completes. Subclasses implement `_engine_begin`, `_engine_load`, `_engine_end`
-    (returns extra report fields) and `_engine_abort` (returns whether weights may be mixed).
+    sender that died, and is aborted. So is one whose sender has made no call for
+    `idle_timeout_s` (checked whenever the engine is asked to serve or report its version):
+    nothing waits on a sender that is gone. An update aborted once weights may be mixed leaves
+    the engine refusing requests (`check_serving`) until a later sync completes, unless the
+    engine kept and put back its previous weights (SGLang's `keep_previous=True`): then it goes on
+    serving the previous version. Subclasses implement `_engine_begin`, `_engine_load`, `_engine_end`
+    (returns extra report fields) and `_engine_abort` (returns whether weights may now be mixed:
+    true once a bucket was loaded, unless the engine put its previous weights back).
     """
 
     engine_name = "engine"
 
-    def __init__(self) -> None:
+    def __init__(self, *, idle_timeout_s: float = 60.0) -> None:
+        if idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s={idle_timeout_s}: must be positive")
+        self.idle_timeout_s = idle_timeout_s
         self._version: str | None = None
         self._open: str | None = None
         self._loaded = 0
         self._broken: str | None = None
         self._begin_t = 0.0
+        self._last_call = 0.0
 
     @abstractmethod
     def _engine_begin(self) -> None: ...
@@ -435,7 +484,7 @@ class EngineSession(WeightReceiver):
             # Only one trainer drives an engine: an update still open means its sender died.
             self.abort(f"update {self._open!r} never ended; a new update {version!r} began")
         self._loaded = 0
-        self._begin_t = time.perf_counter()
+        self._begin_t = self._last_call = time.perf_counter()
         self._engine_begin()
         self._open = version
 
@@ -444,7 +493,11 @@ class EngineSession(WeightReceiver):
             raise RuntimeError(f"{self.engine_name}: load_bucket outside an update; call begin "
                                f"first")
         self._loaded += 1
-        return self._engine_load(descriptor)
+        self._last_call = time.perf_counter()
+        try:
+            return self._engine_load(descriptor)
+        finally:
+            self._last_call = time.perf_counter()
 
     def end(self, version: str) -> dict:
         if self._open != version:
@@ -459,13 +512,20 @@ class EngineSession(WeightReceiver):
     def abort(self, reason: str) -> None:
         if self._open is not None:
             logger.warning("%s: update %r aborted: %s", self.engine_name, self._open, reason)
-            if self._engine_abort(reason) or self._loaded:
+            if self._engine_abort(reason):
                 self._broken = (f"update {self._open!r} was aborted after {self._loaded} "
                                 f"bucket(s) ({reason}); sync again")
         self._open = None
 
     def weight_version(self) -> str | None:
+        self._expire_idle()
         return self._version
+
+    def _expire_idle(self) -> None:
+        idle = time.perf_counter() - self._last_call
+        if self._open is not None and idle > self.idle_timeout_s:
+            self.abort(f"its sender made no call for {idle:.0f} s (idle_timeout_s="
+                       f"{self.idle_timeout_s:g}); it is presumed dead")
 
     def settle(self, timeout_s: float = 120.0) -> dict:
         """Wait for work an engine finishes in the background after an update (none by
@@ -474,6 +534,7 @@ class EngineSession(WeightReceiver):
 
     def check_serving(self) -> None:
         """Raise unless the engine holds one complete set of weights."""
+        self._expire_idle()
         if self._broken:
             raise RuntimeError(f"{self.engine_name} engine does not serve: {self._broken}")
         if self._open:

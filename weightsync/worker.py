@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -88,6 +89,19 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         self.log = _RankLog(logger, {"rank": rank})
         self.device = init_trainer_group(rank=rank, world_size=world_size,
                                          master_addr=master_addr, master_port=master_port)
+        import datetime
+
+        import torch.distributed as dist
+
+        # The collectives of a sync (handles, barriers) run in their own group, bounded by
+        # `timeout_s`: a rank that dies mid-sync fails the others within it, whatever timeout
+        # the training collectives have.
+        self._sync_group = dist.new_group(backend="gloo",
+                                          timeout=datetime.timedelta(seconds=timeout_s))
+        # Fault injection for the reliability suite: "<bucket index>:<seconds>" makes rank 0
+        # pause before writing that bucket, so a test can kill a process mid-sync.
+        pause = os.environ.get("WEIGHTSYNC_TEST_PAUSE_BEFORE_BUCKET", "")
+        self._test_pause = tuple(map(float, pause.split(":"))) if pause else None
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype_from_str(dtype))
         self.model_path = model_path
         self.model = shard_model(model, device=self.device)
@@ -146,7 +160,7 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         import torch.distributed as dist
 
         ready = [self.sender is not None and bool(self.sender.engines)]
-        dist.broadcast_object_list(ready, src=0)
+        dist.broadcast_object_list(ready, src=0, group=self._sync_group)
         if not ready[0]:
             raise ValueError("sync before connect: call connect({name: engine}) first")
         if self.shard_direct:
@@ -174,6 +188,7 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         from weightsync.transports.shm import ShmReceiver
 
         pieces = iter(ShardPieces(self.source, rank=self.rank))
+        group = self._sync_group
 
         def write(plan: Any, buffer: torch.Tensor) -> None:
             for meta in plan.tensors:
@@ -185,9 +200,14 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
 
         if self.rank == 0:
             def write_bucket(plan: Any, slot: int, buffer: torch.Tensor) -> None:
-                dist.broadcast_object_list([self.sender.transport.handle(slot)], src=0)
+                if self._test_pause and plan.index == int(self._test_pause[0]):
+                    self.log.warning("test pause: %.0f s before bucket %d", self._test_pause[1],
+                                     plan.index)
+                    time.sleep(self._test_pause[1])
+                dist.broadcast_object_list([self.sender.transport.handle(slot)], src=0,
+                                           group=group)
                 write(plan, buffer)
-                dist.barrier()
+                dist.barrier(group=group)
 
             report = self.sender.sync(None, version=version, engines=engines, verify=verify,
                                       write_bucket=write_bucket)
@@ -198,9 +218,9 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
             self._shard_maps = ShmReceiver(max_open=4)
         for plan in plan_buckets(self.source.specs(), capacity_bytes=self.bucket_bytes):
             handle: list[Any] = [None]
-            dist.broadcast_object_list(handle, src=0)
+            dist.broadcast_object_list(handle, src=0, group=group)
             write(plan, self._shard_maps.receive(handle[0], plan.nbytes))
-            dist.barrier()
+            dist.barrier(group=group)
         return {"rank": self.rank}
 
     # ---- training, for tests and the demo ------------------------------------------------------

@@ -148,13 +148,17 @@ class SglEngineActor(EngineSession):
     engine_name = "sglang"
 
     def __init__(self, model_path: str, *, mode: str = "engine", dtype: str = "float32",
-                 api_key: str | None = None, engine_args: dict[str, Any] | None = None) -> None:
+                 api_key: str | None = None, engine_args: dict[str, Any] | None = None,
+                 idle_timeout_s: float = 60.0, keep_previous: bool = False) -> None:
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
-        super().__init__()
+        super().__init__(idle_timeout_s=idle_timeout_s)
         args = {**(CPU_ENGINE_ARGS if not torch.cuda.is_available() else {}), "dtype": dtype,
                 **(engine_args or {})}
         self.mode = mode
+        # Copy what each update overwrites, so a failed update is rolled back and the engine
+        # goes on serving its previous weights (costs a copy of the model, during updates).
+        self.keep_previous = keep_previous
         self.client = (_InProcess(model_path, {**args, "custom_weight_loader": [LOADER]})
                        if mode == "engine" else _Http(model_path, args, api_key=api_key))
         self.sessions = self.client.has_session()
@@ -203,17 +207,30 @@ class SglEngineActor(EngineSession):
         self._session("begin")
 
     def _engine_load(self, descriptor: dict) -> dict:
-        return as_plain(self._control("load", descriptor=descriptor))
+        return as_plain(self._control("load", descriptor=descriptor,
+                                      keep_previous=self.keep_previous))
 
     def _engine_end(self, version: str) -> dict:
         # The version rides on a last, empty control call, so SGLang's own tag moves too.
-        self._control("noop", weight_version=version)
+        self._control("commit", weight_version=version)
         self._session("end")
         return {"cache_flushed": self.client.flush_cache()}
 
+    def set_keep_previous(self, on: bool) -> None:
+        """Turn keeping (and restoring) the previous weights on or off for later updates."""
+        if self._open is not None:
+            raise RuntimeError(f"sglang: cannot change keep_previous during update {self._open!r}")
+        self.keep_previous = bool(on)
+
     def _engine_abort(self, reason: str) -> bool:
+        restored = False
+        if self.keep_previous and self._loaded:
+            try:
+                restored = self._control("rollback")["restored"] >= 0
+            except Exception as exc:  # the engine itself may be what failed
+                logger.warning("sglang: rolling back update %r failed: %s", self._open, exc)
         self._session("end", needed=False)
-        return False  # weights are mixed only if a bucket was loaded
+        return bool(self._loaded) and not restored
 
     def fingerprints(self) -> dict[str, list[int]]:
         return self._read_only("fingerprints")["fingerprints"]

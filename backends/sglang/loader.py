@@ -2,7 +2,7 @@
 
 SGLang calls `weightsync_load(model, named_tensors)` from `update_weights_from_tensor` when the
 request's load_format names it. We pass one control item: its name is a JSON message
-{"op": "check"|"load"|"fingerprints", "reply": dir, ...} and its tensor is empty; the weights
+{"op": "check"|"load"|"commit"|"rollback"|"fingerprints", "reply": dir, ...} and its tensor is empty; the weights
 themselves are in a transport buffer that the message's descriptor points at. SGLang ignores
 what a custom loader returns and an exception kills the scheduler (and with it the caller), so
 every outcome, failure included, is written as JSON to `<reply>/<pid>.json` and nothing raises.
@@ -47,13 +47,16 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         bucket = BucketDescriptor.from_dict(message["descriptor"])
         views = receiver.receive(bucket)
-        receiver.load(views)
+        receiver.load(views, keep_previous=bool(message.get("keep_previous")))
         del views
         receiver.release(bucket)
         return {"num_tensors": len(bucket.tensors), "nbytes": bucket.nbytes,
                 "seconds": time.perf_counter() - start}
-    if op == "noop":
+    if op == "commit":
+        receiver.drop_previous()
         return {}
+    if op == "rollback":
+        return {"restored": receiver.restore_previous()}
     if op == "fingerprints":
         return {"fingerprints": receiver.fingerprints()}
     raise ValueError(f"unknown weightsync op {op!r}")

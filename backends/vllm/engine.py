@@ -113,10 +113,11 @@ class VllmEngineActor(EngineSession):
 
     def __init__(self, model_path: str, *, mode: str = "engine", dtype: str = "float32",
                  max_model_len: int = 256, api_key: str | None = None,
-                 engine_args: dict[str, Any] | None = None) -> None:
+                 engine_args: dict[str, Any] | None = None,
+                 idle_timeout_s: float = 60.0) -> None:
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
-        super().__init__()
+        super().__init__(idle_timeout_s=idle_timeout_s)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         args = {"dtype": dtype, "enforce_eager": True, "max_model_len": max_model_len,
                 **(engine_args or {})}
@@ -144,9 +145,8 @@ class VllmEngineActor(EngineSession):
         return as_plain({"cache_flushed": flushed, "param_of": result["param_of"]})
 
     def _engine_abort(self, reason: str) -> bool:
-        # Loading is in place: weights are mixed only once a bucket was loaded, which
-        # EngineSession counts.
-        return False
+        # Loading is in place: weights are mixed once a bucket was loaded.
+        return self._loaded > 0
 
     def fingerprints(self) -> dict[str, list[int]]:
         return self._rpc("weightsync_fingerprints")

@@ -16,20 +16,42 @@ from weightsync.transports.shm import ShmSender, list_segments
 from weightsync.wire import TensorMeta
 
 NAME = "sglang"
+WORKER = "backends.sglang.worker.SglDTensorV2WeightSyncWorker"
+IDLE_TIMEOUT_S = 10.0  # the engine's: an update silent this long is aborted
+SYNC_TIMEOUT_S = 20.0  # the paused trainer's: bounds every engine call and sync collective
+PAUSE_S = 8.0  # shorter than both, so that only the kill fails the sync
+LONG_RUN_SYNCS = 200
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="opt", seed=0)
     launcher.init_ray(num_cpus=2)
-    engine = launcher.launch("backends.sglang.engine.SglEngineActor", model)
-    trainer = launcher.TrainerGroup("backends.sglang.worker.SglDTensorV2WeightSyncWorker",
-                                    model_path=model, bucket_bytes=1 << 20, seed=0,
+    engine = launcher.launch("backends.sglang.engine.SglEngineActor", model,
+                             idle_timeout_s=IDLE_TIMEOUT_S)
+    trainer = launcher.TrainerGroup(WORKER, model_path=model, bucket_bytes=1 << 20, seed=0,
                                     timeout_s=30)
     trainer.call("connect", {NAME: engine})
     trainer.call("sync", "v0", verify=True)
-    yield engine, trainer
+    yield engine, trainer, model
     ray.shutdown()
+
+
+def _paused_trainer(model: str, engine) -> launcher.TrainerGroup:
+    """A second trainer on the same engine whose rank 0 pauses before bucket 2 of each sync,
+    so that a test can kill a process while an update is half done."""
+    trainer = launcher.TrainerGroup(
+        WORKER, model_path=model, bucket_bytes=1 << 20, seed=7, timeout_s=SYNC_TIMEOUT_S,
+        env_vars={"WEIGHTSYNC_TEST_PAUSE_BEFORE_BUCKET": f"2:{PAUSE_S}"})
+    trainer.call("connect", {NAME: engine})
+    return trainer
+
+
+def _start_sync(trainer: launcher.TrainerGroup, version: str) -> list:
+    refs = [rank.sync.remote(version) for rank in trainer.ranks]
+    time.sleep(PAUSE_S / 2)  # buckets 0 and 1 are loaded; rank 0 is pausing
+    assert not ray.wait(refs, timeout=0)[0], "the sync ended before the pause"
+    return refs
 
 
 def _unchanged(engine, prints, version):
@@ -41,7 +63,7 @@ def _unchanged(engine, prints, version):
 @pytest.mark.parametrize("case", ["missing", "duplicate", "empty", "other_architecture",
                                   "unknown_dtype"])
 def test_bad_refit_info_is_rejected_before_any_weight_changes(setup, case):
-    engine, trainer = setup
+    engine, trainer, _ = setup
     prints = ray.get(engine.fingerprints.remote())
     specs = trainer.call("refit_info")
     bad, message = {
@@ -60,8 +82,13 @@ def test_bad_refit_info_is_rejected_before_any_weight_changes(setup, case):
     _unchanged(engine, prints, "v0")
 
 
-def test_update_aborted_midway_is_never_served_and_the_next_sync_recovers(setup):
-    engine, trainer = setup
+@pytest.mark.parametrize("keep_previous", [False, True])
+def test_update_aborted_midway_is_never_served_and_the_next_sync_recovers(setup, keep_previous):
+    engine, trainer, _ = setup
+    ray.get(engine.set_keep_previous.remote(keep_previous))
+    version = ray.get(engine.weight_version.remote())
+    prints = ray.get(engine.fingerprints.remote())
+    served = ray.get(engine.generate.remote(prompt_ids()))
     spec = trainer.call("refit_info")[0]  # the token embedding
     sender = ShmSender(num_slots=1)
     try:
@@ -76,37 +103,88 @@ def test_update_aborted_midway_is_never_served_and_the_next_sync_recovers(setup)
         ray.get(engine.abort.remote("sender failed"))
     finally:
         sender.close()
-    with pytest.raises(Exception, match="does not serve: update 'half' was aborted"):
-        ray.get(engine.generate.remote(prompt_ids()))
-    assert ray.get(engine.weight_version.remote()) == "v0"
-    report = trainer.call("sync", "recovered", verify=True)
+    assert ray.get(engine.weight_version.remote()) == version
+    if keep_previous:
+        # The overwritten embedding was put back: same weights, same answers.
+        assert ray.get(engine.fingerprints.remote()) == prints
+        assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
+    else:
+        assert ray.get(engine.fingerprints.remote()) != prints
+        with pytest.raises(Exception, match="does not serve: update 'half' was aborted"):
+            ray.get(engine.generate.remote(prompt_ids()))
+    report = trainer.call("sync", f"recovered-{keep_previous}", verify=True)
     assert report["verify"][NAME]["verified"]
     assert_engine_matches_reference(engine, trainer)
+    ray.get(engine.set_keep_previous.remote(False))
 
 
 def test_an_update_left_open_by_a_dead_sender_is_aborted_by_the_next(setup):
-    engine, trainer = setup
+    engine, trainer, _ = setup
     ray.get(engine.begin.remote("orphan"))  # its sender never comes back
     report = trainer.call("sync", "after-orphan", verify=True)
     assert report["verify"][NAME]["verified"]
     assert ray.get(engine.weight_version.remote()) == "after-orphan"
 
 
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0-the-sender"])
+def test_a_trainer_rank_killed_mid_sync_fails_it_within_the_timeout(setup, victim):
+    engine, trainer, model = setup
+    ray.get(engine.set_keep_previous.remote(True))
+    before = trainer.call("sync", f"before-kill-{victim}", verify=True)
+    assert before["verify"][NAME]["verified"]
+    prints = ray.get(engine.fingerprints.remote())
+    served = ray.get(engine.generate.remote(prompt_ids()))
+    doomed = _paused_trainer(model, engine)
+    refs = _start_sync(doomed, "never")
+    ray.kill(doomed.ranks[victim].handle)
+    killed = time.monotonic()
+    survivor = refs[1 - victim]
+    with pytest.raises(Exception) as failure:  # noqa: PT011 - gloo's wording varies
+        ray.get(survivor, timeout=60)
+    print(f"rank {victim} killed mid-sync: the other rank failed after "
+          f"{time.monotonic() - killed:.1f} s: {str(failure.value).splitlines()[-1][:200]}")
+    assert time.monotonic() - killed < PAUSE_S + SYNC_TIMEOUT_S + 30
+    if victim == 0:
+        # Nobody aborts the engine's update: it expires after idle_timeout_s of silence.
+        time.sleep(max(0.0, IDLE_TIMEOUT_S - (time.monotonic() - killed)) + 1)
+    # The engine stayed up, rolled back, and serves its previous weights and version.
+    assert ray.get(engine.weight_version.remote()) == f"before-kill-{victim}"
+    assert ray.get(engine.fingerprints.remote()) == prints
+    assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
+    doomed.kill()
+    report = trainer.call("sync", f"after-kill-{victim}", verify=True)
+    assert report["verify"][NAME]["verified"]
+    assert_engine_matches_reference(engine, trainer)
+    ray.get(engine.set_keep_previous.remote(False))
+
+
+def test_an_update_whose_sender_went_silent_expires_and_is_not_served(setup):
+    engine, trainer, _ = setup
+    trainer.call("sync", "before-silence")
+    ray.get(engine.begin.remote("silent"))
+    with pytest.raises(Exception, match="does not serve during update 'silent'"):
+        ray.get(engine.generate.remote(prompt_ids()))
+    time.sleep(IDLE_TIMEOUT_S + 1)
+    # No bucket was loaded, so the weights are whole: the engine serves its previous version.
+    assert ray.get(engine.generate.remote(prompt_ids()))["weight_version"] == "before-silence"
+    assert trainer.call("sync", "after-silence", verify=True)["verify"][NAME]["verified"]
+
+
 def test_many_syncs_with_requests_leak_no_segments_or_descriptors(setup):
-    engine, trainer = setup
+    engine, trainer, _ = setup
     trainer.call("sync", "warm")
     ray.get(engine.generate.remote(prompt_ids()))
     segments = len(list_segments())
     engine_before = ray.get(engine.process_stats.remote())
     trainer_before = trainer.call("process_stats")
-    for i in range(40):
+    for i in range(LONG_RUN_SYNCS):
         trainer.call("set_weights_from", i)
         trainer.call("sync", f"long-{i}")
         ray.get(engine.generate.remote(prompt_ids()))
     assert trainer.call("sync", "long-end", verify=True)["verify"][NAME]["verified"]
     engine_after = ray.get(engine.process_stats.remote())
     trainer_after = trainer.call("process_stats")
-    print(f"40 syncs: shm segments {segments} -> {len(list_segments())}; engine fds "
+    print(f"{LONG_RUN_SYNCS} syncs: shm segments {segments} -> {len(list_segments())}; engine fds "
           f"{engine_before['fds']} -> {engine_after['fds']}, rss "
           f"{engine_before['rss_bytes'] >> 20} -> {engine_after['rss_bytes'] >> 20} MiB; "
           f"trainer rank 0 fds {trainer_before['fds']} -> {trainer_after['fds']}")
@@ -116,10 +194,13 @@ def test_many_syncs_with_requests_leak_no_segments_or_descriptors(setup):
     assert engine_after["rss_bytes"] < engine_before["rss_bytes"] * 1.2 + (64 << 20)
 
 
-def test_a_killed_engine_fails_the_sync_within_the_timeout_naming_it(setup):
-    engine, trainer = setup
+def test_an_engine_killed_mid_sync_fails_it_within_the_timeout_naming_it(setup):
+    engine, _, model = setup
+    doomed = _paused_trainer(model, engine)
+    refs = _start_sync(doomed, "engine-dies")
     ray.kill(engine.handle)
-    start = time.monotonic()
+    killed = time.monotonic()
     with pytest.raises(Exception, match=r"engine 'sglang' (died|did not answer)"):
-        trainer.call("sync", "after-kill")
-    assert time.monotonic() - start < 60
+        ray.get(refs[0], timeout=120)
+    assert time.monotonic() - killed < PAUSE_S + 60
+    doomed.kill()
