@@ -7,10 +7,9 @@ forwards calls to it. `launch()` returns an `ActorProxy` that reads like the act
 `proxy.method.remote(*args)`. Only plain data should go through those calls across envs.
 
 More than one machine: `launch(..., node_id=...)` places an actor on that Ray node and first
-builds its env there (`build_env_on_node`), with no shared filesystem: Ray ships this project's
-files to the node (a runtime_env working_dir), a task on the node copies them into a node-local
-folder named by their content hash ($WEIGHTSYNC_NODE_DIR, default ~/.cache/weightsync/nodes) and
-runs `uv sync --locked` there, and the actor starts from that venv's python.
+builds its env there (`build_env_on_node`, the node side in node_build.py), with no shared
+filesystem: the project's code and locks travel as a tar.gz in a Ray task, which unpacks them
+into a node-local folder and runs `uv sync --locked` there; the actor starts from that venv.
 """
 
 from __future__ import annotations
@@ -144,67 +143,38 @@ def launch(qualname: str, *args: Any, env: str | None = None, name: str | None =
 
 
 # ---- env builds on other nodes --------------------------------------------------------------
-# What a node needs to build any env: the code and every lock (Ray ships the working_dir).
+# What a node needs to build any env: the code and every lock.
 _PROJECT_FILES = ("pyproject.toml", "uv.lock", "README.md", "weightsync", "backends", "envs")
-_SHIP_EXCLUDES = [".git", ".venv", "envs/*/.venv", "envs/*/.venv.building", "__pycache__",
-                  "tests", "docs", "scripts", ".github", ".ci"]
 _node_pythons: dict[tuple[str, str], dict[str, Any]] = {}
 
 
-def project_key() -> str:
-    """Content hash of what a node needs to build envs (code, pyprojects, locks)."""
-    import hashlib
-
-    digest = hashlib.sha256()
+def _project_files() -> list[Path]:
+    out: list[Path] = []
     for top in _PROJECT_FILES:
         path = envs.REPO_ROOT / top
-        files = [path] if path.is_file() else sorted(
+        out += [path] if path.is_file() else sorted(
             p for p in path.rglob("*") if p.is_file() and ".venv" not in p.parts
             and "__pycache__" not in p.parts and not p.name.endswith(".building"))
-        for f in files:
-            digest.update(str(f.relative_to(envs.REPO_ROOT)).encode())
-            digest.update(f.read_bytes())
-    return digest.hexdigest()[:16]
+    return out
 
 
-def _node_dir() -> Path:
-    return Path(os.environ.get("WEIGHTSYNC_NODE_DIR",
-                               Path.home() / ".cache" / "weightsync" / "nodes"))
+def project_archive() -> tuple[str, bytes]:
+    """(content hash, tar.gz bytes) of what a node needs to build envs: code, pyprojects, locks."""
+    import hashlib
+    import io
+    import tarfile
 
-
-def _build_here(env: str, key: str) -> dict[str, Any]:
-    """Runs as a Ray task on the target node, in Ray's copy of the project (the cwd)."""
-    import json
-    import shutil
-    import subprocess
-    import sys
-
-    import ray
-
-    root = _node_dir() / key
-    if not (root / "pyproject.toml").exists():
-        staging = root.with_name(f"{key}.tmp-{os.getpid()}")
-        shutil.copytree(os.getcwd(), staging, symlinks=True)
-        root.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(staging, root)
-        except OSError:  # another task won the race
-            shutil.rmtree(staging, ignore_errors=True)
-    # A fresh interpreter, so that `weightsync.envs` is the node's copy whatever this worker
-    # had imported before.
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from weightsync import envs; "
-            "r = envs.build(sys.argv[2], quiet=True); "
-            "print('WEIGHTSYNC-BUILD ' + json.dumps({**r, 'python': str(envs.python_path("
-            "sys.argv[2]))}))")
-    result = subprocess.run([sys.executable, "-c", code, str(root), env], capture_output=True,
-                            text=True, cwd=root)
-    for line in result.stdout.splitlines():
-        if line.startswith("WEIGHTSYNC-BUILD "):
-            out = json.loads(line.removeprefix("WEIGHTSYNC-BUILD "))
-            return {**out, "root": str(root), "node_id": ray.get_runtime_context().get_node_id()}
-    tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
-    raise RuntimeError(f"building env {env!r} on node {ray.get_runtime_context().get_node_id()}"
-                       f" in {root} failed (exit {result.returncode}):\n{tail}")
+    digest = hashlib.sha256()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for f in _project_files():
+            rel = str(f.relative_to(envs.REPO_ROOT))
+            data = f.read_bytes()
+            digest.update(rel.encode() + b"\0" + data)
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode = len(data), f.stat().st_mode & 0o755
+            tar.addfile(info, io.BytesIO(data))
+    return digest.hexdigest()[:16], buf.getvalue()
 
 
 def build_env_on_node(env: str, node_id: str, *, timeout_s: float = 1800.0) -> dict[str, Any]:
@@ -217,10 +187,17 @@ def build_env_on_node(env: str, node_id: str, *, timeout_s: float = 1800.0) -> d
     cached = _node_pythons.get((env, node_id))
     if cached is not None:
         return cached
-    task = ray.remote(_build_here).options(
-        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        runtime_env={"working_dir": str(envs.REPO_ROOT), "excludes": _SHIP_EXCLUDES})
-    out = ray.get(task.remote(env, project_key()), timeout=timeout_s)
+    from ray import cloudpickle
+
+    from weightsync import node_build
+
+    # The task's code travels by value: the node has nothing of ours installed.
+    cloudpickle.register_pickle_by_value(node_build)
+    key, archive = project_archive()
+    task = ray.remote(node_build.build_here).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+    out = ray.get(task.remote(env, key, archive), timeout=timeout_s)
+    out["node_id"] = node_id
     logger.info("env %s on node %s: %s in %.1f s (%s)", env, node_id[:8], out["action"],
                 out["seconds"], out["python"])
     _node_pythons[(env, node_id)] = out
