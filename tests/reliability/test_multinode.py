@@ -3,7 +3,7 @@ built there, from files Ray ships (not from this checkout), and is synced over g
 
 from __future__ import annotations
 
-import os
+import shutil
 
 import ray
 
@@ -59,4 +59,4 @@ def test_an_engine_on_another_node_is_built_there_and_kept_in_step(tmp_path, mon
     finally:
         ray.shutdown()
         cluster.shutdown()
-        os.environ.pop("WEIGHTSYNC_NODE_DIR", None)
+        shutil.rmtree(other_dir, ignore_errors=True)
