@@ -82,6 +82,11 @@ class WeightReceiver(ABC):
     def weight_version(self) -> str | None:
         """The version tag of the weights served now (None before the first sync)."""
 
+    def settle(self, timeout_s: float = 120.0) -> dict:
+        """Wait for work the engine finishes in the background after an update (none by
+        default); reports {"background_s": seconds it took} where there is some."""
+        return {}
+
 
 def _scratch_like(param: torch.Tensor) -> torch.nn.Parameter:
     scratch = torch.nn.Parameter(torch.empty_like(param.data), requires_grad=False)
@@ -369,19 +374,7 @@ class ModuleWeightReceiver(WeightReceiver):
         return self.receiver.fingerprints()
 
     def weight_version(self) -> str | None:
-        self._expire_idle()
         return self._version
-
-    def _expire_idle(self) -> None:
-        idle = time.perf_counter() - self._last_call
-        if self._open is not None and idle > self.idle_timeout_s:
-            self.abort(f"its sender made no call for {idle:.0f} s (idle_timeout_s="
-                       f"{self.idle_timeout_s:g}); it is presumed dead")
-
-    def settle(self, timeout_s: float = 120.0) -> dict:
-        """Wait for work an engine finishes in the background after an update (none by
-        default); reports {"background_s": seconds it took} where there is some."""
-        return {}
 
 
 def checkpoint_specs(path: str) -> dict[str, TensorSpec]:
@@ -526,11 +519,6 @@ class EngineSession(WeightReceiver):
         if self._open is not None and idle > self.idle_timeout_s:
             self.abort(f"its sender made no call for {idle:.0f} s (idle_timeout_s="
                        f"{self.idle_timeout_s:g}); it is presumed dead")
-
-    def settle(self, timeout_s: float = 120.0) -> dict:
-        """Wait for work an engine finishes in the background after an update (none by
-        default); reports {"background_s": seconds it took} where there is some."""
-        return {}
 
     def check_serving(self) -> None:
         """Raise unless the engine holds one complete set of weights."""
