@@ -28,7 +28,7 @@ import torch
 from weightsync.bucket import unpack
 from weightsync.fingerprint import Fingerprint, combine, fingerprint
 from weightsync.transports import ReceiverTransport, receiver_for
-from weightsync.wire import BucketDescriptor, TensorSpec, dtype_to_str
+from weightsync.wire import BucketDescriptor, BucketRejected, TensorSpec, dtype_to_str
 
 if TYPE_CHECKING:
     from torch import nn
@@ -223,14 +223,14 @@ class ModelReceiver:
     def check_descriptor(self, descriptor: BucketDescriptor) -> None:
         """Every tensor of the bucket was accepted by check_refit, with the same dtype/shape."""
         if not self.accepted:
-            raise ValueError(f"{self.name}: load before check_refit; call check_refit first")
+            raise BucketRejected(f"{self.name}: load before check_refit; call check_refit first")
         for meta in descriptor.tensors:
             spec = self.accepted.get(meta.name)
             if spec is None:
-                raise ValueError(f"{self.name}: bucket {descriptor.index} carries {meta.name!r}, "
+                raise BucketRejected(f"{self.name}: bucket {descriptor.index} carries {meta.name!r}, "
                                  f"which refit info did not announce")
             if spec.shape != meta.shape or spec.dtype != meta.dtype:
-                raise ValueError(
+                raise BucketRejected(
                     f"{self.name}: tensor {meta.name!r}: bucket has {meta.dtype} {meta.shape}, "
                     f"refit info announced {spec.dtype} {spec.shape}"
                 )
@@ -485,12 +485,18 @@ class EngineSession(WeightReceiver):
         if self._open is None:
             raise RuntimeError(f"{self.engine_name}: load_bucket outside an update; call begin "
                                f"first")
-        self._loaded += 1
         self._last_call = time.perf_counter()
         try:
-            return self._engine_load(descriptor)
+            result = self._engine_load(descriptor)
+        except BucketRejected:
+            raise  # refused before any byte was written: the weights are still whole
+        except BaseException:
+            self._loaded += 1  # it may have been partly written
+            raise
         finally:
             self._last_call = time.perf_counter()
+        self._loaded += 1
+        return result
 
     def end(self, version: str) -> dict:
         if self._open != version:

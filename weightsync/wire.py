@@ -124,6 +124,11 @@ class TensorMeta:
         return cls(name=d["name"], dtype=d["dtype"], shape=tuple(d["shape"]), offset=d["offset"])
 
 
+class BucketRejected(ValueError):
+    """A bucket refused before any of its bytes reached a parameter (bad layout, tensors that
+    refit info did not announce): the engine's weights are as they were."""
+
+
 @dataclass(kw_only=True, slots=True)
 class BucketDescriptor:
     """One bucket on the wire: the transport handle plus the tensors packed in it.
@@ -140,7 +145,7 @@ class BucketDescriptor:
     def validate(self, buffer_nbytes: int) -> None:
         """Check that every tensor lies inside a buffer of `buffer_nbytes` bytes."""
         if self.nbytes > buffer_nbytes:
-            raise ValueError(
+            raise BucketRejected(
                 f"bucket {self.index}: descriptor says {self.nbytes} bytes but the buffer holds "
                 f"{buffer_nbytes}"
             )
@@ -148,13 +153,13 @@ class BucketDescriptor:
             dtype_from_str(meta.dtype)
             end = meta.offset + meta.nbytes
             if meta.offset < 0 or end > self.nbytes:
-                raise ValueError(
+                raise BucketRejected(
                     f"bucket {self.index}: tensor {meta.name!r} spans bytes [{meta.offset}, {end}) "
                     f"outside the bucket's {self.nbytes} bytes; sender and receiver disagree "
                     f"on the layout"
                 )
             if meta.offset % element_size(meta.dtype):
-                raise ValueError(
+                raise BucketRejected(
                     f"bucket {self.index}: tensor {meta.name!r} offset {meta.offset} is not "
                     f"aligned for {meta.dtype}"
                 )
@@ -208,11 +213,11 @@ def error_reply(exc: BaseException) -> dict[str, Any]:
 
 
 def unwrap_replies(replies: list[dict[str, Any]]) -> Any:
-    """The first reply's result; a failed reply is raised again, ValueError/TypeError as
-    themselves (the caller's bad input), anything else as RuntimeError."""
+    """The first reply's result; a failed reply is raised again, ValueError/TypeError/
+    BucketRejected as themselves (the caller's bad input), anything else as RuntimeError."""
     for reply in replies:
         if not reply["ok"]:
-            error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(
-                reply["type"], RuntimeError)
+            error_type = {"ValueError": ValueError, "TypeError": TypeError,
+                          "BucketRejected": BucketRejected}.get(reply["type"], RuntimeError)
             raise error_type(reply["error"])
     return replies[0]["result"]

@@ -82,6 +82,52 @@ def test_bad_refit_info_is_rejected_before_any_weight_changes(setup, case):
     _unchanged(engine, prints, "v0")
 
 
+def test_a_bucket_too_small_for_its_tensors_is_rejected_before_any_weight_changes(setup):
+    engine, trainer, _ = setup
+    version = ray.get(engine.weight_version.remote())
+    prints = ray.get(engine.fingerprints.remote())
+    spec = trainer.call("refit_info")[0]
+    meta = TensorMeta(name=spec["name"], dtype=spec["dtype"], shape=tuple(spec["shape"]),
+                      offset=0)
+    sender = ShmSender(num_slots=1)
+    try:
+        sender.buffer(0, meta.nbytes // 2)
+        descriptor = {"index": 0, "nbytes": meta.nbytes // 2, "handle": sender.handle(0),
+                      "tensors": [meta.to_dict()]}
+        ray.get(engine.begin.remote("small"))
+        with pytest.raises(ValueError, match=rf"tensor '{spec['name']}' spans bytes \[0, "
+                           rf"{meta.nbytes}\) outside the bucket's {meta.nbytes // 2} bytes"):
+            ray.get(engine.load_bucket.remote(descriptor))
+        ray.get(engine.abort.remote("the sender gave up"))
+    finally:
+        sender.close()
+    # Refused before a byte was written: the engine serves on, unchanged.
+    _unchanged(engine, prints, version)
+
+
+def test_non_contiguous_trainer_tensors_arrive_intact(setup):
+    engine, trainer, _ = setup
+    from weightsync.endpoint import RayEndpoint
+    from weightsync.sender import WeightSender
+    from weightsync.wire import specs_from_dicts
+
+    trainer.call("set_weights_from", 11)
+    state = trainer.call("full_state")
+    # The same values in column-major storage (and a strided view for 1-D tensors).
+    strided = {n: (t.t().contiguous().t() if t.dim() == 2 else
+                   torch.stack([t, t], dim=1)[:, 0]) for n, t in state.items()}
+    assert not any(t.is_contiguous() for t in strided.values())
+    sender = WeightSender(specs_from_dicts(trainer.call("refit_info")),
+                          transport=ShmSender(num_slots=2), capacity_bytes=1 << 20)
+    try:
+        sender.add_engine(RayEndpoint(engine, name=NAME))
+        report = sender.sync(iter(strided.items()), version="strided", verify=True)
+    finally:
+        sender.close()
+    assert report["verify"][NAME]["verified"], report["verify"]
+    assert_engine_matches_reference(engine, trainer)
+
+
 @pytest.mark.parametrize("keep_previous", [False, True])
 def test_update_aborted_midway_is_never_served_and_the_next_sync_recovers(setup, keep_previous):
     engine, trainer, _ = setup
