@@ -156,19 +156,28 @@ class ShardPieces:
         self.source = source
         self.rank = rank
 
+    def _offset(self, name: str, tensor: torch.Tensor, out_dtype: torch.dtype) -> int:
+        """Byte offset of this rank's shard in the full tensor; the DTensor placement math
+        costs ~40 us a tensor, so it is done once per layout and kept on the source."""
+        cache = self.source.__dict__.setdefault("_shard_offsets", {})
+        key = (name, tuple(tensor.shape), tuple(tensor.placements), out_dtype)
+        offset = cache.get(key)
+        if offset is None:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            _, start = compute_local_shape_and_global_offset(
+                tensor.shape, tensor.device_mesh, tensor.placements)
+            offset = cache[key] = start[0] * math.prod(tensor.shape[1:]) * out_dtype.itemsize
+        return offset
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None, int]]:
         for name, tensor in self.source._state_dict().items():
             tensor = tensor.detach()
             out_dtype = self.source._out_dtype(tensor)
             if _dim0_sharded(tensor):
-                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-                _, offset = compute_local_shape_and_global_offset(
-                    tensor.shape, tensor.device_mesh, tensor.placements)
                 local = tensor.to_local()
-                row_bytes = math.prod(tensor.shape[1:]) * out_dtype.itemsize
                 data = local.to(out_dtype).contiguous() if local.numel() else None
-                yield name, data, offset[0] * row_bytes
+                yield name, data, self._offset(name, tensor, out_dtype)
             elif _replicated(tensor) or not hasattr(tensor, "placements"):
                 local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
                 yield name, (local.to(out_dtype).contiguous() if self.rank == 0 else None), 0
