@@ -215,7 +215,9 @@ def run(args: argparse.Namespace) -> int:
         for name, eng in res["engines"].items():
             rows.append([res["size"], "", f"{name}: weightsync sync",
                          f"{_gbps(n, eng['sync_s']):.2f}", f"{eng['sync_s'] * 1e3:.0f}"])
-            rows.append([res["size"], "", f"{name}: + verify (extra)", "",
+            rows.append([res["size"], "",
+                         f"{name}: + verify (extra; "
+                         f"{'verified' if eng['verified'] else 'NOT VERIFIED'})", "",
                          f"{eng['verify_extra_s'] * 1e3:.0f}"])
             if eng.get("background_s"):
                 rows.append([res["size"], "", f"{name}: background after sync (GEMM re-pack)",

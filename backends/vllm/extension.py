@@ -14,6 +14,7 @@ parameter, and by default drops the parameter. So (1) we keep the parameters (vL
 owning a parameter a bucket touched is pointed at its parameters (`torch.nn.functional.linear`),
 so it computes with the new weights at once; (3) once the update has ended, `_Repacker` re-runs
 those modules' `process_weights_after_loading` on a background thread, restoring packed GEMMs.
+Each CPU layer's `cpu_linear` is wrapped once in a `_Gemm` that picks between the two.
 Ownership is by parameter identity: a tied LM head shares the embedding's parameter under a name
 no checkpoint tensor uses, and its GEMM is what computes the logits.
 vLLM's layerwise reload (rebuild each layer, re-process it) was the first way in: 0.77 s per sync
@@ -51,10 +52,21 @@ def _keep_cpu_linear_weights() -> None:
 _keep_cpu_linear_weights()
 
 
-def _linear_from_params(x: Any, weight: Any, bias: Any) -> Any:
-    import torch
+class _Gemm:
+    """A CPU layer's `cpu_linear`: its packed GEMM, or, while the layer is in `stale` (loaded
+    since it was last packed), `torch.nn.functional.linear` on its parameters. Marking layers
+    stale is one set update per bucket, with no attribute stores on vLLM's modules."""
 
-    return torch.nn.functional.linear(x, weight, bias)
+    def __init__(self, packed: Any, stale: set) -> None:
+        self.packed = packed
+        self.stale = stale
+
+    def __call__(self, x: Any, weight: Any, bias: Any) -> Any:
+        if self in self.stale:
+            import torch
+
+            return torch.nn.functional.linear(x, weight, bias)
+        return self.packed(x, weight, bias)
 
 
 class _Repacker:
@@ -62,13 +74,14 @@ class _Repacker:
 
     Until a module is packed again it computes with `torch.nn.functional.linear` from its
     (already updated) parameters: the same weights, ~3x slower per decode GEMM on this CPU.
-    A module's packed GEMM replaces the plain one with one attribute store, so a forward pass
-    uses one or the other. A new update stops the thread before loading anything.
+    A module's new packed GEMM is swapped in before the module leaves `stale`, so a forward
+    pass uses one or the other. A new update stops the thread before loading anything.
     """
 
     def __init__(self) -> None:
         import threading
 
+        self.stale: set[_Gemm] = set()  # layers loaded since their last packing
         self.pending: dict[int, Any] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -90,7 +103,11 @@ class _Repacker:
         try:
             while self.pending and not self._stop.is_set():
                 _, module = self.pending.popitem()
-                module.quant_method.process_weights_after_loading(module)
+                gemm = module.cpu_linear
+                module.quant_method.process_weights_after_loading(module)  # a new packed GEMM
+                gemm.packed = module.cpu_linear
+                module.cpu_linear = gemm
+                self.stale.discard(gemm)
         except BaseException as exc:  # noqa: BLE001 - the module keeps its plain GEMM
             self.error = f"{type(exc).__name__}: {exc}"
             logger.warning("weightsync: re-packing GEMM weights failed: %s", self.error)
@@ -158,35 +175,50 @@ class WeightsyncWorkerExtension:
     def weightsync_begin(self) -> None:
         state = self._ws_state()
         state["repacker"].stop()  # it must not pack half-loaded weights
+        self._ws_rewrap()
         state["open"] = True
 
-    def _ws_owners(self) -> dict[str, list[Any]]:
-        """Parameter name (as load_weights reports it) -> the modules holding that tensor."""
+    def _ws_gemms(self) -> dict[str, list[_Gemm]]:
+        """Parameter name (as load_weights reports it) -> the GEMMs of the CPU layers holding
+        that tensor (by identity: a tied LM head shares the embedding's parameter). Built once;
+        it wraps each such layer's `cpu_linear` in a `_Gemm`."""
         state = self._ws_state()
-        if "owners" not in state:
+        if "gemms" not in state:
             model = state["receiver"].model
-            by_id: dict[int, list[Any]] = {}
+            by_id: dict[int, list[_Gemm]] = {}
             for module in model.modules():
-                if getattr(module, "quant_method", None) is not None:
-                    for param in module.parameters(recurse=False):
-                        by_id.setdefault(id(param), []).append(module)
-            state["owners"] = {name: by_id.get(id(p), []) for name, p in model.named_parameters()}
-        return state["owners"]
+                if not hasattr(module, "cpu_linear"):
+                    continue
+                if not isinstance(module.cpu_linear, _Gemm):
+                    module.cpu_linear = _Gemm(module.cpu_linear, state["repacker"].stale)
+                for param in module.parameters(recurse=False):
+                    by_id.setdefault(id(param), []).append(module.cpu_linear)
+            state["gemm_modules"] = {id(m.cpu_linear): (m.cpu_linear, m) for m in model.modules()
+                                     if isinstance(getattr(m, "cpu_linear", None), _Gemm)}
+            state["gemms"] = {name: by_id.get(id(p), []) for name, p in model.named_parameters()}
+        return state["gemms"]
 
-    def _ws_unpack(self, touched: set[str]) -> None:
-        """Point the modules owning touched parameters at those parameters until repacked
+    def _ws_mark_stale(self, touched: set[str]) -> None:
+        """Layers owning touched parameters compute from those parameters until repacked
         (CPU only: elsewhere unquantized layers compute from their parameters already)."""
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
             return
-        owners = self._ws_owners()
-        pending = self._ws_state()["repacker"].pending
-        for name in touched:
-            for module in owners.get(name, []):
-                if hasattr(module, "cpu_linear"):
-                    module.cpu_linear = _linear_from_params
-                    pending[id(module)] = module
+        gemms = self._ws_gemms()
+        state = self._ws_state()
+        stale = [g for name in touched for g in gemms.get(name, ())]
+        state["repacker"].stale.update(stale)
+        modules = state["gemm_modules"]
+        state["repacker"].pending.update((id(g), modules[id(g)][1]) for g in stale)
+
+    def _ws_rewrap(self) -> None:
+        """Put our `_Gemm`s back on layers something else re-processed since the last update
+        (vLLM's own reload_weights installs plain packed GEMMs)."""
+        for gemm, module in self._ws_state().get("gemm_modules", {}).values():
+            if module.cpu_linear is not gemm:
+                gemm.packed = module.cpu_linear
+                module.cpu_linear = gemm
 
     @_guard
     def weightsync_load(self, descriptor: dict) -> dict[str, Any]:
@@ -213,7 +245,7 @@ class WeightsyncWorkerExtension:
                 if name not in receiver.param_of:
                     receiver.param_of[name] = sorted(model.load_weights([(name, tensor)]))
                     touched.update(receiver.param_of[name])
-        self._ws_unpack(touched)
+        self._ws_mark_stale(touched)
         del views, known
         receiver.release(bucket)
         return {"num_tensors": len(bucket.tensors), "nbytes": bucket.nbytes,
