@@ -37,6 +37,13 @@ def setup(tmp_path_factory):
     ray.shutdown()
 
 
+def _sync_recovers(engine, trainer, version: str) -> None:
+    """The fixture's trainer syncs, verified, and the engine answers as its reference does."""
+    report = trainer.call("sync", version, verify=True)
+    assert report["verify"][NAME]["verified"], report["verify"]
+    assert_engine_matches_reference(engine, trainer)
+
+
 def _paused_trainer(model: str, engine) -> launcher.TrainerGroup:
     """A second trainer on the same engine whose rank 0 pauses before bucket 2 of each sync,
     so that a test can kill a process while an update is half done."""
@@ -106,26 +113,34 @@ def test_a_bucket_too_small_for_its_tensors_is_rejected_before_any_weight_change
 
 
 def test_non_contiguous_trainer_tensors_arrive_intact(setup):
+    """The same values sent once contiguous and once strided give the engine the same weights,
+    down to its answers' logprobs (fingerprints alone would not see a transposed tensor)."""
     engine, trainer, _ = setup
     from weightsync.endpoint import RayEndpoint
     from weightsync.sender import WeightSender
-    from weightsync.wire import specs_from_dicts
+    from weightsync.wire import dtype_from_str, specs_from_dicts
 
-    trainer.call("set_weights_from", 11)
-    state = trainer.call("full_state")
+    specs = specs_from_dicts(trainer.call("refit_info"))  # plain data; values made here
+    gen = torch.Generator().manual_seed(11)
+    values = {s.name: (torch.randn(s.shape, generator=gen) * 0.05).to(dtype_from_str(s.dtype))
+              for s in specs}
     # The same values in column-major storage (and a strided view for 1-D tensors).
     strided = {n: (t.t().contiguous().t() if t.dim() == 2 else
-                   torch.stack([t, t], dim=1)[:, 0]) for n, t in state.items()}
+                   torch.stack([t, t], dim=1)[:, 0]) for n, t in values.items()}
     assert not any(t.is_contiguous() for t in strided.values())
-    sender = WeightSender(specs_from_dicts(trainer.call("refit_info")),
-                          transport=ShmSender(num_slots=2), capacity_bytes=1 << 20)
+    sender = WeightSender(specs, transport=ShmSender(num_slots=2), capacity_bytes=1 << 20)
+    answers = []
     try:
         sender.add_engine(RayEndpoint(engine, name=NAME))
-        report = sender.sync(iter(strided.items()), version="strided", verify=True)
+        for version, tensors in (("contiguous", values), ("strided", strided)):
+            report = sender.sync(iter(tensors.items()), version=version, verify=True)
+            assert report["verify"][NAME]["verified"], report["verify"]
+            answers.append(ray.get(engine.generate.remote(prompt_ids())))
     finally:
         sender.close()
-    assert report["verify"][NAME]["verified"], report["verify"]
-    assert_engine_matches_reference(engine, trainer)
+    assert answers[0]["tokens"] == answers[1]["tokens"]
+    assert answers[0]["logprobs"] == answers[1]["logprobs"]
+    _sync_recovers(engine, trainer, "after-strided")
 
 
 @pytest.mark.parametrize("keep_previous", [False, True])
@@ -158,9 +173,7 @@ def test_update_aborted_midway_is_never_served_and_the_next_sync_recovers(setup,
         assert ray.get(engine.fingerprints.remote()) != prints
         with pytest.raises(Exception, match="does not serve: update 'half' was aborted"):
             ray.get(engine.generate.remote(prompt_ids()))
-    report = trainer.call("sync", f"recovered-{keep_previous}", verify=True)
-    assert report["verify"][NAME]["verified"]
-    assert_engine_matches_reference(engine, trainer)
+    _sync_recovers(engine, trainer, f"recovered-{keep_previous}")
     ray.get(engine.set_keep_previous.remote(False))
 
 
@@ -198,9 +211,7 @@ def test_a_trainer_rank_killed_mid_sync_fails_it_within_the_timeout(setup, victi
     assert ray.get(engine.fingerprints.remote()) == prints
     assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
     doomed.kill()
-    report = trainer.call("sync", f"after-kill-{victim}", verify=True)
-    assert report["verify"][NAME]["verified"]
-    assert_engine_matches_reference(engine, trainer)
+    _sync_recovers(engine, trainer, f"after-kill-{victim}")
     ray.get(engine.set_keep_previous.remote(False))
 
 
