@@ -49,12 +49,15 @@ def check_sync_after_training(engine, trainer, name: str, version: str, *, steps
     return report
 
 
-def check_repeated_syncs(engine, trainer, name: str, prefix: str, *, rounds: int) -> None:
-    """Several syncs of very different weights, with requests served in between."""
+def check_repeated_syncs(engine, trainer, name: str, prefix: str, *, rounds: int,
+                         path: str = "buckets") -> None:
+    """Several syncs of very different weights, with requests served in between; each takes
+    `path` ("direct": the trainer writes into the engine's shared parameters)."""
     before = ray.get(engine.generate.remote(prompt_ids()))
     for round_ in range(rounds):
         trainer.call("set_weights_from", 100 + round_)
         report = trainer.call("sync", f"{prefix}-{round_}", verify=True)
+        assert report["engines"][name]["path"] == path, report
         assert report["verify"][name]["verified"]
         out = ray.get(engine.generate.remote(prompt_ids()))
         assert out["weight_version"] == f"{prefix}-{round_}"

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from weightsync.bucket import unpack
+from weightsync.direct import NotShared, SharedParameters, probe_destinations
 from weightsync.fingerprint import Fingerprint, combine, fingerprint
 from weightsync.transports import ReceiverTransport, receiver_for
 from weightsync.wire import BucketDescriptor, BucketRejected, TensorSpec, dtype_to_str
@@ -59,8 +60,12 @@ class WeightReceiver(ABC):
         """
 
     @abstractmethod
-    def begin(self, version: str) -> None:
-        """Open an update session (the engine stops taking new requests until `end`)."""
+    def begin(self, version: str, direct: bool = False) -> dict | None:
+        """Open an update session (the engine stops taking new requests until `end`).
+
+        With `direct` the trainer will write into the shared parameters (weightsync/direct.py)
+        instead of sending buckets; returns {"direct": True}, or {"direct": False, "why": ...}
+        without opening anything when the parameters are not (or no longer) shared."""
 
     @abstractmethod
     def load_bucket(self, descriptor: dict) -> dict:
@@ -86,6 +91,16 @@ class WeightReceiver(ABC):
         """Wait for work the engine finishes in the background after an update (none by
         default); reports {"background_s": seconds it took} where there is some."""
         return {}
+
+    def share_params(self) -> dict:
+        """Move the parameters into shared memory for the one-copy path, after a first sync;
+        {"shared": {"segment", "nbytes", "offsets"} or None, "why": str, "retry": bool}."""
+        return {"shared": None, "why": f"{type(self).__name__} has no one-copy path",
+                "retry": False}
+
+    def region_digests(self, pieces: list[list]) -> list[int]:
+        """`digest` of each [tensor name, byte offset, nbytes] of the shared parameters."""
+        raise NotImplementedError(f"{type(self).__name__} has no one-copy path")
 
 
 def _scratch_like(param: torch.Tensor) -> torch.nn.Parameter:
@@ -113,6 +128,7 @@ class ModelReceiver:
         self.param_of: dict[str, list[str]] = {}
         self._transports: dict[str, ReceiverTransport] = {}
         self._previous: dict[str, torch.Tensor] | None = None
+        self.shared: SharedParameters | None = None
 
     # ---- tracing -------------------------------------------------------------------------
     @contextmanager
@@ -239,7 +255,11 @@ class ModelReceiver:
         """Views of one bucket's tensors, after checking them against refit info."""
         self.check_descriptor(descriptor)
         handle = descriptor.handle
-        data = self._transport(handle["kind"]).receive(handle, descriptor.nbytes)
+        transport = self._transport(handle["kind"])
+        receive_tensors = getattr(transport, "receive_tensors", None)
+        if receive_tensors is not None:  # a transport that passes tensors in place (CUDA IPC)
+            return receive_tensors(descriptor)
+        data = transport.receive(handle, descriptor.nbytes)
         return unpack(data, descriptor)
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]], *,
@@ -281,6 +301,58 @@ class ModelReceiver:
     def release(self, descriptor: BucketDescriptor) -> None:
         self._transport(descriptor.handle["kind"]).release(descriptor.handle)
 
+    # ---- the one-copy path (weightsync/direct.py) -----------------------------------------------
+    def share(self) -> dict[str, Any]:
+        """Move the parameters into shared memory for the trainer to write; once, after a first
+        sync by buckets (the loader must have shown where every tensor goes). Returns
+        {"shared": plain description or None, "why": reason when None}."""
+        if self.shared is not None:
+            try:
+                self.shared.check()
+                return {"shared": self.shared.describe(), "why": None, "retry": False}
+            except NotShared:
+                self.shared.close()
+                self.shared = None
+        unknown = sorted(set(self.accepted) - set(self.param_of))
+        if not self.accepted or unknown:
+            return {"shared": None, "retry": True,
+                    "why": f"{self.name}: where {len(unknown)} tensor(s) land is not known yet "
+                           f"(sync by buckets first)"}
+        params = dict(self.model.named_parameters())
+        destinations = probe_destinations(
+            params, self.param_of, self.accepted,
+            lambda name, tensor: self.load_fn(iter([(name, tensor)])))
+        indirect = sorted(set(self.accepted) - set(destinations))
+        if indirect:
+            return {"shared": None, "retry": False,
+                    "why": f"{self.name}: the loader does not copy {len(indirect)} tensor(s) "
+                           f"verbatim into one parameter, e.g. {indirect[:3]}"}
+        self.shared = SharedParameters(params, destinations)
+        logger.info("%s: %d parameters moved into shared segment %s (%d bytes)", self.name,
+                    len(self.shared.params), self.shared.segment.name, self.shared.segment.nbytes)
+        return {"shared": self.shared.describe(), "why": None, "retry": False}
+
+    def begin_direct(self, *, keep_previous: bool) -> str | None:
+        """Before the trainer writes: None if the parameters are where it will write (and, with
+        `keep_previous`, copied first), else why not."""
+        if self.shared is None:
+            return f"{self.name}: parameters are not shared"
+        try:
+            self.shared.check()
+        except NotShared as exc:
+            return str(exc)
+        if keep_previous:
+            self._previous = {p: param.detach().clone() for p, param in self.shared.params.items()}
+        return None
+
+    def direct_params(self) -> list[str]:
+        return sorted(self.shared.params) if self.shared is not None else []
+
+    def region_digests(self, pieces: list[list]) -> list[int]:
+        if self.shared is None:
+            raise NotShared(f"{self.name}: parameters are not shared")
+        return self.shared.digests(pieces)
+
     # ---- verification --------------------------------------------------------------------
     def fingerprints(self) -> dict[str, list[int]]:
         covered = {p for targets in self.param_of.values() for p in targets}
@@ -291,6 +363,8 @@ class ModelReceiver:
         for transport in self._transports.values():
             transport.close()
         self._transports.clear()
+        if self.shared is not None:
+            self.shared.close()
 
 
 def expected_fingerprints(param_of: dict[str, list[str]],
@@ -343,10 +417,21 @@ class ModuleWeightReceiver(WeightReceiver):
 
         return self.receiver.check_refit(specs_from_dicts(specs))
 
-    def begin(self, version: str) -> None:
+    def begin(self, version: str, direct: bool = False) -> dict:
         if self._session is not None:
             raise RuntimeError(f"update session {self._session!r} is still open")
+        if direct:
+            why = self.receiver.begin_direct(keep_previous=False)
+            if why is not None:
+                return {"direct": False, "why": why}
         self._session = version
+        return {"direct": direct}
+
+    def share_params(self) -> dict:
+        return self.receiver.share()
+
+    def region_digests(self, pieces: list[list]) -> list[int]:
+        return self.receiver.region_digests(pieces)
 
     def load_bucket(self, descriptor: dict) -> dict:
         start = time.perf_counter()
@@ -459,9 +544,12 @@ class EngineSession(WeightReceiver):
         self._broken: str | None = None
         self._begin_t = 0.0
         self._last_call = 0.0
+        self._direct = False
 
     @abstractmethod
-    def _engine_begin(self) -> None: ...
+    def _engine_begin(self, direct: bool) -> str | None:
+        """Open the engine's side of an update; with `direct`, return why the trainer cannot
+        write into the parameters (then nothing is left open), or None."""
 
     @abstractmethod
     def _engine_load(self, descriptor: dict) -> dict: ...
@@ -472,14 +560,19 @@ class EngineSession(WeightReceiver):
     @abstractmethod
     def _engine_abort(self, reason: str) -> bool: ...
 
-    def begin(self, version: str) -> None:
+    def begin(self, version: str, direct: bool = False) -> dict:
         if self._open is not None:
             # Only one trainer drives an engine: an update still open means its sender died.
             self.abort(f"update {self._open!r} never ended; a new update {version!r} began")
         self._loaded = 0
         self._begin_t = self._last_call = time.perf_counter()
-        self._engine_begin()
-        self._open = version
+        why = self._engine_begin(direct)
+        if why is not None:
+            return {"direct": False, "why": why}
+        self._open, self._direct = version, direct
+        if direct:
+            self._loaded = 1  # the trainer writes into the parameters from now on
+        return {"direct": direct}
 
     def load_bucket(self, descriptor: dict) -> dict:
         if self._open is None:
@@ -512,8 +605,10 @@ class EngineSession(WeightReceiver):
         if self._open is not None:
             logger.warning("%s: update %r aborted: %s", self.engine_name, self._open, reason)
             if self._engine_abort(reason):
-                self._broken = (f"update {self._open!r} was aborted after {self._loaded} "
-                                f"bucket(s) ({reason}); sync again")
+                done = ("the trainer began writing into the parameters" if self._direct
+                        else f"{self._loaded} bucket(s)")
+                self._broken = f"update {self._open!r} was aborted after {done} ({reason}); " \
+                               f"sync again"
         self._open = None
 
     def weight_version(self) -> str | None:

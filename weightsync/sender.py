@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from weightsync.bucket import BucketPlan, fill_buckets, plan_buckets, tensor_view
+from weightsync.bucket import (
+    BucketPlan,
+    check_stream_end,
+    fill_buckets,
+    plan_buckets,
+    take_bucket,
+    tensor_view,
+)
 from weightsync.endpoint import Endpoint
 from weightsync.fingerprint import Fingerprint, fingerprint
 from weightsync.receiver import expected_fingerprints
@@ -96,6 +103,8 @@ class WeightSender:
         if unknown:
             raise ValueError(f"unknown engine(s) {unknown}; registered: {list(self.engines)}")
         num_slots = getattr(self.transport, "num_slots", 1)
+        # Transports that can pass the tensors themselves (CUDA IPC) offer `attach`.
+        attach = getattr(self.transport, "attach", None) if write_bucket is None else None
         in_flight: dict[int, list[tuple[str, Any]]] = {}
         sent: dict[str, Fingerprint] = {}
         load_s: dict[str, float] = {}
@@ -103,15 +112,21 @@ class WeightSender:
         self._broadcast("begin", version, names=names)
         try:
 
-            def get_buffer(plan: BucketPlan) -> torch.Tensor:
+            def wait_slot(plan: BucketPlan) -> int:
                 slot = plan.index % num_slots
                 self._wait_all(in_flight.pop(slot, []), load_s)
-                return self.transport.buffer(slot, plan.nbytes)
+                return slot
 
-            if write_bucket is None:
-                filled = fill_buckets(self.plans, tensors, get_buffer)
-            else:
+            def get_buffer(plan: BucketPlan) -> torch.Tensor:
+                return self.transport.buffer(wait_slot(plan), plan.nbytes)
+
+            if write_bucket is not None:
                 filled = _write_each(self.plans, get_buffer, write_bucket, num_slots)
+            elif attach is not None:
+                filled = _attach_each(self.plans, tensors, wait_slot, attach,
+                                      sent if verify else None)
+            else:
+                filled = fill_buckets(self.plans, tensors, get_buffer)
             for plan in filled:
                 slot = plan.index % num_slots
                 descriptor = plan.descriptor(self.transport.handle(slot)).to_dict()
@@ -119,7 +134,7 @@ class WeightSender:
                     (n, self.engines[n].endpoint.submit("load_bucket", descriptor)) for n in names
                 ]
                 self.transport.send(slot, plan.nbytes)
-                if verify:
+                if verify and attach is None:
                     buffer = self.transport.buffer(slot, plan.nbytes)
                     for meta in plan.tensors:
                         sent[meta.name] = fingerprint(tensor_view(buffer, meta))
@@ -138,12 +153,76 @@ class WeightSender:
         report: dict[str, Any] = {
             "version": version, "nbytes": self.nbytes, "num_buckets": len(self.plans),
             "sync_s": sync_s, "gbps": self.nbytes / sync_s / 1e9 if sync_s > 0 else 0.0,
-            "engines": {n: {"status": "ok", "load_s": load_s.get(n, 0.0), **(e or {})}
+            "path": "buckets",
+            "engines": {n: {"status": "ok", "path": "buckets", "load_s": load_s.get(n, 0.0),
+                            **(e or {})}
                         for n, e in zip(names, ends)},
         }
         if verify:
             report["verify"] = self.verify(sent, engines=names)
         return report
+
+    def sync_direct(self, write: Callable[[list[str], list[str]], list[list] | None], *,
+                    version: str, engines: list[str], verify: bool = False,
+                    ) -> tuple[dict[str, Any] | None, list[str]]:
+        """The one-copy path (weightsync/direct.py) into engines whose parameters are shared.
+
+        begin(version, direct=True) on each; then `write(direct, fallback)` has every trainer
+        rank write its shards into the direct engines' parameters and returns, when verifying,
+        the pieces written as [name, byte offset, nbytes, digest]; then end. `write` is called
+        even when no engine can take the path, so the trainer's ranks stay in step. Returns the
+        report (None without direct engines) and the engines to sync by buckets instead (their
+        parameters are no longer shared)."""
+        start = time.perf_counter()
+        direct: list[str] = []
+        failure: BaseException | None = None
+        try:
+            answers = self._broadcast("begin", version, True, names=engines)
+            for name, answer in zip(engines, answers):
+                if isinstance(answer, dict) and answer.get("direct"):
+                    direct.append(name)
+                else:
+                    why = answer.get("why") if isinstance(answer, dict) else answer
+                    logger.info("engine %r takes buckets this sync: %s", name, why)
+        except BaseException as exc:
+            failure, direct = exc, []
+            self._abort(engines, f"{type(exc).__name__}: {exc}")
+        fallback = [n for n in engines if n not in direct] if failure is None else []
+        try:
+            pieces = write(direct, fallback) or []
+            if failure is not None:
+                raise failure
+            ends = self._broadcast("end", version, names=direct) if direct else []
+        except BaseException as exc:
+            if failure is None:
+                self._abort(direct, f"{type(exc).__name__}: {exc}")
+            raise
+        if not direct:
+            return None, fallback
+        sync_s = time.perf_counter() - start
+        self.num_syncs += 1
+        report: dict[str, Any] = {
+            "version": version, "nbytes": self.nbytes, "num_buckets": 0, "path": "direct",
+            "sync_s": sync_s, "gbps": self.nbytes / sync_s / 1e9 if sync_s > 0 else 0.0,
+            "engines": {n: {"status": "ok", "path": "direct", **(e or {})}
+                        for n, e in zip(direct, ends)},
+        }
+        if verify:
+            report["verify"] = self.verify_direct(pieces, engines=direct)
+        return report, fallback
+
+    def verify_direct(self, pieces: list[list], *, engines: list[str]) -> dict[str, Any]:
+        """Compare each written piece's digest with the engine's digest of the same bytes of
+        its parameters."""
+        start = time.perf_counter()
+        actual = self._broadcast("region_digests", [p[:3] for p in pieces], names=engines)
+        out: dict[str, Any] = {}
+        for name, digests in zip(engines, actual):
+            bad = sorted({p[0] for p, d in zip(pieces, digests) if int(d) != int(p[3])})
+            out[name] = {"verified": not bad and len(digests) == len(pieces) and bool(pieces),
+                         "mismatched": bad, "num_checked": len(pieces)}
+        out["verify_s"] = time.perf_counter() - start
+        return out
 
     def verify(self, sent: dict[str, Fingerprint], *, engines: list[str]) -> dict[str, Any]:
         """Compare the engines' parameter fingerprints with what was sent."""
@@ -178,3 +257,20 @@ def _write_each(plans: list[BucketPlan], get_buffer: Callable[[BucketPlan], torc
     for plan in plans:
         write_bucket(plan, plan.index % num_slots, get_buffer(plan))
         yield plan
+
+
+def _attach_each(plans: list[BucketPlan], tensors: Iterator[tuple[str, torch.Tensor]],
+                 wait_slot: Callable[[BucketPlan], int],
+                 attach: Callable[[int, BucketPlan, list[torch.Tensor]], None],
+                 sent: dict[str, Fingerprint] | None) -> Iterator[BucketPlan]:
+    """Hand each bucket's tensors to the transport's `attach(slot, plan, tensors)`, which
+    passes them in place (no copy into a bucket); `sent` collects their fingerprints."""
+    for plan in plans:
+        slot = wait_slot(plan)
+        bucket = take_bucket(plan, tensors)
+        attach(slot, plan, bucket)
+        if sent is not None:
+            for meta, tensor in zip(plan.tensors, bucket):
+                sent[meta.name] = fingerprint(tensor)
+        yield plan
+    check_stream_end(tensors)

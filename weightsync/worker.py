@@ -73,7 +73,8 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
                  model_path: str, dtype: str = "float32", sync_dtype: str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
                  lr: float = 1e-3, seed: int = 0, transport: str = "shm",
-                 collective_host: str = "127.0.0.1", shard_direct: bool = True) -> None:
+                 collective_host: str = "127.0.0.1", shard_direct: bool = True,
+                 direct: bool = True) -> None:
         from transformers import AutoModelForCausalLM
 
         if bucket_bytes <= 0:
@@ -84,6 +85,13 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         self.collective_host = collective_host
         # Ranks write their own FSDP shards into the shared-memory buckets (no all-gather).
         self.shard_direct = shard_direct and transport == "shm" and world_size > 1
+        # The one-copy path (weightsync/direct.py): after a first sync by buckets, engines on
+        # this host that can, share their parameters and the ranks write into them.
+        self.direct = direct and transport == "shm"
+        self._shared: dict[str, dict[str, Any]] = {}  # rank 0: engine -> shared parameters
+        self._no_share: dict[str, str] = {}  # rank 0: engine -> why it has no one-copy path
+        self._sent: dict[str, str] = {}  # rank 0: engine -> segment the ranks were told of
+        self._targets: dict[str, Any] = {}  # every rank: engine -> DirectTarget
         torch.manual_seed(seed)
         self.rank, self.world_size = rank, world_size
         self.log = _RankLog(logger, {"rank": rank})
@@ -102,6 +110,9 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         # pause before writing that bucket, so a test can kill a process mid-sync.
         pause = os.environ.get("WEIGHTSYNC_TEST_PAUSE_BEFORE_BUCKET", "")
         self._test_pause = tuple(map(float, pause.split(":"))) if pause else None
+        # ... and "<piece index>:<seconds>": before writing that piece on the one-copy path.
+        pause = os.environ.get("WEIGHTSYNC_TEST_PAUSE_BEFORE_PIECE", "")
+        self._test_pause_piece = tuple(map(float, pause.split(":"))) if pause else None
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype_from_str(dtype))
         self.model_path = model_path
         self.model = shard_model(model, device=self.device)
@@ -159,20 +170,134 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         version = version or f"v{self._version}"
         import torch.distributed as dist
 
-        ready = [self.sender is not None and bool(self.sender.engines)]
-        dist.broadcast_object_list(ready, src=0, group=self._sync_group)
-        if not ready[0]:
-            raise ValueError("sync before connect: call connect({name: engine}) first")
-        if self.shard_direct:
-            return self._sync_shards(version, verify=verify, engines=engines)
-        tensors = self.source.tensors()
+        plan: list[Any] = [None]
+        if self.rank == 0:
+            plan[0] = self._plan(engines)
+        dist.broadcast_object_list(plan, src=0, group=self._sync_group)
+        if "error" in plan[0]:
+            raise ValueError(plan[0]["error"])
+        buckets = list(plan[0]["buckets"])
+        direct_report = None
+        if plan[0]["direct"]:
+            direct_report, fallback = self._sync_direct(version, plan[0]["direct"],
+                                                        verify=verify)
+            buckets += fallback
+        bucket_report = None
+        if buckets:
+            if self.shard_direct:
+                bucket_report = self._sync_shards(version, verify=verify, engines=buckets)
+            else:
+                tensors = self.source.tensors()
+                if self.rank != 0:
+                    for _ in tensors:  # take part in every gather
+                        pass
+                else:
+                    bucket_report = as_plain(self.sender.sync(
+                        tensors, version=version, engines=buckets, verify=verify))
+            if self.rank == 0:
+                self._share(buckets, bucket_report)
         if self.rank != 0:
-            for _ in tensors:  # take part in every gather
-                pass
             return {"rank": self.rank}
-        report = self.sender.sync(tensors, version=version, engines=engines, verify=verify)
-        self.log.info("sync %s: %.3f s, %.2f GB/s", version, report["sync_s"], report["gbps"])
+        report = _merge(direct_report, bucket_report)
+        self.log.info("sync %s: %.3f s, %.2f GB/s (%s)", version, report["sync_s"],
+                      report["gbps"], report["path"])
         return as_plain(report)
+
+    def _plan(self, engines: list[str] | None) -> dict[str, Any]:
+        """Rank 0: which engines take the one-copy path this sync, which take buckets."""
+        if self.sender is None or not self.sender.engines:
+            return {"error": "sync before connect: call connect({name: engine}) first"}
+        names = list(self.sender.engines) if engines is None else list(engines)
+        unknown = [n for n in names if n not in self.sender.engines]
+        if unknown:
+            return {"error": f"unknown engine(s) {unknown}; registered: "
+                             f"{list(self.sender.engines)}"}
+        return {"direct": [n for n in names if n in self._shared],
+                "buckets": [n for n in names if n not in self._shared]}
+
+    def _share(self, names: list[str], report: dict[str, Any] | None) -> None:
+        """Rank 0, after a sync by buckets: engines that can, share their parameters."""
+        if not self.direct or report is None:
+            return
+        for name in names:
+            if name in self._shared or name in self._no_share:
+                continue
+            start = time.perf_counter()
+            try:
+                answer = self.sender.engines[name].endpoint.call("share_params",
+                                                                 timeout_s=self.timeout_s)
+            except Exception as exc:  # an engine without the path, or one that failed
+                answer = {"shared": None, "why": f"{type(exc).__name__}: {exc}", "retry": False}
+            if answer.get("shared"):
+                self._shared[name] = answer["shared"]
+                report["engines"][name]["share_s"] = time.perf_counter() - start
+                self.log.info("engine %r shares its parameters (%.2f s): the next syncs write "
+                              "into them", name, time.perf_counter() - start)
+            elif not answer.get("retry"):
+                self._no_share[name] = answer.get("why") or "unknown"
+                self.log.info("engine %r keeps taking buckets: %s", name, answer.get("why"))
+
+    def _sync_direct(self, version: str, names: list[str], *,
+                     verify: bool) -> tuple[dict[str, Any] | None, list[str]]:
+        """The one-copy path: every rank writes its own shards into the engines' shared
+        parameters. Returns rank 0's report and the engines to sync by buckets instead."""
+        import torch.distributed as dist
+
+        group = self._sync_group
+        if self.rank != 0:
+            msg: list[Any] = [None]
+            dist.broadcast_object_list(msg, src=0, group=group)
+            self._write_direct(msg[0], verify=verify)
+            return None, msg[0]["fallback"]
+
+        def write(direct: list[str], fallback: list[str]) -> list[list] | None:
+            new = {n: self._shared[n] for n in direct
+                   if self._sent.get(n) != self._shared[n]["segment"]}
+            msg = {"direct": direct, "fallback": fallback, "new": new}
+            dist.broadcast_object_list([msg], src=0, group=group)
+            for n in new:
+                self._sent[n] = new[n]["segment"]
+            for n in fallback:  # its parameters moved: buckets now, then share again
+                self._shared.pop(n, None)
+            return self._write_direct(msg, verify=verify)
+
+        return self.sender.sync_direct(write, version=version, engines=names, verify=verify)
+
+    def _write_direct(self, msg: dict[str, Any], *, verify: bool) -> list[list] | None:
+        """Every rank: write this rank's shards into the engines `msg` names; gather to rank 0
+        the pieces written (with their digests when verifying)."""
+        import torch.distributed as dist
+
+        from weightsync.direct import DirectTarget
+        from weightsync.dtensor import ShardPieces
+        from weightsync.fingerprint import digest
+
+        for name, shared in msg["new"].items():
+            old = self._targets.pop(name, None)
+            if old is not None:
+                old.close()
+            self._targets[name] = DirectTarget(shared)
+        targets = [self._targets[n] for n in msg["direct"]]
+        written: list[list] = []
+        pause = self._test_pause_piece if self.rank == 0 else None
+        if targets:
+            for index, (name, data, offset) in enumerate(ShardPieces(self.source,
+                                                                      rank=self.rank)):
+                if pause and index == int(pause[0]):
+                    self.log.warning("test pause: %.0f s before piece %d", pause[1], index)
+                    time.sleep(pause[1])
+                if data is None:
+                    continue
+                raw = data.reshape(-1).view(torch.uint8)
+                for target in targets:
+                    target.write(name, offset, raw)
+                if verify:
+                    written.append([name, offset, raw.numel(), digest(raw)])
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(written, gathered, dst=0, group=self._sync_group)
+        if gathered is None:
+            return None
+        return [piece for part in gathered for piece in part]
 
     def _sync_shards(self, version: str, *, verify: bool,
                      engines: list[str] | None) -> dict[str, Any]:
@@ -211,8 +336,6 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
 
             report = self.sender.sync(None, version=version, engines=engines, verify=verify,
                                       write_bucket=write_bucket)
-            self.log.info("sync %s: %.3f s, %.2f GB/s", version, report["sync_s"],
-                          report["gbps"])
             return as_plain(report)
         if not hasattr(self, "_shard_maps"):
             self._shard_maps = ShmReceiver(max_open=4)
@@ -295,3 +418,19 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
 
     def ping(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid(), "torch": str(torch.__version__)}
+
+
+def _merge(direct: dict[str, Any] | None, buckets: dict[str, Any] | None) -> dict[str, Any]:
+    """One report for a sync whose engines took different paths."""
+    if direct is None or buckets is None:
+        report = direct or buckets
+        assert report is not None
+        return report
+    report = {**buckets, "path": "mixed", "engines": {**direct["engines"], **buckets["engines"]},
+              "sync_s": direct["sync_s"] + buckets["sync_s"]}
+    report["gbps"] = report["nbytes"] / report["sync_s"] / 1e9
+    if "verify" in direct or "verify" in buckets:
+        report["verify"] = {**direct.get("verify", {}), **buckets.get("verify", {})}
+        report["verify"]["verify_s"] = (direct.get("verify", {}).get("verify_s", 0.0)
+                                        + buckets.get("verify", {}).get("verify_s", 0.0))
+    return report

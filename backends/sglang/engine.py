@@ -206,8 +206,14 @@ class SglEngineActor(EngineSession):
     def check_refit(self, specs: list[dict]) -> dict:
         return as_plain(self._read_only("check", specs=specs))
 
-    def _engine_begin(self) -> None:
+    def _engine_begin(self, direct: bool) -> str | None:
         self._session("begin")
+        if direct:
+            why = self._control("begin_direct", keep_previous=self.keep_previous)["why"]
+            if why is not None:
+                self._session("end", needed=False)
+            return why
+        return None
 
     def _engine_load(self, descriptor: dict) -> dict:
         return as_plain(self._control("load", descriptor=descriptor,
@@ -237,6 +243,12 @@ class SglEngineActor(EngineSession):
 
     def fingerprints(self) -> dict[str, list[int]]:
         return self._read_only("fingerprints")["fingerprints"]
+
+    def share_params(self) -> dict:
+        return as_plain(self._read_only("share"))
+
+    def region_digests(self, pieces: list[list]) -> list[int]:
+        return self._read_only("digests", pieces=pieces)["digests"]
 
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 8) -> dict[str, Any]:

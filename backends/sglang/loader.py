@@ -2,7 +2,8 @@
 
 SGLang calls `weightsync_load(model, named_tensors)` from `update_weights_from_tensor` when the
 request's load_format names it. We pass one control item: its name is a JSON message
-{"op": "check"|"load"|"commit"|"rollback"|"fingerprints", "reply": dir, ...} and its tensor is empty; the weights
+{"op": "check"|"load"|"commit"|"rollback"|"fingerprints"|"share"|"begin_direct"|"digests",
+"reply": dir, ...} and its tensor is empty; the weights
 themselves are in a transport buffer that the message's descriptor points at. SGLang ignores
 what a custom loader returns and an exception kills the scheduler (and with it the caller), so
 every outcome, failure included, is written as JSON to `<reply>/<pid>.json` and nothing raises.
@@ -52,6 +53,12 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
         receiver.release(bucket)
         return {"num_tensors": len(bucket.tensors), "nbytes": bucket.nbytes,
                 "seconds": time.perf_counter() - start}
+    if op == "share":
+        return receiver.share()
+    if op == "begin_direct":
+        return {"why": receiver.begin_direct(keep_previous=bool(message.get("keep_previous")))}
+    if op == "digests":
+        return {"digests": receiver.region_digests(message["pieces"])}
     if op == "commit":
         receiver.drop_previous()
         return {}

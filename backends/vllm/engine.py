@@ -132,8 +132,8 @@ class VllmEngineActor(EngineSession):
     def check_refit(self, specs: list[dict]) -> dict:
         return as_plain(self._rpc("weightsync_check", specs))
 
-    def _engine_begin(self) -> None:
-        self._rpc("weightsync_begin")
+    def _engine_begin(self, direct: bool) -> str | None:
+        return self._rpc("weightsync_begin", direct)["why"]
 
     def _engine_load(self, descriptor: dict) -> dict:
         return as_plain(self._rpc("weightsync_load", descriptor))
@@ -150,6 +150,12 @@ class VllmEngineActor(EngineSession):
 
     def fingerprints(self) -> dict[str, list[int]]:
         return self._rpc("weightsync_fingerprints")
+
+    def share_params(self) -> dict:
+        return as_plain(self._rpc("weightsync_share"))
+
+    def region_digests(self, pieces: list[list]) -> list[int]:
+        return self._rpc("weightsync_digests", pieces)
 
     def settle(self, timeout_s: float = 120.0) -> dict:
         """On CPU the packed GEMMs are rebuilt in the background after an update."""

@@ -172,11 +172,29 @@ class WeightsyncWorkerExtension:
         return {"param_of": receiver.param_of, "num_params": len(receiver.accepted)}
 
     @_guard
-    def weightsync_begin(self) -> None:
+    def weightsync_begin(self, direct: bool = False) -> dict[str, Any]:
         state = self._ws_state()
         state["repacker"].stop()  # it must not pack half-loaded weights
         self._ws_rewrap()
-        state["open"] = True
+        if direct:
+            why = state["receiver"].begin_direct(keep_previous=False)
+            if why is not None:
+                return {"why": why}
+        state["open"], state["direct"] = True, direct
+        return {"why": None}
+
+    @_guard
+    def weightsync_share(self) -> dict[str, Any]:
+        """Parameters into shared memory for the one-copy path (weightsync/direct.py)."""
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            return self._ws_state()["receiver"].share()
+
+    @_guard
+    def weightsync_digests(self, pieces: list[list]) -> list[int]:
+        return self._ws_state()["receiver"].region_digests(pieces)
 
     def _ws_gemms(self) -> dict[str, list[_Gemm]]:
         """Parameter name (as load_weights reports it) -> the GEMMs of the CPU layers holding
@@ -254,7 +272,11 @@ class WeightsyncWorkerExtension:
     @_guard
     def weightsync_end(self) -> dict[str, Any]:
         state = self._ws_state()
-        state["open"] = False
+        if state.get("direct"):
+            # The trainer wrote into the shared parameters: their layers compute from them
+            # until re-packed, as after a load.
+            self._ws_mark_stale(set(state["receiver"].direct_params()))
+        state["open"], state["direct"] = False, False
         state["repacker"].start()
         return {"param_of": state["receiver"].param_of}
 

@@ -35,7 +35,8 @@ def test_sync_after_training_is_verified_and_generation_matches_reference(setup)
 
 def test_repeated_syncs_with_requests_in_between(setup):
     engine, trainer = setup
-    check_repeated_syncs(engine, trainer, "sglang", "round", rounds=3)
+    # The first sync went by buckets; the engine then shared its parameters.
+    check_repeated_syncs(engine, trainer, "sglang", "round", rounds=3, path="direct")
 
 
 def test_shape_mismatch_is_rejected_before_any_engine_weight_changes(setup):

@@ -1,0 +1,191 @@
+"""The one-copy path on one host: engine parameters in shared memory, written by the trainer.
+
+The bucket path copies every byte twice (trainer shard -> shared bucket -> engine parameter). On
+a CPU host the second copy is avoidable: the engine moves its parameters into one shared-memory
+segment, and each trainer rank writes its own shards straight into them. It works for the
+tensors the engine's loader copies verbatim into one contiguous byte range of one parameter
+(most of them: fused QKV and gate/up parameters are concatenations along dim 0); any other tensor
+keeps the engine on the bucket path.
+
+Engine side (inside the engine's model process):
+  1. `probe_destinations`, once, after a first sync by buckets: for each trainer tensor, load two
+     random patterns through the engine's own loader into the live parameter (the engine is not
+     serving while it runs its loader), see which bytes changed and whether they hold the
+     pattern verbatim; then put the parameter back. The result maps a trainer tensor to
+     (parameter, byte offset), or leaves it out.
+  2. `SharedParameters`: copy those parameters into a segment (owner-only, in /dev/shm, named
+     like the transport's so that a dead engine's segment is swept) and point each parameter at
+     its place there (`param.data = view`). Before every update and in every check, the engine
+     confirms its parameters still live there (something may have replaced them, e.g. an
+     engine's own reload): otherwise the trainer falls back to buckets and shares again.
+Trainer side: `DirectTarget` maps the segment by name and writes byte ranges into it.
+
+Only plain data crosses: the segment's name and size, and {tensor name: byte offset}.
+Verification compares `digest`s of the very byte ranges each rank wrote, computed by that rank
+from its source and by the engine from its parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from weightsync.fingerprint import digest
+from weightsync.transports.shm import PREFIX, SHM_DIR, _Segment, _unlink_all
+from weightsync.wire import ALIGNMENT_BYTES, TensorSpec, align, dtype_from_str
+
+logger = logging.getLogger(__name__)
+
+LoadOne = Callable[[str, torch.Tensor], Any]
+
+
+class NotShared(RuntimeError):
+    """The engine's parameters are not (or no longer) in the shared segment."""
+
+
+# ---- engine side ---------------------------------------------------------------------------------
+def _pattern(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
+    dtype = dtype_from_str(spec.dtype)
+    if dtype.is_floating_point:
+        return torch.randn(spec.shape, generator=generator).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, spec.shape, generator=generator).bool()
+    return torch.randint(0, 100, spec.shape, generator=generator).to(dtype)
+
+
+def _where(flat: torch.Tensor, saved: torch.Tensor, pattern: torch.Tensor) -> int | None:
+    """Byte offset in `flat` at which `pattern`'s bytes sit verbatim, every other byte of `flat`
+    being as `saved`; None if the loader wrote anything else."""
+    raw = pattern.reshape(-1).view(torch.uint8)
+    changed = (flat != saved).nonzero()
+    if changed.numel() == 0:
+        return None
+    lo, hi, n = int(changed[0]), int(changed[-1]) + 1, raw.numel()
+    # The copy's first and last bytes may equal the old ones by chance: the start lies in
+    # [hi - n, lo].
+    for start in range(max(0, hi - n), lo + 1):
+        if start + n <= flat.numel() and torch.equal(flat[start:start + n], raw):
+            return start
+    return None
+
+
+def probe_destinations(params: dict[str, torch.Tensor], param_of: dict[str, list[str]],
+                       specs: dict[str, TensorSpec], load_one: LoadOne,
+                       ) -> dict[str, tuple[str, int]]:
+    """{trainer tensor: (parameter name, byte offset)} for the tensors the engine's loader
+    (`load_one(name, tensor)`) copies verbatim into one parameter. Each parameter probed is put
+    back as it was, byte for byte, whatever happens."""
+    by_param: dict[str, list[str]] = {}
+    for name, targets in param_of.items():
+        if len(targets) == 1 and name in specs and targets[0] in params:
+            by_param.setdefault(targets[0], []).append(name)
+    generator = torch.Generator().manual_seed(0)
+    found: dict[str, tuple[str, int]] = {}
+    with torch.no_grad():
+        for pname, names in by_param.items():
+            param = params[pname]
+            if param.device.type != "cpu" or not param.data.is_contiguous():
+                continue
+            flat = param.data.reshape(-1).view(torch.uint8)
+            saved = flat.clone()
+            try:
+                for name in names:
+                    starts = set()
+                    for _ in range(2):  # two patterns: a chance match cannot survive both
+                        pattern = _pattern(specs[name], generator)
+                        load_one(name, pattern)
+                        starts.add(_where(flat, saved, pattern))
+                        flat.copy_(saved)
+                    start = starts.pop() if len(starts) == 1 else None
+                    if start is not None:
+                        found[name] = (pname, start)
+            finally:
+                flat.copy_(saved)
+    return found
+
+
+class SharedParameters:
+    """Engine parameters moved into one shared-memory segment, and where each trainer tensor
+    lands in it. Built in the engine's model process; see the module doc."""
+
+    def __init__(self, params: dict[str, torch.Tensor],
+                 destinations: dict[str, tuple[str, int]], *, shm_dir: str = SHM_DIR) -> None:
+        names = sorted({pname for pname, _ in destinations.values()})
+        offsets: dict[str, int] = {}
+        total = 0
+        for pname in names:
+            offsets[pname] = total
+            total += align(params[pname].data.nbytes)
+        name = f"{PREFIX}{os.getpid()}-params-{secrets.token_hex(4)}"
+        self.segment = _Segment(name, max(total, ALIGNMENT_BYTES), create=True, shm_dir=shm_dir)
+        self._finalizer = weakref.finalize(self, _unlink_all, shm_dir, [name])
+        self.params = {pname: params[pname] for pname in names}
+        self.param_offsets = offsets
+        with torch.no_grad():
+            for pname in names:
+                param = params[pname]
+                start = offsets[pname]
+                view = self.segment.tensor[start:start + param.data.nbytes]
+                view = view.view(param.dtype).view(param.shape)
+                view.copy_(param.data)
+                param.data = view
+        self.tensor_offsets = {t: offsets[p] + off for t, (p, off) in destinations.items()}
+        self.tensor_params = {t: p for t, (p, _) in destinations.items()}
+
+    def describe(self) -> dict[str, Any]:
+        """What a trainer rank needs to write here (plain data)."""
+        return {"segment": self.segment.name, "nbytes": self.segment.nbytes,
+                "offsets": dict(self.tensor_offsets)}
+
+    def check(self) -> None:
+        """Raise `NotShared` unless every parameter still lives at its place in the segment."""
+        base = self.segment.tensor.data_ptr()
+        moved = [p for p, param in self.params.items()
+                 if param.data.data_ptr() != base + self.param_offsets[p]]
+        if moved:
+            raise NotShared(f"{len(moved)} parameter(s) no longer live in shared segment "
+                            f"{self.segment.name!r}, e.g. {moved[:3]} (reloaded by the engine?); "
+                            f"the trainer syncs by buckets and shares them again")
+
+    def digests(self, pieces: list[list]) -> list[int]:
+        """`digest` of each [tensor name, byte offset in the tensor, nbytes] piece, read from the
+        parameters."""
+        self.check()
+        data = self.segment.tensor
+        out = []
+        for name, offset, nbytes in pieces:
+            start = self.tensor_offsets[name] + int(offset)
+            out.append(digest(data[start:start + int(nbytes)]))
+        return out
+
+    def close(self) -> None:
+        """Unlink the segment; the parameters keep their pages until they are freed."""
+        self._finalizer()
+
+
+# ---- trainer side ---------------------------------------------------------------------------------
+class DirectTarget:
+    """One engine's shared parameters, mapped into a trainer rank."""
+
+    def __init__(self, shared: dict[str, Any], *, shm_dir: str = SHM_DIR) -> None:
+        name = shared["segment"]
+        if not isinstance(name, str) or not name.startswith(PREFIX) or "/" in name:
+            raise ValueError(f"shared parameters name segment {name!r}; expected '{PREFIX}...'")
+        self.name = name
+        self.segment = _Segment(name, int(shared["nbytes"]), create=False, shm_dir=shm_dir)
+        self.offsets: dict[str, int] = {k: int(v) for k, v in shared["offsets"].items()}
+
+    def write(self, name: str, offset: int, src: torch.Tensor) -> None:
+        """Copy `src`'s bytes to byte `offset` of tensor `name`'s place."""
+        raw = src.reshape(-1).view(torch.uint8)
+        start = self.offsets[name] + offset
+        self.segment.tensor[start:start + raw.numel()].copy_(raw)
+
+    def close(self) -> None:
+        self.segment.close()
