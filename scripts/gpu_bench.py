@@ -4,20 +4,23 @@ Runs where CUDA exists (torch alone; no engine needed):
   python scripts/gpu_bench.py ipc   --sizes-gb 1,4,16   # CUDA IPC between two processes, one GPU
   python scripts/gpu_bench.py nccl  --sizes-gb 1,4,16   # collective transport over NCCL, two GPUs
 Each run drives the real WeightSender (refit check, begin, buckets, end, fingerprint verification)
-into a ModuleWeightReceiver in another process, which copies every bucket into preallocated
-parameters the way an engine's loader does. In the same run it measures the reference: a
-device-to-device copy of the same bytes (ipc) or a bare broadcast of one tensor of the same size
-over the same NCCL group (nccl). Prints one JSON line per size.
+into a ModuleWeightReceiver in another process, which copies every tensor into preallocated
+parameters the way an engine's loader does (CUDA IPC: straight from the trainer's tensors, or
+from bucket buffers with --no-zero-copy); a sync ends when the receiver's GPU work is done. The
+sender reaches the receiver over a multiprocessing pipe (~30 us a call). In the same run it
+measures the reference: a device-to-device copy of the same bytes (ipc) or a bare broadcast of
+one tensor of the same size over the same NCCL group (nccl). Prints one JSON line per size and
+bucket size.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 TENSOR_BYTES = 256 << 20
 
@@ -33,12 +36,12 @@ def _model(num_tensors: int, numel: int, device: str) -> torch.nn.Module:
     return model
 
 
-def _receiver_main(kind: str, device: int, num_tensors: int, numel: int, requests, replies):
+def _receiver_main(device: int, num_tensors: int, numel: int, conn) -> None:
     torch.cuda.set_device(device)
     from weightsync.receiver import ModuleWeightReceiver
 
-    receiver = ModuleWeightReceiver(_model(num_tensors, numel, f"cuda:{device}"), name=kind)
-    while (item := requests.get()) is not None:
+    receiver = ModuleWeightReceiver(_model(num_tensors, numel, f"cuda:{device}"), name="receiver")
+    while (item := conn.recv()) is not None:
         method, args = item
         try:
             if method == "bare_broadcast":
@@ -49,29 +52,40 @@ def _receiver_main(kind: str, device: int, num_tensors: int, numel: int, request
                 big = torch.empty(args[0], dtype=torch.uint8, device=f"cuda:{device}")
                 _broadcast(group, big, __import__("datetime").timedelta(seconds=120))
                 torch.cuda.synchronize()
-                replies.put(("ok", None))
+                conn.send(("ok", None))
                 continue
             result = getattr(receiver, method)(*args)
-            if method == "load_bucket":
+            if method == "end":  # the update is done once its copies are
                 torch.cuda.synchronize()
-            replies.put(("ok", result))
+            conn.send(("ok", result))
         except Exception as exc:  # reported to the sender
-            replies.put(("error", f"{type(exc).__name__}: {exc}"))
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
     receiver.receiver.close()
 
 
-class _QueueEndpoint:
-    """An Endpoint over multiprocessing queues (calls answered in order)."""
+class PipeEndpoint:
+    """An Endpoint over a multiprocessing pipe (~30 us a round trip). Calls are answered in
+    order; a ticket is the call's number, so waiting for a later call (an abort while loads
+    are in flight) sets the earlier answers aside."""
 
-    def __init__(self, requests, replies, name):
-        self.requests, self.replies, self.name = requests, replies, name
+    def __init__(self, conn, name):
+        self.conn, self.name = conn, name
+        self._sent = self._received = 0
+        self._answers: dict[int, tuple] = {}
 
     def submit(self, method, *args):
-        self.requests.put((method, args))
-        return method
+        self.conn.send((method, args))
+        self._sent += 1
+        return self._sent
 
     def wait(self, ticket, *, timeout_s):
-        status, value = self.replies.get(timeout=timeout_s)
+        deadline = time.perf_counter() + timeout_s
+        while ticket not in self._answers:
+            if not self.conn.poll(max(0.0, deadline - time.perf_counter())):
+                raise RuntimeError(f"{self.name}: no answer to call {ticket} in {timeout_s} s")
+            self._received += 1
+            self._answers[self._received] = self.conn.recv()
+        status, value = self._answers.pop(ticket)
         if status == "error":
             raise RuntimeError(f"{self.name}: {value}")
         return value
@@ -80,48 +94,67 @@ class _QueueEndpoint:
         return self.wait(self.submit(method, *args), timeout_s=timeout_s)
 
 
-def run(kind: str, size_gb: float, repeats: int, bucket_bytes: int) -> dict:
+def start_receiver(device: int, num_tensors: int, numel: int):
+    """A ModuleWeightReceiver with `num_tensors` bf16 parameters of `numel` in a spawned process
+    on GPU `device`; returns (endpoint, process)."""
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_receiver_main, args=(device, num_tensors, numel, there))
+    child.start()
+    return PipeEndpoint(here, "receiver"), child
+
+
+def stop_receiver(endpoint, child) -> None:
+    endpoint.conn.send(None)
+    child.join(timeout=120)
+
+
+def source_model(num_tensors: int, numel: int, device: int) -> torch.nn.Module:
+    model = _model(num_tensors, numel, f"cuda:{device}")
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            layer.weight.normal_(generator=torch.Generator(device="cuda").manual_seed(i))
+    return model
+
+
+def run(kind: str, size_gb: float, repeats: int, bucket_bytes: int | list[int],
+        zero_copy: bool = True) -> dict | list[dict]:
+    """One result per bucket size (a dict when `bucket_bytes` is one int)."""
     from weightsync.dtensor import DTensorV2Source
     from weightsync.sender import WeightSender
 
+    buckets = [bucket_bytes] if isinstance(bucket_bytes, int) else list(bucket_bytes)
     sender_device, receiver_device = (0, 0) if kind == "ipc" else (0, 1)
     torch.cuda.set_device(sender_device)
     numel = TENSOR_BYTES // 2
     num_tensors = max(1, int(size_gb * (1 << 30)) // TENSOR_BYTES)
     nbytes = num_tensors * TENSOR_BYTES
-    source_model = _model(num_tensors, numel, f"cuda:{sender_device}")
-    with torch.no_grad():
-        for i, layer in enumerate(source_model.layers):
-            layer.weight.normal_(generator=torch.Generator(device="cuda").manual_seed(i))
-    source = DTensorV2Source(source_model)
-    ctx = mp.get_context("spawn")
-    requests, replies = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_receiver_main,
-                        args=(kind, receiver_device, num_tensors, numel, requests, replies))
-    child.start()
+    source = DTensorV2Source(source_model(num_tensors, numel, sender_device))
+    endpoint, child = start_receiver(receiver_device, num_tensors, numel)
     if kind == "ipc":
         from weightsync.transports.cuda_ipc import CudaIpcSender
 
-        transport = CudaIpcSender(num_slots=2)
+        transport = CudaIpcSender(num_slots=2, zero_copy=zero_copy)
     else:
         from weightsync.transports.collective import CollectiveSender
 
         transport = CollectiveSender(num_receivers=1, backend="nccl", timeout_s=300)
-    sender = WeightSender(source.specs(), transport=transport, capacity_bytes=bucket_bytes,
-                          timeout_s=300)
-    endpoint = _QueueEndpoint(requests, replies, f"{kind}-receiver")
-    sender.add_engine(endpoint)
-    sender.sync(source.tensors(), version="warmup")
-    times = []
-    for i in range(repeats):
-        torch.cuda.synchronize()
-        report = sender.sync(source.tensors(), version=f"v{i}")
-        times.append(report["sync_s"])
-    verified = sender.sync(source.tensors(), version="verify",
-                           verify=True)["verify"][endpoint.name]["verified"]
-    result = {"kind": kind, "size_gb": nbytes / (1 << 30), "nbytes": nbytes,
-              "bucket_mb": bucket_bytes >> 20, "sync_s": min(times),
-              "sync_gbps": nbytes / min(times) / 1e9, "verified": verified}
+    results = []
+    for bucket in buckets:
+        sender = WeightSender(source.specs(), transport=transport, capacity_bytes=bucket,
+                              timeout_s=300)
+        sender.add_engine(endpoint)
+        sender.sync(source.tensors(), version="warmup")
+        times = []
+        for i in range(repeats):
+            torch.cuda.synchronize()
+            times.append(sender.sync(source.tensors(), version=f"v{i}")["sync_s"])
+        verified = sender.sync(source.tensors(), version="verify",
+                               verify=True)["verify"][endpoint.name]["verified"]
+        results.append({"kind": kind, "size_gb": nbytes / (1 << 30), "nbytes": nbytes,
+                        "bucket_mb": bucket >> 20, "zero_copy": zero_copy if kind == "ipc"
+                        else None, "sync_s": min(times), "sync_gbps": nbytes / min(times) / 1e9,
+                        "verified": verified})
     if kind == "ipc":
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
@@ -133,8 +166,7 @@ def run(kind: str, size_gb: float, repeats: int, bucket_bytes: int) -> dict:
             dst.copy_(src)
             torch.cuda.synchronize()
             copies.append(time.perf_counter() - start)
-        result["reference"] = "device copy"
-        result["reference_gbps"] = nbytes / min(copies) / 1e9
+        reference = ("device copy", nbytes / min(copies) / 1e9)
         del src, dst
     else:
         from weightsync.transports.collective import _broadcast
@@ -142,33 +174,37 @@ def run(kind: str, size_gb: float, repeats: int, bucket_bytes: int) -> dict:
         big = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         rates = []
         for _ in range(repeats + 1):
-            requests.put(("bare_broadcast", (nbytes,)))
+            ticket = endpoint.submit("bare_broadcast", nbytes)
             torch.cuda.synchronize()
             start = time.perf_counter()
             _broadcast(transport.group, big, transport.timeout)
             torch.cuda.synchronize()
-            status, _ = replies.get(timeout=300)
+            endpoint.wait(ticket, timeout_s=300)
             rates.append(nbytes / (time.perf_counter() - start) / 1e9)
-        result["reference"] = "bare NCCL broadcast"
-        result["reference_gbps"] = max(rates[1:])
+        reference = ("bare NCCL broadcast", max(rates[1:]))
         del big
-    result["ratio"] = result["sync_gbps"] / result["reference_gbps"]
-    requests.put(None)
-    child.join(timeout=120)
-    sender.close()
-    return result
+    for result in results:
+        result["reference"], result["reference_gbps"] = reference
+        result["ratio"] = result["sync_gbps"] / result["reference_gbps"]
+    stop_receiver(endpoint, child)
+    transport.close()
+    return results[0] if isinstance(bucket_bytes, int) else results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("kind", choices=["ipc", "nccl"])
     parser.add_argument("--sizes-gb", default="1,4,16")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--bucket-mb", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bucket-mb", default="1024", help="one or more, comma-separated")
+    parser.add_argument("--no-zero-copy", action="store_true",
+                        help="ipc: copy every tensor into bucket buffers (the old path)")
     args = parser.parse_args()
+    buckets = [int(b) << 20 for b in args.bucket_mb.split(",")]
     for size in args.sizes_gb.split(","):
-        print(json.dumps(run(args.kind, float(size), args.repeats, args.bucket_mb << 20)),
-              flush=True)
+        for result in run(args.kind, float(size), args.repeats, buckets,
+                          zero_copy=not args.no_zero_copy):
+            print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -152,3 +152,51 @@ def fill_buckets(
         raise ValueError(
             f"tensor stream has {extra[0]!r} beyond its refit info; take refit info again"
         )
+
+
+def check_tensor(meta: TensorMeta, tensor: torch.Tensor) -> None:
+    """Raise unless `tensor` has the shape and dtype `meta` was planned with."""
+    if tuple(tensor.shape) != meta.shape:
+        raise ValueError(
+            f"tensor {meta.name!r}: shape {tuple(tensor.shape)} != planned {meta.shape}; "
+            f"the model changed since refit info was taken; call refit_info() again"
+        )
+    dtype = dtype_to_str(tensor.dtype)
+    if dtype != meta.dtype:
+        raise ValueError(
+            f"tensor {meta.name!r}: dtype {dtype} != planned {meta.dtype}; convert it or take "
+            f"refit info again"
+        )
+
+
+def take_bucket(plan: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]]
+                ) -> list[torch.Tensor]:
+    """The next tensors of the stream `tensors` that make up `plan`, checked against it, for
+    transports that pass tensors in place instead of copying them into a bucket (same errors
+    as `fill_buckets`)."""
+    taken = []
+    for meta in plan.tensors:
+        try:
+            name, tensor = next(tensors)
+        except StopIteration:
+            raise ValueError(
+                f"tensor stream ended before {meta.name!r} (bucket {plan.index}); the model "
+                f"has fewer tensors than its refit info"
+            ) from None
+        if name != meta.name:
+            raise ValueError(
+                f"tensor stream gave {name!r} where refit info expects {meta.name!r}; "
+                f"the model changed since refit info was taken"
+            )
+        check_tensor(meta, tensor)
+        taken.append(tensor)
+    return taken
+
+
+def check_stream_end(tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Raise if the stream `tensors` has anything left after the last bucket."""
+    extra = next(tensors, None)
+    if extra is not None:
+        raise ValueError(
+            f"tensor stream has {extra[0]!r} beyond its refit info; take refit info again"
+        )

@@ -21,13 +21,148 @@ def _bench():
 
 
 @needs_gpu
-def test_cuda_ipc_sync_into_another_process_is_verified():
-    result = _bench().run("ipc", 0.5, repeats=1, bucket_bytes=128 << 20)
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_cuda_ipc_sync_into_another_process_is_verified(zero_copy):
+    result = _bench().run("ipc", 0.5, repeats=1, bucket_bytes=128 << 20, zero_copy=zero_copy)
     assert result["verified"] and result["sync_gbps"] > 0
 
 
 @needs_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_nccl_sync_to_another_gpu_is_verified():
-    result = _bench().run("nccl", 0.5, repeats=1, bucket_bytes=128 << 20)
-    assert result["verified"] and result["sync_gbps"] > 0
+    results = _bench().run("nccl", 0.5, repeats=1, bucket_bytes=[128 << 20, 512 << 20])
+    assert all(r["verified"] and r["sync_gbps"] > 0 for r in results)
+
+
+@pytest.fixture
+def ipc_pair():
+    """A CUDA IPC sender for 4 bf16 tensors of 1 Mi elements (2 per bucket) and a receiver
+    process holding parameters of the same names."""
+    from weightsync.dtensor import DTensorV2Source
+    from weightsync.sender import WeightSender
+    from weightsync.transports.cuda_ipc import CudaIpcSender
+
+    bench = _bench()
+    numel = 1 << 20
+    torch.cuda.set_device(0)
+    model = bench.source_model(4, numel, 0)
+    endpoint, child = bench.start_receiver(0, 4, numel)
+    transport = CudaIpcSender(num_slots=2)
+    sender = WeightSender(DTensorV2Source(model).specs(), transport=transport,
+                          capacity_bytes=2 * numel * 2, timeout_s=60)
+    sender.add_engine(endpoint)
+    params = [layer.weight.detach() for layer in model.layers]
+    yield sender, transport, endpoint, params
+    bench.stop_receiver(endpoint, child)
+    sender.close()
+
+
+def _named(tensors):
+    return iter([(f"layers.{i}.weight", t) for i, t in enumerate(tensors)])
+
+
+def _verified(report):
+    return report["verify"]["receiver"]["verified"]
+
+
+@needs_gpu
+def test_cuda_ipc_mixed_tensors_and_temporaries_are_verified(ipc_pair):
+    sender, transport, endpoint, params = ipc_pair
+    assert _verified(sender.sync(_named(params), version="a", verify=True))
+    for p in params:
+        p.mul_(2)  # the receiver reads the trainer's tensors as they are now
+    strided = torch.empty(2 * params[1].numel(), dtype=params[1].dtype, device="cuda")
+    strided[::2] = params[1]
+    mixed = [params[0].cpu(), strided[::2], params[2].clone(), params[3]]
+    assert _verified(sender.sync(_named(mixed), version="b", verify=True))
+    # New temporaries every sync: dead storages' exports are forgotten and dropped remotely.
+    for i in range(4):
+        assert _verified(sender.sync(_named([p.clone() for p in params]), version=f"c{i}",
+                                     verify=True))
+    assert len(transport._exports) <= 2 * 4 + 4
+    assert endpoint.call("weight_version", timeout_s=30) == "c3"
+
+
+@needs_gpu
+def test_cuda_ipc_aborted_sync_is_reported_and_the_next_one_works(ipc_pair):
+    sender, _, endpoint, params = ipc_pair
+    sender.sync(_named(params), version="good")
+    bad = params[:3] + [params[3][:-1]]
+    with pytest.raises(ValueError, match="shape"):
+        sender.sync(_named(bad), version="bad")
+    assert endpoint.call("weight_version", timeout_s=30) == "good"
+    assert _verified(sender.sync(_named(params), version="again", verify=True))
+
+
+@needs_gpu
+def test_cuda_ipc_view_beyond_its_storage_is_rejected(ipc_pair):
+    sender, transport, endpoint, params = ipc_pair
+    plan = sender.plans[0]
+    transport.attach(0, plan, params[:2])
+    handle = transport.handle(0)
+    handle["views"][1][1] = params[1].numel()  # starts where the storage ends
+    endpoint.call("begin", "x", timeout_s=30)
+    with pytest.raises(RuntimeError, match="BucketRejected.*beyond its storage"):
+        endpoint.call("load_bucket", plan.descriptor(handle).to_dict(), timeout_s=30)
+    endpoint.call("abort", "test", timeout_s=30)
+
+
+def test_zero_copy_hooks_pass_tensors_in_place_on_cpu():
+    """The sender's `attach` and the receiver's `receive_tensors` hooks (what CUDA IPC's
+    zero-copy path uses), with an in-process stand-in that passes tensors by reference."""
+    from weightsync.endpoint import LocalEndpoint
+    from weightsync.receiver import ModuleWeightReceiver
+    from weightsync.sender import WeightSender
+    from weightsync.transports import _RECEIVERS
+    from weightsync.wire import TensorSpec
+
+    passed: dict[int, list[torch.Tensor]] = {}
+
+    class InPlaceSender:
+        kind = "test_in_place"
+        num_slots = 2
+
+        def attach(self, slot, plan, tensors):
+            passed[slot] = tensors
+
+        def handle(self, slot):
+            return {"kind": self.kind, "slot": slot}
+
+        def send(self, slot, nbytes):
+            pass
+
+        def close(self):
+            pass
+
+    class InPlaceReceiver:
+        kind = "test_in_place"
+
+        def receive_tensors(self, descriptor):
+            tensors = passed[descriptor.handle["slot"]]
+            return [(m.name, t) for m, t in zip(descriptor.tensors, tensors)]
+
+        def release(self, handle):
+            pass
+
+        def close(self):
+            pass
+
+    sys.modules[__name__].InPlaceReceiver = InPlaceReceiver
+    _RECEIVERS["test_in_place"] = f"{__name__}:InPlaceReceiver"
+    try:
+        g = torch.Generator().manual_seed(3)
+        source = {f"w{i}": torch.randn(5 + i, 3, generator=g) for i in range(7)}
+        target = torch.nn.Module()
+        for name, t in source.items():
+            target.register_parameter(name, torch.nn.Parameter(torch.zeros_like(t),
+                                                               requires_grad=False))
+        specs = [TensorSpec.of(n, t) for n, t in source.items()]
+        sender = WeightSender(specs, transport=InPlaceSender(), capacity_bytes=256)
+        sender.add_engine(LocalEndpoint(ModuleWeightReceiver(target), name="local"))
+        report = sender.sync(iter(source.items()), version="v1", verify=True)
+        assert report["verify"]["local"]["verified"]
+        assert all(torch.equal(getattr(target, n), t) for n, t in source.items())
+        with pytest.raises(ValueError, match="beyond its refit info"):
+            sender.sync(iter([*source.items(), ("extra", torch.zeros(1))]), version="v2")
+    finally:
+        del _RECEIVERS["test_in_place"]

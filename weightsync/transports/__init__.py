@@ -9,6 +9,11 @@ Order of calls for one bucket:
   sender:   buf = buffer(slot, nbytes); <write tensors into buf>; h = handle(slot)
   sender:   <ask the receiver to load bucket h>; send(slot, nbytes)   # collectives move bytes here
   receiver: data = receive(h, nbytes); <load views of data>; release(h)
+
+Optional zero-copy hooks (CUDA IPC offers them): a sender transport with
+`attach(slot, plan, tensors)` is handed each bucket's tensors themselves instead of a buffer to
+fill, and makes them reachable through `handle(slot)`; a receiver transport with
+`receive_tensors(descriptor)` returns the bucket's (name, tensor) views itself.
 """
 
 from __future__ import annotations

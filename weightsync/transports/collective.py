@@ -8,6 +8,16 @@ sender broadcasts and every receiver waits in `receive`. Every wait has a timeou
 
 The store's port is opened on `host` (loopback by default); pass the host's address for engines
 on other machines.
+
+With NCCL the copies overlap the broadcasts. Each side runs its broadcasts from a side stream:
+the sender packs bucket i+1 into one slot while bucket i goes out of the other (a slot is packed
+again only once its last broadcast finished: an event per slot), and each receiver keeps one
+receive buffer per slot, so it receives bucket i+1 while the engine's loader copies bucket i out
+(the broadcast into a buffer waits for the event `release` recorded after the last load from
+it). The loader's stream waits for the broadcast on the GPU; no host waits for either.
+A bucket of one contiguous tensor on the sender's GPU (large tensors get a bucket of their own)
+is broadcast straight from the trainer's tensor (`attach`), with no copy into a slot; the
+trainer's stream then waits for that broadcast before it can change the tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weightsync.bucket import BucketPlan, write_tensor
 from weightsync.transports import ReceiverTransport, SenderTransport
 
 logger = logging.getLogger(__name__)
@@ -43,12 +54,16 @@ def _make_group(backend: str, store: Any, rank: int, world_size: int,
     raise ValueError(f"collective backend {backend!r}: expected 'gloo' or 'nccl'")
 
 
-def _broadcast(group: Any, tensor: torch.Tensor, timeout: datetime.timedelta) -> None:
+def _start_broadcast(group: Any, tensor: torch.Tensor, timeout: datetime.timedelta) -> Any:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0
     opts.timeout = timeout
-    group.broadcast([tensor], opts).wait()
+    return group.broadcast([tensor], opts)
+
+
+def _broadcast(group: Any, tensor: torch.Tensor, timeout: datetime.timedelta) -> None:
+    _start_broadcast(group, tensor, timeout).wait()
 
 
 class CollectiveSender(SenderTransport):
@@ -73,12 +88,30 @@ class CollectiveSender(SenderTransport):
                                    timeout=self.timeout, wait_for_workers=False)
         self.group: Any = None
         self._slots: list[torch.Tensor | None] = [None] * num_slots
+        self._sent: list[Any] = [None] * num_slots  # NCCL: event after the slot's broadcast
+        self._stream: Any = None
+        self._direct: list[torch.Tensor | None] = [None] * num_slots  # NCCL: sent in place
 
     @property
     def num_slots(self) -> int:
         return len(self._slots)
 
+    def attach(self, slot: int, plan: BucketPlan, tensors: list[torch.Tensor]) -> None:
+        """Broadcast a bucket of one tensor straight from it (NCCL); pack anything else."""
+        if self.backend == "nccl" and len(tensors) == 1:
+            tensor = tensors[0]
+            if (tensor.device == self.device and tensor.is_contiguous()
+                    and 0 < tensor.numel() * tensor.element_size() == plan.nbytes):
+                self._direct[slot] = tensor
+                return
+        buf = self.buffer(slot, plan.nbytes)
+        for meta, tensor in zip(plan.tensors, tensors):
+            write_tensor(buf, meta, tensor)
+
     def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        self._direct[slot] = None
+        if self._sent[slot] is not None:  # writes into the slot wait for its last broadcast
+            torch.cuda.current_stream(self.device).wait_event(self._sent[slot])
         buf = self._slots[slot]
         if buf is None or buf.numel() < nbytes:
             buf = self._slots[slot] = torch.empty(max(nbytes, 1), dtype=torch.uint8,
@@ -88,20 +121,43 @@ class CollectiveSender(SenderTransport):
     def handle(self, slot: int) -> dict[str, Any]:
         return {"kind": self.kind, "backend": self.backend, "host": self.host,
                 "port": self.port, "world_size": self.world_size,
-                "timeout_s": self.timeout.total_seconds()}
+                "timeout_s": self.timeout.total_seconds(), "slot": slot}
 
     def send(self, slot: int, nbytes: int) -> None:
         if self.group is None:
             logger.info("forming %s group of %d on %s:%d", self.backend, self.world_size,
                         self.host, self.port)
             self.group = _make_group(self.backend, self.store, 0, self.world_size, self.timeout)
-        buf = self._slots[slot]
-        assert buf is not None, f"slot {slot} has no buffer"
-        _broadcast(self.group, buf[:nbytes], self.timeout)
+        direct = self._direct[slot]
+        if direct is not None:
+            data = direct.reshape(-1).view(torch.uint8)[:nbytes]
+        else:
+            buf = self._slots[slot]
+            assert buf is not None, f"slot {slot} has no buffer"
+            data = buf[:nbytes]
+        if self.backend != "nccl":
+            _broadcast(self.group, data, self.timeout)
+            return
+        main = torch.cuda.current_stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(main)  # the bucket is packed (or the tensor written)
+        with torch.cuda.stream(self._stream):
+            _start_broadcast(self.group, data, self.timeout).wait()
+            sent = torch.cuda.Event()
+            sent.record(self._stream)
+        self._sent[slot] = sent
+        if direct is not None:
+            main.wait_event(sent)  # the trainer changes the tensor only after it went out
+            self._direct[slot] = None
 
     def close(self) -> None:
+        if self.backend == "nccl" and self._stream is not None:
+            self._stream.synchronize()
         self.group = None
         self._slots = [None] * len(self._slots)
+        self._sent = [None] * len(self._sent)
+        self._direct = [None] * len(self._direct)
         self.store = None
 
 
@@ -114,6 +170,10 @@ class CollectiveReceiver(ReceiverTransport):
         self._groups: dict[tuple[str, int], Any] = {}
         self._stores: dict[tuple[str, int], Any] = {}
         self._buffer: torch.Tensor | None = None
+        # NCCL: a receive buffer per sender slot, and the event after its last load
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._loaded: dict[int, Any] = {}
+        self._stream: Any = None
 
     def _group(self, handle: dict[str, Any]) -> Any:
         key = (handle["host"], int(handle["port"]))
@@ -134,8 +194,9 @@ class CollectiveReceiver(ReceiverTransport):
 
     def receive(self, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
         group = self._group(handle)
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if handle["backend"] == "nccl" else torch.device("cpu")
+        if handle["backend"] == "nccl":
+            return self._receive_nccl(group, handle, nbytes)
+        device = torch.device("cpu")
         if self._buffer is None or self._buffer.numel() < nbytes or \
                 self._buffer.device != device:
             self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
@@ -143,7 +204,37 @@ class CollectiveReceiver(ReceiverTransport):
         _broadcast(group, data, datetime.timedelta(seconds=float(handle.get("timeout_s", 60))))
         return data
 
+    def _receive_nccl(self, group: Any, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
+        device = torch.device("cuda", torch.cuda.current_device())
+        slot = int(handle.get("slot", 0))
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = self._buffers[slot] = torch.empty(max(nbytes, 1), dtype=torch.uint8,
+                                                    device=device)
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        data = buf[:nbytes]
+        loaded = self._loaded.pop(slot, None)
+        if loaded is not None:  # the last load from this buffer is done before it is overwritten
+            self._stream.wait_event(loaded)
+        with torch.cuda.stream(self._stream):
+            work = _start_broadcast(group, data,
+                                    datetime.timedelta(seconds=float(handle.get("timeout_s", 60))))
+        work.wait()  # the loader's (current) stream waits for the bytes
+        return data
+
+    def release(self, handle: dict[str, Any]) -> None:
+        if handle.get("backend") == "nccl":
+            loaded = torch.cuda.Event()
+            loaded.record(torch.cuda.current_stream())
+            self._loaded[int(handle.get("slot", 0))] = loaded
+
     def close(self) -> None:
+        if self._stream is not None:
+            torch.cuda.synchronize()
         self._groups.clear()
         self._stores.clear()
         self._buffer = None
+        self._buffers.clear()
+        self._loaded.clear()
+        self._stream = None

@@ -1,21 +1,39 @@
-"""CUDA IPC: the engine maps the trainer's GPU bucket buffer (same host, GPU memory).
+"""CUDA IPC: the engine reads the trainer's GPU memory directly (same host, same GPU or peer).
 
-The sender allocates one CUDA buffer per slot and exports it once with the CUDA IPC handle torch
-itself uses (`UntypedStorage._share_cuda_()`); the handle, the device and sizes travel as plain
-data (bytes and ints), and the receiver opens them with its own torch
-(`UntypedStorage._new_shared_cuda`). Opened handles are cached: mapping costs ~ms, so each slot is
-mapped once and reused across buckets and syncs. The sender synchronises its stream before
-announcing a bucket, so the bytes are complete when the receiver reads them.
+Zero-copy (the default): the sender exports CUDA IPC handles to the storages of the trainer's own
+tensors (`UntypedStorage._share_cuda_()`, the handle torch itself uses) and the engine's loader
+copies straight from them into its parameters: one copy per byte. Each storage is exported once
+and the export is reused while that storage lives (same storage object at the same address);
+a tensor in a new storage gets a new export and key, and the keys of storages that died travel
+in the next handle ("drop"), so receivers unmap them and the trainer gets the memory back. The
+receiver opens each key once (`UntypedStorage._new_shared_cuda`) and keeps it while it is used:
+mapping costs ~ms, a view on an open storage microseconds.
+
+Tensors that cannot be passed in place (on the CPU, on another GPU, empty) are copied into the
+slot's bucket buffer as before, and the bucket path alone is used with `zero_copy=False`.
+
+Only plain data crosses: handles as base64 text, offsets, strides and sizes as ints. Ordering:
+the sender synchronises its stream before announcing a bucket (the trainer's writes are done),
+and the receiver synchronises its stream in `release` (its reads are done) before the sender may
+reuse a slot or the trainer change a tensor.
 """
 
 from __future__ import annotations
 
 import base64
+import itertools
+import math
+import os
+import weakref
 from typing import Any
 
 import torch
 
+from weightsync.bucket import BucketPlan, tensor_view, write_tensor
 from weightsync.transports import ReceiverTransport, SenderTransport
+from weightsync.wire import BucketDescriptor, BucketRejected, dtype_from_str
+
+_uids = itertools.count()
 
 
 def _export(storage: torch.UntypedStorage) -> dict[str, Any]:
@@ -38,61 +56,213 @@ def _open(h: dict[str, Any], device: int) -> torch.UntypedStorage:
 class CudaIpcSender(SenderTransport):
     kind = "cuda_ipc"
 
-    def __init__(self, *, num_slots: int = 2, device: int | None = None) -> None:
+    def __init__(self, *, num_slots: int = 2, device: int | None = None,
+                 zero_copy: bool = True) -> None:
         self.device = torch.cuda.current_device() if device is None else device
+        self.zero_copy = zero_copy
+        self._uid = f"{os.getpid()}.{next(_uids)}"
         self._slots: list[torch.Tensor | None] = [None] * num_slots
         self._handles: list[dict[str, Any] | None] = [None] * num_slots
         self._generation = 0
+        # Zero-copy state: per slot, the tensors passed in place (kept alive until the slot is
+        # reused) and their [key, storage offset, strides] (None: packed into the buffer).
+        self._held: list[list[torch.Tensor] | None] = [None] * num_slots
+        self._views: list[list[Any] | None] = [None] * num_slots
+        self._packed: list[bool] = [False] * num_slots
+        self._slot_exports: list[dict[str, Any]] = [{} for _ in range(num_slots)]
+        # (data_ptr, nbytes) -> (weak ref to the storage, its export with "key")
+        self._exports: dict[tuple[int, int], tuple[weakref.ref, dict[str, Any]]] = {}
+        self._dead: list[str] = []
+        self._sync = 0
 
     @property
     def num_slots(self) -> int:
         return len(self._slots)
 
     def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        self._views[slot] = None
+        return self._buffer(slot, nbytes)
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         buf = self._slots[slot]
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
             self._generation += 1
             self._slots[slot] = buf
             self._handles[slot] = {**_export(buf.untyped_storage()),
-                                   "key": f"{id(self)}-{slot}-{self._generation}"}
+                                   "key": f"{self._uid}-{slot}-{self._generation}"}
         return buf[:nbytes]
 
+    # ---- zero-copy -----------------------------------------------------------------------
+    def _storage_export(self, storage: torch.UntypedStorage) -> dict[str, Any]:
+        where = (storage.data_ptr(), storage.nbytes())
+        cached = self._exports.get(where)
+        if cached is not None and cached[0]() is storage:
+            return cached[1]
+        self._generation += 1
+        key = f"{self._uid}-s{self._generation}"
+        export = {**_export(storage), "key": key}
+        dead = self._dead
+
+        def forget(ref: weakref.ref, where=where, key=key, exports=self._exports) -> None:
+            dead.append(key)
+            if exports.get(where, (None,))[0] is ref:
+                del exports[where]
+
+        self._exports[where] = (weakref.ref(storage, forget), export)
+        return export
+
+    def _in_place(self, tensor: torch.Tensor) -> bool:
+        return (self.zero_copy and tensor.is_cuda and tensor.device.index == self.device
+                and tensor.numel() > 0 and all(s >= 0 for s in tensor.stride()))
+
+    def attach(self, slot: int, plan: BucketPlan, tensors: list[torch.Tensor]) -> None:
+        """Pass `plan`'s tensors in place where they can be, pack the rest into the slot's
+        buffer; `handle(slot)` then describes both."""
+        if plan.index == 0:
+            self._sync += 1
+        self._held[slot] = None  # the slot's previous tensors may go (and their exports die)
+        views: list[Any] = []
+        packed = [(meta, t) for meta, t in zip(plan.tensors, tensors) if not self._in_place(t)]
+        buf = self._buffer(slot, plan.nbytes) if packed else None
+        for meta, tensor in packed:
+            write_tensor(buf, meta, tensor)
+        exports: dict[str, Any] = {}
+        for tensor in tensors:
+            if self._in_place(tensor):
+                export = self._storage_export(tensor.untyped_storage())
+                exports[export["key"]] = export
+                views.append([export["key"], tensor.storage_offset(), list(tensor.stride())])
+            else:
+                views.append(None)
+        self._held[slot] = tensors
+        self._slot_exports[slot] = exports
+        self._views[slot] = views
+        self._packed[slot] = bool(packed)
+
     def handle(self, slot: int) -> dict[str, Any]:
-        handle = self._handles[slot]
-        assert handle is not None, f"slot {slot} has no buffer yet"
+        views = self._views[slot]
+        if views is None:
+            handle = self._handles[slot]
+            assert handle is not None, f"slot {slot} has no buffer yet"
+            out = {"kind": self.kind, **handle}
+        else:
+            out = {"kind": self.kind, "device": self.device, "sync": self._sync,
+                   "views": views, "storages": self._slot_exports[slot], "drop": self._dead[:]}
+            self._dead.clear()
+            if self._packed[slot]:
+                out["buffer"] = self._handles[slot]
         torch.cuda.current_stream(self.device).synchronize()
-        return {"kind": self.kind, **handle}
+        return out
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
         self._slots = [None] * len(self._slots)
         self._handles = [None] * len(self._handles)
+        self._held = [None] * len(self._held)
+        self._views = [None] * len(self._views)
+        self._exports.clear()
 
 
 class CudaIpcReceiver(ReceiverTransport):
     kind = "cuda_ipc"
 
-    def __init__(self, *, device: int | None = None, max_open: int = 4) -> None:
+    def __init__(self, *, device: int | None = None, max_open: int = 4,
+                 max_storages: int = 1 << 16) -> None:
         self.device = device
         self.max_open = max_open
-        self._open: dict[str, torch.Tensor] = {}
+        self.max_storages = max_storages
+        self._open: dict[str, torch.Tensor] = {}  # bucket buffers by key
+        self._storages: dict[str, list[Any]] = {}  # key -> [storage, last sync used]
+        self._sync = 0
 
-    def receive(self, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
+    def _device(self, handle: dict[str, Any]) -> int:
+        return int(handle["device"]) if self.device is None else self.device
+
+    def _buffer(self, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
         key = handle["key"]
         data = self._open.pop(key, None)
         if data is None:
-            device = handle["device"] if self.device is None else self.device
+            device = self._device(handle)
             storage = _open(handle, device)
             data = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage)
         if data.numel() < nbytes:
-            raise ValueError(f"CUDA IPC buffer {key!r} holds {data.numel()} bytes, fewer than "
-                             f"{nbytes}")
+            raise BucketRejected(f"CUDA IPC buffer {key!r} holds {data.numel()} bytes, fewer "
+                                 f"than {nbytes}")
         self._open[key] = data
         while len(self._open) > self.max_open:
             self._open.pop(next(iter(self._open)))
         return data[:nbytes]
 
+    def receive(self, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
+        return self._buffer(handle, nbytes)
+
+    def _storage(self, key: str, handle: dict[str, Any]) -> torch.UntypedStorage:
+        entry = self._storages.get(key)
+        if entry is None:
+            export = handle["storages"].get(key)
+            if export is None:
+                raise BucketRejected(f"CUDA IPC storage {key!r} is neither open here nor "
+                                     f"exported in this bucket's handle")
+            entry = self._storages[key] = [_open(export, self._device(handle)), self._sync]
+        entry[1] = self._sync
+        return entry[0]
+
+    def receive_tensors(self, descriptor: BucketDescriptor) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's tensors: views of the trainer's storages where it passed them in place,
+        views of the bucket buffer for the rest."""
+        handle = descriptor.handle
+        views = handle.get("views")
+        if views is None:
+            data = self._buffer(handle, descriptor.nbytes)
+            descriptor.validate(data.numel())
+            return [(m.name, tensor_view(data, m)) for m in descriptor.tensors]
+        if len(views) != len(descriptor.tensors):
+            raise BucketRejected(f"bucket {descriptor.index}: {len(views)} views for "
+                                 f"{len(descriptor.tensors)} tensors")
+        for key in handle.get("drop", ()):
+            self._storages.pop(key, None)
+        sync = int(handle.get("sync", 0))
+        if sync != self._sync:  # a new sync: unmap what the last one did not use
+            self._storages = {k: e for k, e in self._storages.items() if e[1] >= self._sync}
+            self._sync = sync
+        data = None
+        if any(v is None for v in views):
+            if "buffer" not in handle:
+                raise BucketRejected(f"bucket {descriptor.index}: packed tensors but no buffer")
+            data = self._buffer(handle["buffer"], descriptor.nbytes)
+            descriptor.validate(data.numel())
+        out = []
+        for meta, view in zip(descriptor.tensors, views):
+            if view is None:
+                out.append((meta.name, tensor_view(data, meta)))
+                continue
+            key, offset, stride = view[0], int(view[1]), [int(s) for s in view[2]]
+            storage = self._storage(key, handle)
+            dtype = dtype_from_str(meta.dtype)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if len(stride) != len(meta.shape) or offset < 0 or any(s < 0 for s in stride):
+                raise BucketRejected(f"bucket {descriptor.index}: tensor {meta.name!r}: bad "
+                                     f"offset {offset} / strides {stride} for shape {meta.shape}")
+            span = 0 if math.prod(meta.shape) == 0 else \
+                1 + sum((n - 1) * s for n, s in zip(meta.shape, stride))
+            if (offset + span) * itemsize > storage.nbytes():
+                raise BucketRejected(
+                    f"bucket {descriptor.index}: tensor {meta.name!r} spans elements "
+                    f"[{offset}, {offset + span}) of {meta.dtype}, beyond its storage's "
+                    f"{storage.nbytes()} bytes")
+            tensor = torch.empty(0, dtype=dtype, device=storage.device).set_(
+                storage, offset, meta.shape, stride)
+            out.append((meta.name, tensor))
+        while len(self._storages) > self.max_storages:
+            self._storages.pop(next(iter(self._storages)))
+        return out
+
+    def release(self, handle: dict[str, Any]) -> None:
+        # The sender may reuse the slot, and the trainer change its tensors, once we reply.
+        torch.cuda.current_stream().synchronize()
+
     def close(self) -> None:
-        self._open.clear()
         torch.cuda.synchronize()
+        self._open.clear()
+        self._storages.clear()
