@@ -169,7 +169,9 @@ class WeightSender:
 
         begin(version, direct=True) on each; then `write(direct, fallback)` has every trainer
         rank write its shards into the direct engines' parameters and returns, when verifying,
-        the pieces written as [name, byte offset, nbytes, digest]; then end. `write` is called
+        the pieces written as [name, byte offset, nbytes, digest]; then, when verifying, each
+        engine's digests of the same bytes are compared (a difference aborts the update and
+        raises); then end. `write` is called
         even when no engine can take the path, so the trainer's ranks stay in step. Returns the
         report (None without direct engines) and the engines to sync by buckets instead (their
         parameters are no longer shared)."""
@@ -188,10 +190,19 @@ class WeightSender:
             failure, direct = exc, []
             self._abort(engines, f"{type(exc).__name__}: {exc}")
         fallback = [n for n in engines if n not in direct] if failure is None else []
+        checked: dict[str, Any] | None = None
         try:
             pieces = write(direct, fallback) or []
             if failure is not None:
                 raise failure
+            if direct and verify:
+                # Checked before `end`: an engine whose bytes differ is aborted, never served.
+                written_s = time.perf_counter() - start
+                checked = self.verify_direct(pieces, engines=direct)
+                bad = {n: checked[n]["mismatched"] for n in direct if not checked[n]["verified"]}
+                if bad:
+                    raise RuntimeError(f"verification failed, update {version!r} aborted: "
+                                       f"bytes differ from the trainer's in {bad}")
             ends = self._broadcast("end", version, names=direct) if direct else []
         except BaseException as exc:
             if failure is None:
@@ -201,14 +212,17 @@ class WeightSender:
             return None, fallback
         sync_s = time.perf_counter() - start
         self.num_syncs += 1
+        if checked is not None:  # the sync proper ends where checking began
+            sync_s -= checked["verify_s"]
+            assert sync_s >= written_s
         report: dict[str, Any] = {
             "version": version, "nbytes": self.nbytes, "num_buckets": 0, "path": "direct",
             "sync_s": sync_s, "gbps": self.nbytes / sync_s / 1e9 if sync_s > 0 else 0.0,
             "engines": {n: {"status": "ok", "path": "direct", **(e or {})}
                         for n, e in zip(direct, ends)},
         }
-        if verify:
-            report["verify"] = self.verify_direct(pieces, engines=direct)
+        if checked is not None:
+            report["verify"] = checked
         return report, fallback
 
     def verify_direct(self, pieces: list[list], *, engines: list[str]) -> dict[str, Any]:

@@ -1,0 +1,151 @@
+"""The one-copy path (weightsync/direct.py): probing where an engine's loader puts each tensor,
+parameters moved into shared memory, trainer writes, digests, and the sender's direct sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightsync.direct import DirectTarget, NotShared, SharedParameters, probe_destinations
+from weightsync.endpoint import LocalEndpoint
+from weightsync.fingerprint import MASK, digest
+from weightsync.receiver import ModuleWeightReceiver
+from weightsync.sender import WeightSender
+from weightsync.transports.shm import ShmSender, list_segments
+from weightsync.wire import TensorSpec
+
+
+def _reference_digest(raw: bytes) -> int:
+    padded = raw + b"\0" * (-len(raw) % 8)
+    return sum(int.from_bytes(padded[i:i + 8], "little") for i in range(0, len(padded), 8)) & MASK
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 9, 4097])
+@pytest.mark.parametrize("start", [0, 3])
+def test_digest_is_the_wrapping_sum_of_64_bit_words_at_any_alignment(nbytes, start):
+    data = torch.randint(0, 256, (nbytes + start,), dtype=torch.uint8)[start:]
+    assert digest(data) == _reference_digest(bytes(data.tolist()))
+    if nbytes:
+        changed = data.clone()
+        changed[nbytes // 2] ^= 1
+        assert digest(changed) != digest(data)
+
+
+def _fused_engine():
+    """An engine-like model: q, k and v loaded into one fused parameter along dim 0, "t"
+    transposed on the way in, "w" copied as is."""
+    params = {
+        "qkv": torch.zeros(12, 8, dtype=torch.bfloat16),
+        "t": torch.zeros(8, 4, dtype=torch.bfloat16),
+        "w": torch.zeros(5, 3, dtype=torch.float32),
+    }
+    rows = {"q": 0, "k": 4, "v": 8}
+
+    def load_one(name, tensor):
+        if name in rows:
+            params["qkv"][rows[name]:rows[name] + 4].copy_(tensor)
+        elif name == "t_in":
+            params["t"].copy_(tensor.t())
+        else:
+            params["w"].copy_(tensor)
+
+    specs = {n: TensorSpec(name=n, dtype="bfloat16", shape=(4, 8)) for n in ("q", "k", "v")}
+    specs["t_in"] = TensorSpec(name="t_in", dtype="bfloat16", shape=(4, 8))
+    specs["w"] = TensorSpec(name="w", dtype="float32", shape=(5, 3))
+    param_of = {"q": ["qkv"], "k": ["qkv"], "v": ["qkv"], "t_in": ["t"], "w": ["w"]}
+    return params, specs, param_of, load_one
+
+
+def test_probe_finds_verbatim_destinations_and_leaves_the_parameters_as_they_were():
+    params, specs, param_of, load_one = _fused_engine()
+    for p in params.values():
+        p.copy_(torch.randn(p.shape))
+    before = {n: p.clone() for n, p in params.items()}
+    found = probe_destinations(params, param_of, specs, load_one)
+    row_bytes = 8 * 2
+    assert found == {"q": ("qkv", 0), "k": ("qkv", 4 * row_bytes), "v": ("qkv", 8 * row_bytes),
+                     "w": ("w", 0)}  # "t_in" is transposed on the way in: not verbatim
+    for name, p in params.items():
+        assert torch.equal(p, before[name])
+
+
+def test_shared_parameters_take_trainer_writes_and_notice_when_moved():
+    params, specs, param_of, load_one = _fused_engine()
+    destinations = probe_destinations(params, param_of, specs, load_one)
+    shared = SharedParameters(params, destinations)
+    target = DirectTarget(shared.describe())  # as a trainer rank maps it
+    try:
+        assert shared.segment.name in list_segments()
+        k = torch.randn(4, 8).to(torch.bfloat16)
+        target.write("k", 0, k[:2].contiguous().view(torch.uint8))  # one rank's half ...
+        target.write("k", 2 * 16, k[2:].contiguous().view(torch.uint8))  # ... and the other's
+        assert torch.equal(params["qkv"][4:8], k)  # the engine's own parameter changed
+        pieces = [["k", 0, 32, digest(k[:2])], ["k", 32, 32, digest(k[2:])]]
+        assert shared.digests([p[:3] for p in pieces]) == [p[3] for p in pieces]
+        params["w"].data = torch.zeros(5, 3)  # something replaced a parameter's storage
+        with pytest.raises(NotShared, match=r"no longer live in shared segment .*'w'"):
+            shared.check()
+    finally:
+        target.close()
+        shared.close()
+    assert shared.segment.name not in list_segments()
+
+
+def _module(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.randn(64, 32).to(torch.bfloat16), requires_grad=False)
+    model.b = torch.nn.Parameter(torch.randn(33), requires_grad=False)
+    return model
+
+
+def test_direct_sync_after_a_sync_by_buckets_is_verified_and_catches_a_bad_byte():
+    trainer = dict(_module(1).named_parameters())
+    receiver = ModuleWeightReceiver(_module(2), name="mod")
+    specs = [TensorSpec.of(n, t) for n, t in trainer.items()]
+    sender = WeightSender(specs, transport=ShmSender(), capacity_bytes=1 << 20)
+    sender.add_engine(LocalEndpoint(receiver, name="mod"))
+    targets: dict[str, DirectTarget] = {}
+    try:
+        assert sender.sync(iter(trainer.items()), version="v1", verify=True)["verify"]["mod"][
+            "verified"]
+        shared = receiver.share_params()["shared"]
+        targets["mod"] = DirectTarget(shared)
+        for t in trainer.values():
+            t.add_(1)
+
+        def write(direct, fallback, corrupt=False):
+            assert direct == ["mod"] and fallback == []
+            pieces = []
+            for name, t in trainer.items():
+                raw = t.reshape(-1).view(torch.uint8)
+                half = raw.numel() // 2  # two "ranks", the second at an odd offset for "b"
+                for offset, part in ((0, raw[:half]), (half, raw[half:])):
+                    targets["mod"].write(name, offset, part)
+                    pieces.append([name, offset, part.numel(), digest(part)])
+            if corrupt:
+                targets["mod"].segment.tensor[shared["offsets"]["b"] + 5] ^= 1
+            return pieces
+
+        report, fallback = sender.sync_direct(write, version="v2", engines=["mod"], verify=True)
+        assert fallback == [] and report["engines"]["mod"]["path"] == "direct"
+        assert report["verify"]["mod"]["verified"], report["verify"]
+        got = dict(receiver.receiver.model.named_parameters())
+        assert all(torch.equal(got[n], t) for n, t in trainer.items())
+        assert receiver.weight_version() == "v2"
+        with pytest.raises(RuntimeError, match=r"update 'v3' aborted: .*\{'mod': \['b'\]\}"):
+            sender.sync_direct(lambda d, f: write(d, f, corrupt=True), version="v3",
+                               engines=["mod"], verify=True)
+        assert receiver.weight_version() == "v2"  # the bad update was never adopted
+        # Parameters moved elsewhere: the engine is handed back to buckets, nothing written.
+        got["a"].data = got["a"].data.clone()
+        calls = []
+        report, fallback = sender.sync_direct(lambda d, f: calls.append((d, f)), version="v4",
+                                              engines=["mod"])
+        assert report is None and fallback == ["mod"] and calls == [([], ["mod"])]
+        assert receiver.weight_version() == "v2"
+    finally:
+        for target in targets.values():
+            target.close()
+        receiver.receiver.close()
+        sender.close()
