@@ -145,15 +145,19 @@ def run(kind: str, size_gb: float, repeats: int, bucket_bytes: int | list[int],
                               timeout_s=300)
         sender.add_engine(endpoint)
         sender.sync(source.tensors(), version="warmup")
-        times = []
+        times, load_s = [], []
         for i in range(repeats):
             torch.cuda.synchronize()
-            times.append(sender.sync(source.tensors(), version=f"v{i}")["sync_s"])
+            report = sender.sync(source.tensors(), version=f"v{i}")
+            times.append(report["sync_s"])
+            load_s.append(report["engines"][endpoint.name]["load_s"])
         verified = sender.sync(source.tensors(), version="verify",
                                verify=True)["verify"][endpoint.name]["verified"]
         results.append({"kind": kind, "size_gb": nbytes / (1 << 30), "nbytes": nbytes,
                         "bucket_mb": bucket >> 20, "zero_copy": zero_copy if kind == "ipc"
                         else None, "sync_s": min(times), "sync_gbps": nbytes / min(times) / 1e9,
+                        "load_s": load_s[times.index(min(times))],
+                        "num_buckets": len(sender.plans),
                         "verified": verified})
     if kind == "ipc":
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

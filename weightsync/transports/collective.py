@@ -173,6 +173,7 @@ class CollectiveReceiver(ReceiverTransport):
         # NCCL: a receive buffer per sender slot, and the event after its last load
         self._buffers: dict[int, torch.Tensor] = {}
         self._loaded: dict[int, Any] = {}
+        self._unreleased: set[int] = set()
         self._stream: Any = None
 
     def _group(self, handle: dict[str, Any]) -> Any:
@@ -217,6 +218,9 @@ class CollectiveReceiver(ReceiverTransport):
         loaded = self._loaded.pop(slot, None)
         if loaded is not None:  # the last load from this buffer is done before it is overwritten
             self._stream.wait_event(loaded)
+        elif slot in self._unreleased:  # loaded without `release`: wait for all queued work
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+        self._unreleased.add(slot)
         with torch.cuda.stream(self._stream):
             work = _start_broadcast(group, data,
                                     datetime.timedelta(seconds=float(handle.get("timeout_s", 60))))
@@ -227,7 +231,9 @@ class CollectiveReceiver(ReceiverTransport):
         if handle.get("backend") == "nccl":
             loaded = torch.cuda.Event()
             loaded.record(torch.cuda.current_stream())
-            self._loaded[int(handle.get("slot", 0))] = loaded
+            slot = int(handle.get("slot", 0))
+            self._loaded[slot] = loaded
+            self._unreleased.discard(slot)
 
     def close(self) -> None:
         if self._stream is not None:
@@ -237,4 +243,5 @@ class CollectiveReceiver(ReceiverTransport):
         self._buffer = None
         self._buffers.clear()
         self._loaded.clear()
+        self._unreleased.clear()
         self._stream = None

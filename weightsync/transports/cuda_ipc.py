@@ -197,14 +197,21 @@ class CudaIpcReceiver(ReceiverTransport):
     def receive(self, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
         return self._buffer(handle, nbytes)
 
+    def _storage_nbytes(self, key: str, handle: dict[str, Any]) -> int:
+        entry = self._storages.get(key)
+        if entry is not None:
+            return entry[0].nbytes()
+        export = handle["storages"].get(key)
+        if export is None:
+            raise BucketRejected(f"CUDA IPC storage {key!r} is neither open here nor "
+                                 f"exported in this bucket's handle")
+        return int(export["size_bytes"])
+
     def _storage(self, key: str, handle: dict[str, Any]) -> torch.UntypedStorage:
         entry = self._storages.get(key)
         if entry is None:
-            export = handle["storages"].get(key)
-            if export is None:
-                raise BucketRejected(f"CUDA IPC storage {key!r} is neither open here nor "
-                                     f"exported in this bucket's handle")
-            entry = self._storages[key] = [_open(export, self._device(handle)), self._sync]
+            entry = self._storages[key] = [_open(handle["storages"][key], self._device(handle)),
+                                           self._sync]
         entry[1] = self._sync
         return entry[0]
 
@@ -232,13 +239,12 @@ class CudaIpcReceiver(ReceiverTransport):
                 raise BucketRejected(f"bucket {descriptor.index}: packed tensors but no buffer")
             data = self._buffer(handle["buffer"], descriptor.nbytes)
             descriptor.validate(data.numel())
-        out = []
+        places = []  # every view is checked before any storage is opened
         for meta, view in zip(descriptor.tensors, views):
             if view is None:
-                out.append((meta.name, tensor_view(data, meta)))
+                places.append(None)
                 continue
-            key, offset, stride = view[0], int(view[1]), [int(s) for s in view[2]]
-            storage = self._storage(key, handle)
+            key, offset, stride = str(view[0]), int(view[1]), [int(s) for s in view[2]]
             dtype = dtype_from_str(meta.dtype)
             itemsize = torch.empty((), dtype=dtype).element_size()
             if len(stride) != len(meta.shape) or offset < 0 or any(s < 0 for s in stride):
@@ -246,11 +252,20 @@ class CudaIpcReceiver(ReceiverTransport):
                                      f"offset {offset} / strides {stride} for shape {meta.shape}")
             span = 0 if math.prod(meta.shape) == 0 else \
                 1 + sum((n - 1) * s for n, s in zip(meta.shape, stride))
-            if (offset + span) * itemsize > storage.nbytes():
+            nbytes = self._storage_nbytes(key, handle)
+            if (offset + span) * itemsize > nbytes:
                 raise BucketRejected(
                     f"bucket {descriptor.index}: tensor {meta.name!r} spans elements "
                     f"[{offset}, {offset + span}) of {meta.dtype}, beyond its storage's "
-                    f"{storage.nbytes()} bytes")
+                    f"{nbytes} bytes")
+            places.append((key, offset, stride, dtype))
+        out = []
+        for meta, place in zip(descriptor.tensors, places):
+            if place is None:
+                out.append((meta.name, tensor_view(data, meta)))
+                continue
+            key, offset, stride, dtype = place
+            storage = self._storage(key, handle)
             tensor = torch.empty(0, dtype=dtype, device=storage.device).set_(
                 storage, offset, meta.shape, stride)
             out.append((meta.name, tensor))
