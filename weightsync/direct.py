@@ -21,8 +21,16 @@ Engine side (inside the engine's model process):
 Trainer side: `DirectTarget` maps the segment by name and writes byte ranges into it.
 
 Only plain data crosses: the segment's name and size, and {tensor name: byte offset}.
-Verification compares `digest`s of the very byte ranges each rank wrote, computed by that rank
-from its source and by the engine from its parameters.
+
+Verification, when asked for, checks the two links of the chain separately. (1) The bytes: each
+rank compares the `digest` of every piece it wrote with the `digest` of the same bytes read back
+from the engine's parameters through its mapping of the segment, right after writing them
+(still in cache: the read-back costs compute, not memory traffic). (2) The parameters: before
+`end` the engine confirms, in its own process, that every shared parameter still is those bytes
+(its storage starts where the segment says), so the engine computes with what was checked.
+Where each tensor goes inside a parameter was established by the probe, from the engine's own
+loader. The engine's independent per-parameter fingerprints (`fingerprints()`, as on the bucket
+path) stay available for a deeper check at any time.
 """
 
 from __future__ import annotations
@@ -32,7 +40,6 @@ import os
 import secrets
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -144,28 +151,20 @@ class SharedParameters:
         return {"segment": self.segment.name, "nbytes": self.segment.nbytes,
                 "offsets": dict(self.tensor_offsets)}
 
+    def moved(self) -> list[str]:
+        """Parameters whose storage is no longer their place in the segment."""
+        base = self.segment.tensor.data_ptr()
+        return sorted(p for p, param in self.params.items()
+                      if param.data.data_ptr() != base + self.param_offsets[p]
+                      or not param.data.is_contiguous())
+
     def check(self) -> None:
         """Raise `NotShared` unless every parameter still lives at its place in the segment."""
-        base = self.segment.tensor.data_ptr()
-        moved = [p for p, param in self.params.items()
-                 if param.data.data_ptr() != base + self.param_offsets[p]]
+        moved = self.moved()
         if moved:
             raise NotShared(f"{len(moved)} parameter(s) no longer live in shared segment "
                             f"{self.segment.name!r}, e.g. {moved[:3]} (reloaded by the engine?); "
                             f"the trainer syncs by buckets and shares them again")
-
-    def digests(self, pieces: list[list]) -> list[int]:
-        """`digest` of each [tensor name, byte offset in the tensor, nbytes] piece, read from the
-        parameters."""
-        self.check()
-        data = self.segment.tensor
-        ranges = []
-        for name, offset, nbytes in pieces:
-            start = self.tensor_offsets[name] + int(offset)
-            ranges.append(data[start:start + int(nbytes)])
-        # Memory-bound sums that release the GIL: one thread per core reads them all sooner.
-        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            return list(pool.map(digest, ranges))
 
     def close(self) -> None:
         """Unlink the segment; the parameters keep their pages until they are freed."""
@@ -184,11 +183,15 @@ class DirectTarget:
         self.segment = _Segment(name, int(shared["nbytes"]), create=False, shm_dir=shm_dir)
         self.offsets: dict[str, int] = {k: int(v) for k, v in shared["offsets"].items()}
 
-    def write(self, name: str, offset: int, src: torch.Tensor) -> None:
-        """Copy `src`'s bytes to byte `offset` of tensor `name`'s place."""
+    def write(self, name: str, offset: int, src: torch.Tensor,
+              expected: int | None = None) -> bool:
+        """Copy `src`'s bytes to byte `offset` of tensor `name`'s place. With `expected` (the
+        source's `digest`), read them back and return whether they match."""
         raw = src.reshape(-1).view(torch.uint8)
         start = self.offsets[name] + offset
-        self.segment.tensor[start:start + raw.numel()].copy_(raw)
+        dst = self.segment.tensor[start:start + raw.numel()]
+        dst.copy_(raw)
+        return expected is None or digest(dst) == expected
 
     def close(self) -> None:
         self.segment.close()

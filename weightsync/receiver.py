@@ -98,8 +98,9 @@ class WeightReceiver(ABC):
         return {"shared": None, "why": f"{type(self).__name__} has no one-copy path",
                 "retry": False}
 
-    def region_digests(self, pieces: list[list]) -> list[int]:
-        """`digest` of each [tensor name, byte offset, nbytes] of the shared parameters."""
+    def check_shared(self) -> list[str]:
+        """The shared parameters that no longer live in the shared segment (the trainer's
+        writes did not reach them); empty when all are in place. Checked before `end`."""
         raise NotImplementedError(f"{type(self).__name__} has no one-copy path")
 
 
@@ -348,10 +349,11 @@ class ModelReceiver:
     def direct_params(self) -> list[str]:
         return sorted(self.shared.params) if self.shared is not None else []
 
-    def region_digests(self, pieces: list[list]) -> list[int]:
+    def shared_moved(self) -> list[str]:
+        """Shared parameters that no longer live in the segment (empty: all in place)."""
         if self.shared is None:
             raise NotShared(f"{self.name}: parameters are not shared")
-        return self.shared.digests(pieces)
+        return self.shared.moved()
 
     # ---- verification --------------------------------------------------------------------
     def fingerprints(self) -> dict[str, list[int]]:
@@ -430,8 +432,8 @@ class ModuleWeightReceiver(WeightReceiver):
     def share_params(self) -> dict:
         return self.receiver.share()
 
-    def region_digests(self, pieces: list[list]) -> list[int]:
-        return self.receiver.region_digests(pieces)
+    def check_shared(self) -> list[str]:
+        return self.receiver.shared_moved()
 
     def load_bucket(self, descriptor: dict) -> dict:
         start = time.perf_counter()

@@ -162,24 +162,26 @@ class WeightSender:
             report["verify"] = self.verify(sent, engines=names)
         return report
 
-    def sync_direct(self, write: Callable[[list[str], list[str]], list[list] | None], *,
+    def sync_direct(self, write: Callable[[list[str], list[str]], dict[str, Any] | None], *,
                     version: str, engines: list[str], verify: bool = False,
                     ) -> tuple[dict[str, Any] | None, list[str]]:
         """The one-copy path (weightsync/direct.py) into engines whose parameters are shared.
 
         begin(version, direct=True) on each; then `write(direct, fallback)` has every trainer
         rank write its shards into the direct engines' parameters and returns, when verifying,
-        the pieces written as [name, byte offset, nbytes, digest]; then, when verifying, each
-        engine's digests of the same bytes are compared (a difference aborts the update and
-        raises); then end. `write` is called
+        {"pieces": how many were written, "mismatched": names whose bytes read back differed};
+        then, when verifying, each engine confirms its parameters are the bytes written (a
+        difference aborts the update and raises; see weightsync/direct.py); then end. `write` is called
         even when no engine can take the path, so the trainer's ranks stay in step. Returns the
         report (None without direct engines) and the engines to sync by buckets instead (their
         parameters are no longer shared)."""
         start = time.perf_counter()
         direct: list[str] = []
         failure: BaseException | None = None
+        phases: dict[str, float] = {}
         try:
             answers = self._broadcast("begin", version, True, names=engines)
+            phases["begin"] = time.perf_counter() - start
             for name, answer in zip(engines, answers):
                 if isinstance(answer, dict) and answer.get("direct"):
                     direct.append(name)
@@ -192,13 +194,14 @@ class WeightSender:
         fallback = [n for n in engines if n not in direct] if failure is None else []
         checked: dict[str, Any] | None = None
         try:
-            pieces = write(direct, fallback) or []
+            written = write(direct, fallback) or {}
             if failure is not None:
                 raise failure
+            written_s = time.perf_counter() - start
+            phases["write"] = written_s - phases["begin"]
             if direct and verify:
                 # Checked before `end`: an engine whose bytes differ is aborted, never served.
-                written_s = time.perf_counter() - start
-                checked = self.verify_direct(pieces, engines=direct)
+                checked = self.verify_direct(written, engines=direct)
                 bad = {n: checked[n]["mismatched"] for n in direct if not checked[n]["verified"]}
                 if bad:
                     raise RuntimeError(f"verification failed, update {version!r} aborted: "
@@ -214,9 +217,10 @@ class WeightSender:
         self.num_syncs += 1
         if checked is not None:  # the sync proper ends where checking began
             sync_s -= checked["verify_s"]
-            assert sync_s >= written_s
+        phases["end"] = sync_s - written_s
         report: dict[str, Any] = {
             "version": version, "nbytes": self.nbytes, "num_buckets": 0, "path": "direct",
+            "phases_s": phases,
             "sync_s": sync_s, "gbps": self.nbytes / sync_s / 1e9 if sync_s > 0 else 0.0,
             "engines": {n: {"status": "ok", "path": "direct", **(e or {})}
                         for n, e in zip(direct, ends)},
@@ -225,16 +229,17 @@ class WeightSender:
             report["verify"] = checked
         return report, fallback
 
-    def verify_direct(self, pieces: list[list], *, engines: list[str]) -> dict[str, Any]:
-        """Compare each written piece's digest with the engine's digest of the same bytes of
-        its parameters."""
+    def verify_direct(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
+        """The ranks' read-back comparison of the bytes, and each engine's confirmation that
+        its parameters are those bytes."""
         start = time.perf_counter()
-        actual = self._broadcast("region_digests", [p[:3] for p in pieces], names=engines)
+        moved = self._broadcast("check_shared", names=engines)
+        pieces = int(written.get("pieces", 0))
         out: dict[str, Any] = {}
-        for name, digests in zip(engines, actual):
-            bad = sorted({p[0] for p, d in zip(pieces, digests) if int(d) != int(p[3])})
-            out[name] = {"verified": not bad and len(digests) == len(pieces) and bool(pieces),
-                         "mismatched": bad, "num_checked": len(pieces)}
+        for name, params in zip(engines, moved):
+            bad = sorted(set(written.get("mismatched", [])) | {f"parameter {p}" for p in params})
+            out[name] = {"verified": not bad and pieces > 0, "mismatched": bad,
+                         "num_checked": pieces}
         out["verify_s"] = time.perf_counter() - start
         return out
 

@@ -261,11 +261,16 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
                 self._shared.pop(n, None)
             return self._write_direct(msg, verify=verify)
 
-        return self.sender.sync_direct(write, version=version, engines=names, verify=verify)
+        report, fallback = self.sender.sync_direct(write, version=version, engines=names,
+                                                   verify=verify)
+        if report is not None:
+            report["phases_s"]["rank_write"] = self._rank_write_s
+        return report, fallback
 
-    def _write_direct(self, msg: dict[str, Any], *, verify: bool) -> list[list] | None:
-        """Every rank: write this rank's shards into the engines `msg` names; gather to rank 0
-        the pieces written (with their digests when verifying)."""
+    def _write_direct(self, msg: dict[str, Any], *, verify: bool) -> dict[str, Any] | None:
+        """Every rank: write this rank's shards into the engines `msg` names (reading each
+        back when verifying); gather to rank 0 how many pieces were written and which tensors'
+        bytes read back differently."""
         import torch.distributed as dist
 
         from weightsync.direct import DirectTarget
@@ -278,7 +283,8 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
                 old.close()
             self._targets[name] = DirectTarget(shared)
         targets = [self._targets[n] for n in msg["direct"]]
-        written: list[list] = []
+        pieces, mismatched = 0, set()
+        start = time.perf_counter()
         pause = self._test_pause_piece if self.rank == 0 else None
         if targets:
             for index, (name, data, offset) in enumerate(ShardPieces(self.source,
@@ -289,15 +295,19 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
                 if data is None:
                     continue
                 raw = data.reshape(-1).view(torch.uint8)
+                expected = digest(raw) if verify else None
                 for target in targets:
-                    target.write(name, offset, raw)
-                if verify:
-                    written.append([name, offset, raw.numel(), digest(raw)])
+                    if not target.write(name, offset, raw, expected):
+                        mismatched.add(name)
+                pieces += 1
+        mine = (pieces, sorted(mismatched), time.perf_counter() - start)
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(written, gathered, dst=0, group=self._sync_group)
+        dist.gather_object(mine, gathered, dst=0, group=self._sync_group)
         if gathered is None:
             return None
-        return [piece for part in gathered for piece in part]
+        self._rank_write_s = [seconds for _, _, seconds in gathered]
+        return {"pieces": sum(n for n, _, _ in gathered),
+                "mismatched": sorted({m for _, bad, _ in gathered for m in bad})}
 
     def _sync_shards(self, version: str, *, verify: bool,
                      engines: list[str] | None) -> dict[str, Any]:

@@ -247,8 +247,8 @@ class SglEngineActor(EngineSession):
     def share_params(self) -> dict:
         return as_plain(self._read_only("share"))
 
-    def region_digests(self, pieces: list[list]) -> list[int]:
-        return self._read_only("digests", pieces=pieces)["digests"]
+    def check_shared(self) -> list[str]:
+        return self._read_only("check_shared")["moved"]
 
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 8) -> dict[str, Any]:

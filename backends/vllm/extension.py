@@ -193,8 +193,8 @@ class WeightsyncWorkerExtension:
             return self._ws_state()["receiver"].share()
 
     @_guard
-    def weightsync_digests(self, pieces: list[list]) -> list[int]:
-        return self._ws_state()["receiver"].region_digests(pieces)
+    def weightsync_check_shared(self) -> list[str]:
+        return self._ws_state()["receiver"].shared_moved()
 
     def _ws_gemms(self) -> dict[str, list[_Gemm]]:
         """Parameter name (as load_weights reports it) -> the GEMMs of the CPU layers holding

@@ -77,12 +77,14 @@ def test_shared_parameters_take_trainer_writes_and_notice_when_moved():
     try:
         assert shared.segment.name in list_segments()
         k = torch.randn(4, 8).to(torch.bfloat16)
-        target.write("k", 0, k[:2].contiguous().view(torch.uint8))  # one rank's half ...
-        target.write("k", 2 * 16, k[2:].contiguous().view(torch.uint8))  # ... and the other's
+        first, second = k[:2].contiguous(), k[2:].contiguous()
+        assert target.write("k", 0, first, digest(first))  # one rank's half, read back ...
+        assert target.write("k", 2 * 16, second, digest(second))  # ... and the other's
         assert torch.equal(params["qkv"][4:8], k)  # the engine's own parameter changed
-        pieces = [["k", 0, 32, digest(k[:2])], ["k", 32, 32, digest(k[2:])]]
-        assert shared.digests([p[:3] for p in pieces]) == [p[3] for p in pieces]
+        assert not target.write("k", 0, first, digest(first) ^ 1)  # a wrong digest is caught
+        assert shared.moved() == []
         params["w"].data = torch.zeros(5, 3)  # something replaced a parameter's storage
+        assert shared.moved() == ["w"]
         with pytest.raises(NotShared, match=r"no longer live in shared segment .*'w'"):
             shared.check()
     finally:
@@ -114,18 +116,18 @@ def test_direct_sync_after_a_sync_by_buckets_is_verified_and_catches_a_bad_byte(
         for t in trainer.values():
             t.add_(1)
 
-        def write(direct, fallback, corrupt=False):
+        def write(direct, fallback, corrupt=""):
             assert direct == ["mod"] and fallback == []
-            pieces = []
+            pieces, bad = 0, []
             for name, t in trainer.items():
                 raw = t.reshape(-1).view(torch.uint8)
                 half = raw.numel() // 2  # two "ranks", the second at an odd offset for "b"
                 for offset, part in ((0, raw[:half]), (half, raw[half:])):
-                    targets["mod"].write(name, offset, part)
-                    pieces.append([name, offset, part.numel(), digest(part)])
-            if corrupt:
-                targets["mod"].segment.tensor[shared["offsets"]["b"] + 5] ^= 1
-            return pieces
+                    expected = digest(part) ^ (name == corrupt)
+                    if not targets["mod"].write(name, offset, part, expected):
+                        bad.append(name)
+                    pieces += 1
+            return {"pieces": pieces, "mismatched": bad}
 
         report, fallback = sender.sync_direct(write, version="v2", engines=["mod"], verify=True)
         assert fallback == [] and report["engines"]["mod"]["path"] == "direct"
@@ -134,16 +136,25 @@ def test_direct_sync_after_a_sync_by_buckets_is_verified_and_catches_a_bad_byte(
         assert all(torch.equal(got[n], t) for n, t in trainer.items())
         assert receiver.weight_version() == "v2"
         with pytest.raises(RuntimeError, match=r"update 'v3' aborted: .*\{'mod': \['b'\]\}"):
-            sender.sync_direct(lambda d, f: write(d, f, corrupt=True), version="v3",
+            sender.sync_direct(lambda d, f: write(d, f, corrupt="b"), version="v3",
                                engines=["mod"], verify=True)
         assert receiver.weight_version() == "v2"  # the bad update was never adopted
+        # A parameter moved while the trainer wrote: the engine's own check fails the update.
+
+        def write_while_moving(direct, fallback):
+            got["b"].data = got["b"].data.clone()
+            return write(direct, fallback)
+
+        with pytest.raises(RuntimeError, match=r"\{'mod': \['parameter b'\]\}"):
+            sender.sync_direct(write_while_moving, version="v3b", engines=["mod"], verify=True)
+        assert receiver.weight_version() == "v2"
         # Parameters moved elsewhere: the engine is handed back to buckets, nothing written.
-        got["a"].data = got["a"].data.clone()
         calls = []
         report, fallback = sender.sync_direct(lambda d, f: calls.append((d, f)), version="v4",
                                               engines=["mod"])
         assert report is None and fallback == ["mod"] and calls == [([], ["mod"])]
         assert receiver.weight_version() == "v2"
+        assert receiver.share_params()["shared"]["segment"] != shared["segment"]  # shared anew
     finally:
         for target in targets.values():
             target.close()
