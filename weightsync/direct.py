@@ -8,10 +8,10 @@ tensors the engine's loader copies verbatim into one contiguous byte range of on
 keeps the engine on the bucket path.
 
 Engine side (inside the engine's model process):
-  1. `probe_destinations`, once, after a first sync by buckets: for each trainer tensor, load two
-     random patterns through the engine's own loader into the live parameter (the engine is not
+  1. `probe_destinations`, once, after a first sync by buckets: for each trainer tensor, load
+     random bytes through the engine's own loader into the live parameter (the engine is not
      serving while it runs its loader), see which bytes changed and whether they hold the
-     pattern verbatim; then put the parameter back. The result maps a trainer tensor to
+     random bytes verbatim; then put the parameter back. The result maps a trainer tensor to
      (parameter, byte offset), or leaves it out.
   2. `SharedParameters`: copy those parameters into a segment (owner-only, in /dev/shm, named
      like the transport's so that a dead engine's segment is swept) and point each parameter at
@@ -58,29 +58,27 @@ class NotShared(RuntimeError):
 
 
 # ---- engine side ---------------------------------------------------------------------------------
-def _pattern(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
-    dtype = dtype_from_str(spec.dtype)
-    if dtype.is_floating_point:
-        return torch.randn(spec.shape, generator=generator).to(dtype)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, spec.shape, generator=generator).bool()
-    return torch.randint(0, 100, spec.shape, generator=generator).to(dtype)
-
-
-def _where(flat: torch.Tensor, saved: torch.Tensor, pattern: torch.Tensor) -> int | None:
-    """Byte offset in `flat` at which `pattern`'s bytes sit verbatim, every other byte of `flat`
-    being as `saved`; None if the loader wrote anything else."""
-    raw = pattern.reshape(-1).view(torch.uint8)
-    changed = (flat != saved).nonzero()
-    if changed.numel() == 0:
+def _where(flat: torch.Tensor, saved: torch.Tensor, raw: torch.Tensor) -> int | None:
+    """Byte offset in `flat` at which the bytes `raw` sit verbatim, every other byte of `flat`
+    being as in `saved`; None if the loader wrote anything else. Puts `flat` back."""
+    word = 8 if flat.numel() % 8 == 0 else 1
+    view = torch.int64 if word == 8 else torch.uint8
+    changed = (flat.view(view) != saved.view(view)).view(torch.uint8)
+    if not bool(changed.any()):
         return None
-    lo, hi, n = int(changed[0]), int(changed[-1]) + 1, raw.numel()
+    lo = int(changed.argmax()) * word  # the first and last changed words, in bytes
+    hi = (changed.numel() - int(changed.flip(0).argmax())) * word
+    n = raw.numel()
     # The copy's first and last bytes may equal the old ones by chance: the start lies in
-    # [hi - n, lo].
-    for start in range(max(0, hi - n), lo + 1):
-        if start + n <= flat.numel() and torch.equal(flat[start:start + n], raw):
-            return start
-    return None
+    # [hi - n - word, lo + word].
+    found = None
+    for start in range(max(0, hi - n - word), min(lo + word, flat.numel() - n) + 1):
+        if torch.equal(flat[start:start + 8], raw[:8]) and torch.equal(
+                flat[start:start + n], raw):
+            found = start
+            break
+    flat[lo:hi].copy_(saved[lo:hi])
+    return found
 
 
 def probe_destinations(params: dict[str, torch.Tensor], param_of: dict[str, list[str]],
@@ -93,7 +91,10 @@ def probe_destinations(params: dict[str, torch.Tensor], param_of: dict[str, list
     for name, targets in param_of.items():
         if len(targets) == 1 and name in specs and targets[0] in params:
             by_param.setdefault(targets[0], []).append(name)
-    generator = torch.Generator().manual_seed(0)
+    largest = max((specs[n].nbytes for names in by_param.values() for n in names), default=0)
+    # Random bytes: a verbatim copy of them is found at exactly one offset.
+    pool = torch.randint(0, 256, (largest,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(0))
     found: dict[str, tuple[str, int]] = {}
     with torch.no_grad():
         for pname, names in by_param.items():
@@ -104,17 +105,15 @@ def probe_destinations(params: dict[str, torch.Tensor], param_of: dict[str, list
             saved = flat.clone()
             try:
                 for name in names:
-                    starts = set()
-                    for _ in range(2):  # two patterns: a chance match cannot survive both
-                        pattern = _pattern(specs[name], generator)
-                        load_one(name, pattern)
-                        starts.add(_where(flat, saved, pattern))
-                        flat.copy_(saved)
-                    start = starts.pop() if len(starts) == 1 else None
+                    spec = specs[name]
+                    raw = pool[:spec.nbytes]
+                    load_one(name, raw.view(dtype_from_str(spec.dtype)).view(spec.shape))
+                    start = _where(flat, saved, raw)
                     if start is not None:
                         found[name] = (pname, start)
-            finally:
+            except BaseException:
                 flat.copy_(saved)
+                raise
     return found
 
 
