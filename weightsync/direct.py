@@ -25,9 +25,10 @@ Only plain data crosses: the segment's name and size, and {tensor name: byte off
 Verification, when asked for, checks the two links of the chain separately. (1) The bytes: each
 rank compares the `digest` of every piece it wrote with the `digest` of the same bytes read back
 from the engine's parameters through its mapping of the segment, right after writing them
-(still in cache: the read-back costs compute, not memory traffic). (2) The parameters: before
-`end` the engine confirms, in its own process, that every shared parameter still is those bytes
-(its storage starts where the segment says), so the engine computes with what was checked.
+(two reads of every byte, at memory speed). (2) The parameters: at every `end` of a one-copy
+update, verified or not, the engine confirms in its own process that every shared parameter
+still is those bytes (its storage starts where the segment says) or fails the update, so the
+engine computes with what was written and checked.
 Where each tensor goes inside a parameter was established by the probe, from the engine's own
 loader. The engine's independent per-parameter fingerprints (`fingerprints()`, as on the bucket
 path) stay available for a deeper check at any time.

@@ -98,10 +98,6 @@ class WeightReceiver(ABC):
         return {"shared": None, "why": f"{type(self).__name__} has no one-copy path",
                 "retry": False}
 
-    def check_shared(self) -> list[str]:
-        """The shared parameters that no longer live in the shared segment (the trainer's
-        writes did not reach them); empty when all are in place. Checked before `end`."""
-        raise NotImplementedError(f"{type(self).__name__} has no one-copy path")
 
 
 def _scratch_like(param: torch.Tensor) -> torch.nn.Parameter:
@@ -349,11 +345,12 @@ class ModelReceiver:
     def direct_params(self) -> list[str]:
         return sorted(self.shared.params) if self.shared is not None else []
 
-    def shared_moved(self) -> list[str]:
-        """Shared parameters that no longer live in the segment (empty: all in place)."""
+    def end_direct(self) -> None:
+        """After the trainer wrote: raise `NotShared` unless every shared parameter still is
+        the bytes it wrote (something may have replaced one meanwhile)."""
         if self.shared is None:
             raise NotShared(f"{self.name}: parameters are not shared")
-        return self.shared.moved()
+        self.shared.check()
 
     # ---- verification --------------------------------------------------------------------
     def fingerprints(self) -> dict[str, list[int]]:
@@ -426,14 +423,12 @@ class ModuleWeightReceiver(WeightReceiver):
             why = self.receiver.begin_direct(keep_previous=False)
             if why is not None:
                 return {"direct": False, "why": why}
-        self._session = version
+        self._session, self._direct = version, direct
         return {"direct": direct}
 
     def share_params(self) -> dict:
         return self.receiver.share()
 
-    def check_shared(self) -> list[str]:
-        return self.receiver.shared_moved()
 
     def load_bucket(self, descriptor: dict) -> dict:
         start = time.perf_counter()
@@ -450,6 +445,8 @@ class ModuleWeightReceiver(WeightReceiver):
     def end(self, version: str) -> dict:
         if self._session != version:
             raise RuntimeError(f"end({version!r}) but the open session is {self._session!r}")
+        if self._direct:
+            self.receiver.end_direct()
         self._session = None
         self._version = version
         return {"weight_version": version}

@@ -170,8 +170,8 @@ class WeightSender:
         begin(version, direct=True) on each; then `write(direct, fallback)` has every trainer
         rank write its shards into the direct engines' parameters and returns, when verifying,
         {"pieces": how many were written, "mismatched": names whose bytes read back differed};
-        then, when verifying, each engine confirms its parameters are the bytes written (a
-        difference aborts the update and raises; see weightsync/direct.py); then end. `write` is called
+        a difference aborts the update and raises; then end, where each engine confirms its
+        parameters still are the bytes written (see weightsync/direct.py). `write` is called
         even when no engine can take the path, so the trainer's ranks stay in step. Returns the
         report (None without direct engines) and the engines to sync by buckets instead (their
         parameters are no longer shared)."""
@@ -230,16 +230,13 @@ class WeightSender:
         return report, fallback
 
     def verify_direct(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
-        """The ranks' read-back comparison of the bytes, and each engine's confirmation that
-        its parameters are those bytes."""
+        """The ranks' read-back comparison of the bytes (each engine's `end` then confirms its
+        parameters still are those bytes, or fails)."""
         start = time.perf_counter()
-        moved = self._broadcast("check_shared", names=engines)
         pieces = int(written.get("pieces", 0))
-        out: dict[str, Any] = {}
-        for name, params in zip(engines, moved):
-            bad = sorted(set(written.get("mismatched", [])) | {f"parameter {p}" for p in params})
-            out[name] = {"verified": not bad and pieces > 0, "mismatched": bad,
-                         "num_checked": pieces}
+        bad = sorted(set(written.get("mismatched", [])))
+        out: dict[str, Any] = {name: {"verified": not bad and pieces > 0, "mismatched": bad,
+                                      "num_checked": pieces} for name in engines}
         out["verify_s"] = time.perf_counter() - start
         return out
 

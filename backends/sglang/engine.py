@@ -221,7 +221,7 @@ class SglEngineActor(EngineSession):
 
     def _engine_end(self, version: str) -> dict:
         # The version rides on a last, empty control call, so SGLang's own tag moves too.
-        self._control("commit", weight_version=version)
+        self._control("commit", weight_version=version, direct=self._direct)
         self._session("end")
         return {"cache_flushed": self.client.flush_cache()}
 
@@ -247,8 +247,6 @@ class SglEngineActor(EngineSession):
     def share_params(self) -> dict:
         return as_plain(self._read_only("share"))
 
-    def check_shared(self) -> list[str]:
-        return self._read_only("check_shared")["moved"]
 
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 8) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 SGLang calls `weightsync_load(model, named_tensors)` from `update_weights_from_tensor` when the
 request's load_format names it. We pass one control item: its name is a JSON message
-{"op": "check"|"load"|"commit"|"rollback"|"fingerprints"|"share"|"begin_direct"|"check_shared",
+{"op": "check"|"load"|"commit"|"rollback"|"fingerprints"|"share"|"begin_direct",
 "reply": dir, ...} and its tensor is empty; the weights
 themselves are in a transport buffer that the message's descriptor points at. SGLang ignores
 what a custom loader returns and an exception kills the scheduler (and with it the caller), so
@@ -57,9 +57,9 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
         return receiver.share()
     if op == "begin_direct":
         return {"why": receiver.begin_direct(keep_previous=bool(message.get("keep_previous")))}
-    if op == "check_shared":
-        return {"moved": receiver.shared_moved()}
     if op == "commit":
+        if message.get("direct"):
+            receiver.end_direct()
         receiver.drop_previous()
         return {}
     if op == "rollback":

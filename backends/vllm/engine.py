@@ -154,8 +154,6 @@ class VllmEngineActor(EngineSession):
     def share_params(self) -> dict:
         return as_plain(self._rpc("weightsync_share"))
 
-    def check_shared(self) -> list[str]:
-        return self._rpc("weightsync_check_shared")
 
     def settle(self, timeout_s: float = 120.0) -> dict:
         """On CPU the packed GEMMs are rebuilt in the background after an update."""

@@ -192,9 +192,6 @@ class WeightsyncWorkerExtension:
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             return self._ws_state()["receiver"].share()
 
-    @_guard
-    def weightsync_check_shared(self) -> list[str]:
-        return self._ws_state()["receiver"].shared_moved()
 
     def _ws_gemms(self) -> dict[str, list[_Gemm]]:
         """Parameter name (as load_weights reports it) -> the GEMMs of the CPU layers holding
@@ -273,6 +270,7 @@ class WeightsyncWorkerExtension:
     def weightsync_end(self) -> dict[str, Any]:
         state = self._ws_state()
         if state.get("direct"):
+            state["receiver"].end_direct()  # raises if a parameter no longer is those bytes
             # The trainer wrote into the shared parameters: their layers compute from them
             # until re-packed, as after a load.
             self._ws_mark_stale(set(state["receiver"].direct_params()))
