@@ -23,9 +23,10 @@ Trainer side: `DirectTarget` maps the segment by name and writes byte ranges int
 Only plain data crosses: the segment's name and size, and {tensor name: byte offset}.
 
 Verification, when asked for, checks the two links of the chain separately. (1) The bytes: each
-rank compares the `digest` of every piece it wrote with the `digest` of the same bytes read back
-from the engine's parameters through its mapping of the segment, right after writing them
-(two reads of every byte, at memory speed). (2) The parameters: at every `end` of a one-copy
+rank copies its pieces in chunks of `CHECK_CHUNK_BYTES` and compares each chunk's sum of 64-bit
+words with the same sum read back from the engine's parameters through its mapping of the
+segment, while both are still in the core's cache (`copy_checked`: the read-back costs ~a third
+of the copy instead of two more passes over memory). (2) The parameters: at every `end` of a one-copy
 update, verified or not, the engine confirms in its own process that every shared parameter
 still is those bytes (its storage starts where the segment says) or fails the update, so the
 engine computes with what was written and checked.
@@ -45,13 +46,16 @@ from typing import Any
 
 import torch
 
-from weightsync.fingerprint import digest
 from weightsync.transports.shm import PREFIX, SHM_DIR, _Segment, _unlink_all
 from weightsync.wire import ALIGNMENT_BYTES, TensorSpec, align, dtype_from_str
 
 logger = logging.getLogger(__name__)
 
 LoadOne = Callable[[str, torch.Tensor], Any]
+
+# Small enough that a chunk's source and destination stay in a core's L2 cache between the copy
+# and the read-back.
+CHECK_CHUNK_BYTES = 128 << 10
 
 
 class NotShared(RuntimeError):
@@ -172,6 +176,32 @@ class SharedParameters:
 
 
 # ---- trainer side ---------------------------------------------------------------------------------
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Copy 1-D uint8 `src` into `dst` chunk by chunk, comparing each chunk's wrapping sum of
+    64-bit words in `src` and, read back, in `dst` while both are in cache. True if all match.
+
+    numpy, not torch: per chunk a torch call costs ~30 us, numpy's ~1 us."""
+    import numpy as np
+
+    if dst.numel() != src.numel():
+        raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()}")
+    s, d = src.numpy(), dst.numpy()
+    body = s.size - s.size % 8
+    intact = True
+    if body:
+        s64, d64 = s[:body].view(np.uint64), d[:body].view(np.uint64)
+        step = CHECK_CHUNK_BYTES // 8
+        for i in range(0, s64.size, step):
+            a, b = s64[i:i + step], d64[i:i + step]
+            np.copyto(b, a)
+            if np.add.reduce(a) != np.add.reduce(b):
+                intact = False
+    if body < s.size:
+        d[body:] = s[body:]
+        intact = intact and bytes(d[body:]) == bytes(s[body:])
+    return intact
+
+
 class DirectTarget:
     """One engine's shared parameters, mapped into a trainer rank."""
 
@@ -183,15 +213,16 @@ class DirectTarget:
         self.segment = _Segment(name, int(shared["nbytes"]), create=False, shm_dir=shm_dir)
         self.offsets: dict[str, int] = {k: int(v) for k, v in shared["offsets"].items()}
 
-    def write(self, name: str, offset: int, src: torch.Tensor,
-              expected: int | None = None) -> bool:
-        """Copy `src`'s bytes to byte `offset` of tensor `name`'s place. With `expected` (the
-        source's `digest`), read them back and return whether they match."""
+    def write(self, name: str, offset: int, src: torch.Tensor, *, check: bool = False) -> bool:
+        """Copy `src`'s bytes to byte `offset` of tensor `name`'s place; with `check`, read
+        them back (`copy_checked`) and return whether they arrived intact."""
         raw = src.reshape(-1).view(torch.uint8)
         start = self.offsets[name] + offset
         dst = self.segment.tensor[start:start + raw.numel()]
+        if check:
+            return copy_checked(dst, raw)
         dst.copy_(raw)
-        return expected is None or digest(dst) == expected
+        return True
 
     def close(self) -> None:
         self.segment.close()

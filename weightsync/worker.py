@@ -275,7 +275,6 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
 
         from weightsync.direct import DirectTarget
         from weightsync.dtensor import ShardPieces
-        from weightsync.fingerprint import digest
 
         for name, shared in msg["new"].items():
             old = self._targets.pop(name, None)
@@ -295,9 +294,8 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
                 if data is None:
                     continue
                 raw = data.reshape(-1).view(torch.uint8)
-                expected = digest(raw) if verify else None
                 for target in targets:
-                    if not target.write(name, offset, raw, expected):
+                    if not target.write(name, offset, raw, check=verify):
                         mismatched.add(name)
                 pieces += 1
         mine = (pieces, sorted(mismatched), time.perf_counter() - start)

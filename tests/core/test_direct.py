@@ -6,29 +6,39 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.direct import DirectTarget, NotShared, SharedParameters, probe_destinations
+from weightsync.direct import (
+    DirectTarget,
+    NotShared,
+    SharedParameters,
+    copy_checked,
+    probe_destinations,
+)
 from weightsync.endpoint import LocalEndpoint
-from weightsync.fingerprint import MASK, digest
 from weightsync.receiver import ModuleWeightReceiver
 from weightsync.sender import WeightSender
 from weightsync.transports.shm import ShmSender, list_segments
 from weightsync.wire import TensorSpec
 
 
-def _reference_digest(raw: bytes) -> int:
-    padded = raw + b"\0" * (-len(raw) % 8)
-    return sum(int.from_bytes(padded[i:i + 8], "little") for i in range(0, len(padded), 8)) & MASK
-
-
-@pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 9, 4097])
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 9, 300_001])
 @pytest.mark.parametrize("start", [0, 3])
-def test_digest_is_the_wrapping_sum_of_64_bit_words_at_any_alignment(nbytes, start):
-    data = torch.randint(0, 256, (nbytes + start,), dtype=torch.uint8)[start:]
-    assert digest(data) == _reference_digest(bytes(data.tolist()))
-    if nbytes:
-        changed = data.clone()
-        changed[nbytes // 2] ^= 1
-        assert digest(changed) != digest(data)
+def test_copy_checked_copies_every_byte_and_catches_one_that_differs(nbytes, start, monkeypatch):
+    import numpy as np
+
+    src = torch.randint(0, 256, (nbytes + start,), dtype=torch.uint8)[start:]
+    dst = torch.zeros(nbytes + 5, dtype=torch.uint8)[5:]
+    assert copy_checked(dst, src) and torch.equal(dst, src)
+    if nbytes >= 8:  # a chunk whose copy lost a bit is reported
+        original = np.copyto
+
+        def lossy(d, s):
+            original(d, s)
+            d[0] ^= 1
+
+        monkeypatch.setattr(np, "copyto", lossy)
+        assert not copy_checked(dst, src)
+    with pytest.raises(ValueError, match="copy of 4 bytes into 3"):
+        copy_checked(torch.zeros(3, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8))
 
 
 def _fused_engine():
@@ -78,10 +88,9 @@ def test_shared_parameters_take_trainer_writes_and_notice_when_moved():
         assert shared.segment.name in list_segments()
         k = torch.randn(4, 8).to(torch.bfloat16)
         first, second = k[:2].contiguous(), k[2:].contiguous()
-        assert target.write("k", 0, first, digest(first))  # one rank's half, read back ...
-        assert target.write("k", 2 * 16, second, digest(second))  # ... and the other's
+        assert target.write("k", 0, first, check=True)  # one rank's half, read back ...
+        assert target.write("k", 2 * 16, second)  # ... and the other's
         assert torch.equal(params["qkv"][4:8], k)  # the engine's own parameter changed
-        assert not target.write("k", 0, first, digest(first) ^ 1)  # a wrong digest is caught
         assert shared.moved() == []
         params["w"].data = torch.zeros(5, 3)  # something replaced a parameter's storage
         assert shared.moved() == ["w"]
@@ -101,7 +110,7 @@ def _module(seed: int) -> torch.nn.Module:
     return model
 
 
-def test_direct_sync_after_a_sync_by_buckets_is_verified_and_catches_a_bad_byte():
+def test_direct_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_aborts_it():
     trainer = dict(_module(1).named_parameters())
     receiver = ModuleWeightReceiver(_module(2), name="mod")
     specs = [TensorSpec.of(n, t) for n, t in trainer.items()]
@@ -123,8 +132,8 @@ def test_direct_sync_after_a_sync_by_buckets_is_verified_and_catches_a_bad_byte(
                 raw = t.reshape(-1).view(torch.uint8)
                 half = raw.numel() // 2  # two "ranks", the second at an odd offset for "b"
                 for offset, part in ((0, raw[:half]), (half, raw[half:])):
-                    expected = digest(part) ^ (name == corrupt)
-                    if not targets["mod"].write(name, offset, part, expected):
+                    if not targets["mod"].write(name, offset, part, check=True) or \
+                            name == corrupt:  # as a rank reports bytes that read back wrong
                         bad.append(name)
                     pieces += 1
             return {"pieces": pieces, "mismatched": bad}
