@@ -5,7 +5,9 @@ engine (bf16, in-process). Measured, best of `--repeats` after one warm-up:
 - memcpy: one torch copy_ of the same bytes in the trainer process (the floor);
 - transport: pack every (already gathered) tensor into shared-memory buckets and copy it out
   into preallocated tensors through a receiver's mapping: two copies, no gather, no engine;
-- weightsync: sync into one engine (begin, buckets, end), and apart from it the cost of verifying;
+- weightsync: sync into one engine, and apart from it the cost of verifying. After warm-up this
+  is the one-copy path (weightsync/direct.py: the ranks write into the engine's shared
+  parameters); the first sync, by buckets, is the warm-up;
 - native, each stage timed on its own and summed (the best case for the native path, as nothing
   moves between the stages): SGLang gather + update_weights_from_tensor (tensors already in the
   engine's process), gather + save safetensors + update_weights_from_disk; vLLM gather + save +
@@ -144,7 +146,10 @@ def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict
     result["gather_save_s"] = min(trainer.call("bench_gather_save", save_dir) for _ in range(r))
     result["engines"] = {}
     for name, handle in handles.items():
-        trainer.call("sync", engines=[name])  # warm-up: maps segments, learns the load map
+        # Warm-up: the first sync goes by buckets (maps segments, learns the load map), then
+        # the engine shares its parameters; the second maps them into the trainer's ranks.
+        warm = trainer.call("sync", engines=[name])
+        trainer.call("sync", engines=[name])
         syncs = []
         for _ in range(r):
             ray.get(handle.settle.remote())  # as after a training step: background work done
@@ -176,6 +181,8 @@ def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict
             "sync_s": plain, "engine_session_s": min(times),
             "verify_extra_s": max(0.0, with_verify - plain), "verified": verified,
             "engine_phases_s": phases, "background_s": background,
+            "path": best["engines"][name]["path"], "phases_s": best.get("phases_s"),
+            "share_s": warm["engines"][name].get("share_s"),
             "native_s": native,
         }
         log.info("%s %s: sync %.3f s, native %s", size, name, plain, native)
@@ -213,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append([res["size"], "", "transport alone (shm)",
                      f"{_gbps(n, res['transport_s']):.2f}", f"{res['transport_s'] * 1e3:.0f}"])
         for name, eng in res["engines"].items():
-            rows.append([res["size"], "", f"{name}: weightsync sync",
+            rows.append([res["size"], "", f"{name}: weightsync sync ({eng.get('path')})",
                          f"{_gbps(n, eng['sync_s']):.2f}", f"{eng['sync_s'] * 1e3:.0f}"])
             rows.append([res["size"], "",
                          f"{name}: + verify (extra; "

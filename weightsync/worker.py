@@ -250,7 +250,7 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
             self._write_direct(msg[0], verify=verify)
             return None, msg[0]["fallback"]
 
-        def write(direct: list[str], fallback: list[str]) -> list[list] | None:
+        def write(direct: list[str], fallback: list[str]) -> dict[str, Any] | None:
             new = {n: self._shared[n] for n in direct
                    if self._sent.get(n) != self._shared[n]["segment"]}
             msg = {"direct": direct, "fallback": fallback, "new": new}

@@ -44,12 +44,15 @@ def _sync_recovers(engine, trainer, version: str) -> None:
     assert_engine_matches_reference(engine, trainer)
 
 
-def _paused_trainer(model: str, engine) -> launcher.TrainerGroup:
-    """A second trainer on the same engine whose rank 0 pauses before bucket 2 of each sync,
-    so that a test can kill a process while an update is half done."""
-    trainer = launcher.TrainerGroup(
-        WORKER, model_path=model, bucket_bytes=1 << 20, seed=7, timeout_s=SYNC_TIMEOUT_S,
-        env_vars={"WEIGHTSYNC_TEST_PAUSE_BEFORE_BUCKET": f"2:{PAUSE_S}"})
+def _paused_trainer(model: str, engine, path: str = "buckets") -> launcher.TrainerGroup:
+    """A second trainer on the same engine whose rank 0 pauses mid-sync, so that a test can
+    kill a process while an update is half done: before bucket 2 of each sync by buckets, or
+    (path "direct") before writing piece 5 of each one-copy sync, once rank 1 wrote its
+    pieces into the engine's parameters."""
+    env = ({"WEIGHTSYNC_TEST_PAUSE_BEFORE_BUCKET": f"2:{PAUSE_S}"} if path == "buckets"
+           else {"WEIGHTSYNC_TEST_PAUSE_BEFORE_PIECE": f"5:{PAUSE_S}"})
+    trainer = launcher.TrainerGroup(WORKER, model_path=model, bucket_bytes=1 << 20, seed=7,
+                                    timeout_s=SYNC_TIMEOUT_S, env_vars=env)
     trainer.call("connect", {NAME: engine})
     return trainer
 
@@ -185,15 +188,18 @@ def test_an_update_left_open_by_a_dead_sender_is_aborted_by_the_next(setup):
     assert ray.get(engine.weight_version.remote()) == "after-orphan"
 
 
+@pytest.mark.parametrize("path", ["buckets", "direct"])
 @pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0-the-sender"])
-def test_a_trainer_rank_killed_mid_sync_fails_it_within_the_timeout(setup, victim):
+def test_a_trainer_rank_killed_mid_sync_fails_it_within_the_timeout(setup, victim, path):
     engine, trainer, model = setup
     ray.get(engine.set_keep_previous.remote(True))
-    before = trainer.call("sync", f"before-kill-{victim}", verify=True)
+    doomed = _paused_trainer(model, engine, path)
+    version = f"before-kill-{victim}-{path}"
+    # On the one-copy path the doomed trainer's own first sync (by buckets) comes first.
+    before = (doomed if path == "direct" else trainer).call("sync", version, verify=True)
     assert before["verify"][NAME]["verified"]
     prints = ray.get(engine.fingerprints.remote())
     served = ray.get(engine.generate.remote(prompt_ids()))
-    doomed = _paused_trainer(model, engine)
     refs = _start_sync(doomed, "never")
     ray.kill(doomed.ranks[victim].handle)
     killed = time.monotonic()
@@ -207,11 +213,11 @@ def test_a_trainer_rank_killed_mid_sync_fails_it_within_the_timeout(setup, victi
         # Nobody aborts the engine's update: it expires after idle_timeout_s of silence.
         time.sleep(max(0.0, IDLE_TIMEOUT_S - (time.monotonic() - killed)) + 1)
     # The engine stayed up, rolled back, and serves its previous weights and version.
-    assert ray.get(engine.weight_version.remote()) == f"before-kill-{victim}"
+    assert ray.get(engine.weight_version.remote()) == version
     assert ray.get(engine.fingerprints.remote()) == prints
     assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
     doomed.kill()
-    _sync_recovers(engine, trainer, f"after-kill-{victim}")
+    _sync_recovers(engine, trainer, f"after-kill-{victim}-{path}")
     ray.get(engine.set_keep_previous.remote(False))
 
 

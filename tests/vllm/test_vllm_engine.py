@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import ray
 
-from tests.engine_checks import check_repeated_syncs, check_sync_after_training, prompt_ids
+from tests.engine_checks import (
+    assert_engine_matches_reference,
+    check_repeated_syncs,
+    check_sync_after_training,
+    prompt_ids,
+)
 from weightsync import launcher
 from weightsync.models import make_tiny_model
 
@@ -19,24 +24,24 @@ def setup(tmp_path_factory):
     trainer = launcher.TrainerGroup("backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
                                     model_path=model, bucket_bytes=1 << 20, seed=0)
     trainer.call("connect", {"vllm": engine})
-    yield engine, trainer
+    yield engine, trainer, model
     ray.shutdown()
 
 
 def test_sync_after_training_is_verified_and_generation_matches_reference(setup):
-    engine, trainer = setup
+    engine, trainer, _ = setup
     report = check_sync_after_training(engine, trainer, "vllm", "step-3", steps=3)
     assert report["engines"]["vllm"]["weight_version"] == "step-3"
 
 
 def test_repeated_syncs_with_requests_in_between(setup):
-    engine, trainer = setup
+    engine, trainer, _ = setup
     # The first sync went by buckets; the engine then shared its parameters.
     check_repeated_syncs(engine, trainer, "vllm", "round", rounds=3, path="direct")
 
 
 def test_bad_refit_info_is_rejected_and_the_engine_keeps_serving(setup):
-    engine, trainer = setup
+    engine, trainer, _ = setup
     trainer.call("sync", "good", verify=True)
     prints = ray.get(engine.fingerprints.remote())
     served = ray.get(engine.generate.remote(prompt_ids()))
@@ -56,3 +61,19 @@ def test_bad_refit_info_is_rejected_and_the_engine_keeps_serving(setup):
     assert ray.get(engine.fingerprints.remote()) == prints
     assert ray.get(engine.weight_version.remote()) == "good"
     assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
+
+
+def test_a_sync_after_the_engines_own_reload_lands_verified(setup):
+    """vLLM's reload_weights may rebuild the parameters the trainer writes into; the next sync
+    must notice, take buckets, share again, and the one after write directly again."""
+    engine, trainer, model = setup
+    trainer.call("set_weights_from", 11)
+    ray.get(engine.native_reload.remote(model))  # the engine reloads its starting checkpoint
+    paths = []
+    for version in ("after-reload", "after-reload-2"):
+        report = trainer.call("sync", version, verify=True)
+        assert report["verify"]["vllm"]["verified"], report["verify"]
+        paths.append(report["engines"]["vllm"]["path"])
+        assert_engine_matches_reference(engine, trainer)
+    print(f"paths after vLLM's reload_weights: {paths}")
+    assert paths[1] == "direct"
