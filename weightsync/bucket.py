@@ -80,17 +80,7 @@ def max_bucket_bytes(plans: list[BucketPlan]) -> int:
 
 def write_tensor(buffer: torch.Tensor, meta: TensorMeta, tensor: torch.Tensor) -> None:
     """Copy `tensor` into `buffer` (uint8) at the place `meta` gives, after checking it fits."""
-    if tuple(tensor.shape) != meta.shape:
-        raise ValueError(
-            f"tensor {meta.name!r}: shape {tuple(tensor.shape)} != planned {meta.shape}; "
-            f"the model changed since refit info was taken; call refit_info() again"
-        )
-    dtype = dtype_to_str(tensor.dtype)
-    if dtype != meta.dtype:
-        raise ValueError(
-            f"tensor {meta.name!r}: dtype {dtype} != planned {meta.dtype}; convert it or take "
-            f"refit info again"
-        )
+    check_tensor(meta, tensor)
     if meta.offset + meta.nbytes > buffer.numel():
         raise ValueError(
             f"tensor {meta.name!r} needs bytes [{meta.offset}, {meta.offset + meta.nbytes}) "
@@ -133,25 +123,27 @@ def fill_buckets(
     for plan in plans:
         buffer = get_buffer(plan)
         for meta in plan.tensors:
-            try:
-                name, tensor = next(tensors)
-            except StopIteration:
-                raise ValueError(
-                    f"tensor stream ended before {meta.name!r} (bucket {plan.index}); the model "
-                    f"has fewer tensors than its refit info"
-                ) from None
-            if name != meta.name:
-                raise ValueError(
-                    f"tensor stream gave {name!r} where refit info expects {meta.name!r}; "
-                    f"the model changed since refit info was taken"
-                )
-            write_tensor(buffer, meta, tensor)
+            write_tensor(buffer, meta, _next_tensor(plan, meta, tensors))
         yield plan
-    extra = next(tensors, None)
-    if extra is not None:
+    check_stream_end(tensors)
+
+
+def _next_tensor(plan: BucketPlan, meta: TensorMeta,
+                 tensors: Iterator[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The stream's next tensor, which must be the one `meta` plans."""
+    try:
+        name, tensor = next(tensors)
+    except StopIteration:
         raise ValueError(
-            f"tensor stream has {extra[0]!r} beyond its refit info; take refit info again"
+            f"tensor stream ended before {meta.name!r} (bucket {plan.index}); the model "
+            f"has fewer tensors than its refit info"
+        ) from None
+    if name != meta.name:
+        raise ValueError(
+            f"tensor stream gave {name!r} where refit info expects {meta.name!r}; "
+            f"the model changed since refit info was taken"
         )
+    return tensor
 
 
 def check_tensor(meta: TensorMeta, tensor: torch.Tensor) -> None:
@@ -176,18 +168,7 @@ def take_bucket(plan: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]]
     as `fill_buckets`)."""
     taken = []
     for meta in plan.tensors:
-        try:
-            name, tensor = next(tensors)
-        except StopIteration:
-            raise ValueError(
-                f"tensor stream ended before {meta.name!r} (bucket {plan.index}); the model "
-                f"has fewer tensors than its refit info"
-            ) from None
-        if name != meta.name:
-            raise ValueError(
-                f"tensor stream gave {name!r} where refit info expects {meta.name!r}; "
-                f"the model changed since refit info was taken"
-            )
+        tensor = _next_tensor(plan, meta, tensors)
         check_tensor(meta, tensor)
         taken.append(tensor)
     return taken
