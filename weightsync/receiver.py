@@ -410,6 +410,7 @@ class ModuleWeightReceiver(WeightReceiver):
                                       name=name)
         self._version: str | None = None
         self._session: str | None = None
+        self._direct = False
 
     def check_refit(self, specs: list[dict]) -> dict:
         from weightsync.wire import specs_from_dicts
@@ -428,7 +429,6 @@ class ModuleWeightReceiver(WeightReceiver):
 
     def share_params(self) -> dict:
         return self.receiver.share()
-
 
     def load_bucket(self, descriptor: dict) -> dict:
         start = time.perf_counter()
