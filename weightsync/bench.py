@@ -56,7 +56,7 @@ class BenchWorker(DTensorV2WeightSyncWorker):
 
     def bench_gather(self) -> float:
         start = time.perf_counter()
-        for _ in self.source.tensors():
+        for _ in self.weights.source.tensors():
             pass
         return time.perf_counter() - start
 
@@ -65,7 +65,7 @@ class BenchWorker(DTensorV2WeightSyncWorker):
         from safetensors.torch import save_file
 
         start = time.perf_counter()
-        state = dict(self.source.tensors())
+        state = dict(self.weights.source.tensors())
         if self.rank == 0:
             save_file(state, os.path.join(out_dir, "model.safetensors"))
         seconds = time.perf_counter() - start
@@ -82,11 +82,11 @@ class BenchWorker(DTensorV2WeightSyncWorker):
         from weightsync.bucket import fill_buckets, plan_buckets, unpack
         from weightsync.transports.shm import ShmReceiver, ShmSender
 
-        tensors = list(self.source.tensors())
+        tensors = list(self.weights.source.tensors())
         if self.rank != 0:
             return 0.0
-        specs = self.source.specs()
-        plans = plan_buckets(specs, capacity_bytes=self.bucket_bytes)
+        specs = self.weights.source.specs()
+        plans = plan_buckets(specs, capacity_bytes=self.weights.options.bucket_bytes)
         dst = {name: torch.empty_like(t) for name, t in tensors}
         sender, receiver = ShmSender(num_slots=2), ShmReceiver()
 

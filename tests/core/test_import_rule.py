@@ -30,3 +30,18 @@ def test_every_core_module_imports_without_engines():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ok")
+
+
+def test_public_api_resolves_and_the_package_imports_without_torch():
+    code = (
+        "import sys\n"
+        "import weightsync, weightsync.cli\n"
+        "assert 'torch' not in sys.modules, 'import weightsync pulled in torch'\n"
+        "names = list(weightsync.__all__)\n"
+        "missing = [n for n in names if getattr(weightsync, n, None) is None]\n"
+        "assert not missing, missing\n"
+        "print('ok', len(names))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["ok", str(len(weightsync.__all__))]

@@ -49,10 +49,9 @@ def _paused_trainer(model: str, engine, path: str = "buckets") -> launcher.Train
     kill a process while an update is half done: before bucket 2 of each sync by buckets, or
     (path "direct") before writing piece 5 of each one-copy sync, once rank 1 wrote its
     pieces into the engine's parameters."""
-    env = ({"WEIGHTSYNC_TEST_PAUSE_BEFORE_BUCKET": f"2:{PAUSE_S}"} if path == "buckets"
-           else {"WEIGHTSYNC_TEST_PAUSE_BEFORE_PIECE": f"5:{PAUSE_S}"})
+    pause = ("bucket", 2, PAUSE_S) if path == "buckets" else ("piece", 5, PAUSE_S)
     trainer = launcher.TrainerGroup(WORKER, model_path=model, bucket_bytes=1 << 20, seed=7,
-                                    timeout_s=SYNC_TIMEOUT_S, env_vars=env)
+                                    timeout_s=SYNC_TIMEOUT_S, test_pause=pause)
     trainer.call("connect", {NAME: engine})
     return trainer
 

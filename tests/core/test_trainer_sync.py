@@ -1,0 +1,151 @@
+"""`TrainerSync` and `SyncOptions`: the public trainer-side API, under a real 2-process gloo FSDP2
+group, syncing into an in-process reference receiver on rank 0."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import free_port
+from weightsync import SyncOptions
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"transport": "tcp"}, r"SyncOptions.transport='tcp': expected one of \['shm', 'cuda_ipc', "
+                           r"'gloo', 'nccl'\]"),
+    ({"bucket_bytes": 0}, r"SyncOptions.bucket_bytes=0: must be a positive number"),
+    ({"bucket_bytes": -5}, r"SyncOptions.bucket_bytes=-5"),
+    ({"timeout_s": 0.0}, r"SyncOptions.timeout_s=0.0: must be a positive number"),
+    ({"one_copy": True, "transport": "gloo"},
+     r"SyncOptions.one_copy=True with transport='gloo': the one-copy path needs "
+     r"transport='shm'"),
+    ({"sync_dtype": "float99"}, r"SyncOptions.sync_dtype='float99': not a torch dtype name"),
+])
+def test_bad_sync_options_raise_a_value_error_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SyncOptions(**kwargs)
+
+
+def test_sync_options_are_frozen():
+    options = SyncOptions()
+    with pytest.raises(AttributeError):
+        options.transport = "gloo"  # type: ignore[misc]
+
+
+def _rank_main(rank: int, port: int, results, options: dict) -> None:
+    from weightsync import SyncOptions, TrainerSync
+    from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
+    from weightsync.endpoint import LocalEndpoint
+    from weightsync.models import build_model
+    from weightsync.receiver import ModuleWeightReceiver
+
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("weightsync").addHandler(Collect())
+    logging.getLogger("weightsync").setLevel(logging.INFO)
+    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    model = shard_model(build_model("opt", "tiny", seed=3), device="cpu")
+    sync = TrainerSync(model, options=SyncOptions(bucket_bytes=1 << 16, **options))
+    engine = build_model("opt", "tiny", seed=99) if rank == 0 else None
+    endpoint = LocalEndpoint(ModuleWeightReceiver(engine), name="ref") if rank == 0 else None
+    out: dict = {"connect": sync.connect({"ref": endpoint} if rank == 0 else {})}
+    try:
+        sync.sync("v0", engines=["nope"])
+    except ValueError as exc:
+        out["unknown_engine_error"] = str(exc)
+    out["reports"] = [sync.sync("v1", verify=True), sync.sync("v2", verify=True)]
+    with torch.no_grad():  # a training step's worth of change, on every rank's shards
+        for param in model.parameters():
+            param.to_local().mul_(1.5).add_(0.01)
+    out["stale"] = sync.verify()
+    out["reports"].append(sync.sync("v3"))
+    out["fresh"] = sync.verify()
+    full = dict(sync.source.tensors())
+    if rank == 0:
+        params = dict(engine.named_parameters())
+        out["equal"] = all(torch.equal(params[n], t) for n, t in full.items())
+        out["logs"] = records
+        results.put(out)
+    sync.close()
+    close_trainer_group()
+
+
+def _run_two_ranks(**options) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, results, options)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = results.get(timeout=240)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return out
+
+
+def test_trainer_sync_takes_buckets_then_the_one_copy_path_and_verifies():
+    out = _run_two_ranks()
+    assert out["connect"]["ref"]["num_params"] > 0
+    assert "unknown engine(s) ['nope']" in out["unknown_engine_error"]
+    first, second, third = out["reports"]
+    assert first["path"] == "buckets" and first["verify"]["ref"]["verified"]
+    assert second["path"] == "direct" and second["verify"]["ref"]["verified"]
+    assert third["path"] == "direct"
+    # verify() compares the engine with the model as it is now: stale before the sync.
+    assert not out["stale"]["ref"]["verified"] and out["stale"]["ref"]["mismatched"]
+    assert out["fresh"]["ref"]["verified"] and not out["fresh"]["ref"]["mismatched"]
+    assert out["equal"]
+
+
+def test_trainer_sync_without_one_copy_keeps_buckets_and_says_why_for_a_transport():
+    out = _run_two_ranks(one_copy=False)
+    assert [r["path"] for r in out["reports"]] == ["buckets", "buckets", "buckets"]
+    assert out["fresh"]["ref"]["verified"] and out["equal"]
+
+
+def _construct_only(rank: int, port: int, results, options: dict) -> None:
+    from weightsync import SyncOptions, TrainerSync
+    from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
+    from weightsync.models import build_model
+
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("weightsync").addHandler(Collect())
+    logging.getLogger("weightsync").setLevel(logging.INFO)
+    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    sync = TrainerSync(shard_model(build_model("opt", "tiny"), device="cpu"),
+                       options=SyncOptions(**options))
+    if rank == 0:
+        results.put({"logs": records, "shard_writes": sync.shard_writes,
+                     "one_copy": sync.one_copy})
+    sync.close()
+    close_trainer_group()
+
+
+def test_trainer_sync_logs_each_option_it_turns_off_and_why():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_construct_only, args=(r, port, results, {"transport": "gloo"}))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    out = results.get(timeout=240)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert not out["shard_writes"] and not out["one_copy"]
+    assert "[rank 0] shard_writes off: transport 'gloo' sends from rank 0" in out["logs"]
+    assert "[rank 0] one_copy off: transport 'gloo' has no one-copy path" in out["logs"]

@@ -1,0 +1,43 @@
+"""Greedy reference continuations from an unsharded float32 copy of a trainer's weights.
+
+Tests and the demo compare what an engine generates after a sync with what the trainer's own
+weights generate, computed here in float32 on the CPU with transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def reference_generate(model_path: str, state: dict[str, torch.Tensor],
+                       prompts: list[list[int]], *, max_new_tokens: int) -> dict[str, Any]:
+    """{"tokens": [[ids]], "logprobs": [[float]]}: greedy continuations of `prompts` by the
+    architecture of the checkpoint at `model_path` holding the weights `state` (HF names)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    # Built on the CPU, not on "meta": non-persistent buffers (a rope model's inv_freq) are
+    # computed at construction and are not in `state`.
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, _ = reference.load_state_dict({k: v.float().cpu() for k, v in state.items()},
+                                           strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied:
+        raise ValueError(f"the trainer's state lacks {sorted(set(missing) - tied)[:5]} of the "
+                         f"architecture at {model_path}")
+    reference.tie_weights()
+    reference.eval()
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                     do_sample=False, output_scores=True,
+                                     return_dict_in_generate=True,
+                                     pad_token_id=config.pad_token_id)
+            new = out.sequences[0, len(prompt):].tolist()
+            tokens.append(new)
+            logprobs.append([float(torch.log_softmax(s[0].float(), -1)[t])
+                             for s, t in zip(out.scores, new)])
+    return {"tokens": tokens, "logprobs": logprobs}

@@ -1,0 +1,139 @@
+"""Trainer ranks writing their own FSDP2 shards, on the two shared-memory paths.
+
+FSDP2 shards every tensor along dim 0, so a rank's shard is one contiguous byte range of the
+full tensor (`ShardPieces`): each rank can copy its own range to its place, with no all-gather.
+  - `BucketShardWriter`: into the shared-memory bucket the sender is about to hand the engines.
+  - `OneCopyWriter`: straight into the engines' shared parameters (weightsync/direct.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from weightsync.bucket import BucketPlan, plan_buckets
+from weightsync.direct import DirectTarget
+from weightsync.dtensor import DTensorV2Source, ShardPieces
+from weightsync.sync_group import SyncGroup
+
+logger = logging.getLogger(__name__)
+
+# Called on rank 0 before it writes bucket or piece `index`: ("bucket" | "piece", index). The
+# reliability tests pause here to kill a process mid-sync.
+BeforeWrite = Callable[[str, int], None]
+
+
+def _write_pieces(pieces: Any, plan: BucketPlan, buffer: torch.Tensor) -> None:
+    for meta in plan.tensors:
+        name, data, offset = next(pieces)
+        if name != meta.name:
+            raise RuntimeError(f"shard stream gave {name!r} where the bucket plan has "
+                               f"{meta.name!r}: the model changed since refit info was taken")
+        if data is not None:
+            start = meta.offset + offset
+            buffer[start:start + data.nbytes].copy_(data.reshape(-1).view(torch.uint8))
+
+
+class BucketShardWriter:
+    """Every rank copies its shard of each tensor into the shared bucket at its offset.
+
+    Per bucket: rank 0 broadcasts the slot's handle once the engines are done with it (the other
+    ranks wait for it: the slot is free), all ranks write, a barrier, then rank 0 hands the
+    bucket to the engines."""
+
+    def __init__(self, source: DTensorV2Source, group: SyncGroup, *, bucket_bytes: int,
+                 before_write: BeforeWrite | None = None) -> None:
+        self.source = source
+        self.group = group
+        self.bucket_bytes = bucket_bytes
+        self.before_write = before_write
+        self._maps: Any = None  # ranks > 0: the shared-memory slots they opened
+
+    def sender_hook(self, transport: Any) -> Callable[[BucketPlan, int, torch.Tensor], None]:
+        """Rank 0: the sender's `write_bucket` for one sync."""
+        pieces = iter(ShardPieces(self.source, rank=0))
+
+        def write_bucket(plan: BucketPlan, slot: int, buffer: torch.Tensor) -> None:
+            if self.before_write is not None:
+                self.before_write("bucket", plan.index)
+            self.group.broadcast(transport.handle(slot))
+            _write_pieces(pieces, plan, buffer)
+            self.group.barrier()
+
+        return write_bucket
+
+    def follow(self) -> None:
+        """Ranks > 0: write this rank's shards into every bucket of one sync."""
+        from weightsync.transports.shm import ShmReceiver
+
+        if self._maps is None:
+            self._maps = ShmReceiver(max_open=4)
+        pieces = iter(ShardPieces(self.source, rank=self.group.rank))
+        for plan in plan_buckets(self.source.specs(), capacity_bytes=self.bucket_bytes):
+            handle = self.group.broadcast()
+            _write_pieces(pieces, plan, self._maps.receive(handle, plan.nbytes))
+            self.group.barrier()
+
+    def close(self) -> None:
+        if self._maps is not None:
+            self._maps.close()
+            self._maps = None
+
+
+class OneCopyWriter:
+    """Every rank writes its own shards into the shared parameters of the engines it is told
+    of, reading each chunk back when verifying (weightsync/direct.py)."""
+
+    def __init__(self, source: DTensorV2Source, group: SyncGroup, *,
+                 before_write: BeforeWrite | None = None) -> None:
+        self.source = source
+        self.group = group
+        self.before_write = before_write
+        self.targets: dict[str, DirectTarget] = {}  # engine -> its mapped parameters
+        self.rank_write_s: list[float] = []  # rank 0: each rank's seconds in the last write
+
+    def write(self, msg: dict[str, Any], *, verify: bool) -> dict[str, Any] | None:
+        """Every rank, with rank 0's `msg` {"direct": engines, "new": {engine: shared}}.
+
+        Returns on rank 0 how many pieces were written and which tensors' bytes read back
+        differently; None elsewhere."""
+        for name, shared in msg["new"].items():
+            old = self.targets.pop(name, None)
+            if old is not None:
+                old.close()
+            self.targets[name] = DirectTarget(shared)
+        targets = [self.targets[n] for n in msg["direct"]]
+        pieces, mismatched = 0, set()
+        start = time.perf_counter()
+        hook = self.before_write if self.group.rank == 0 else None
+        if targets:
+            for index, (name, data, offset) in enumerate(ShardPieces(self.source,
+                                                                      rank=self.group.rank)):
+                if hook is not None:
+                    hook("piece", index)
+                if data is None:
+                    continue
+                raw = data.reshape(-1).view(torch.uint8)
+                for target in targets:
+                    if not target.write(name, offset, raw, check=verify):
+                        mismatched.add(name)
+                pieces += 1
+        gathered = self.group.gather((pieces, sorted(mismatched), time.perf_counter() - start))
+        if gathered is None:
+            return None
+        self.rank_write_s = [seconds for _, _, seconds in gathered]
+        return {"pieces": sum(n for n, _, _ in gathered),
+                "mismatched": sorted({m for _, bad, _ in gathered for m in bad})}
+
+    def forget(self, name: str) -> None:
+        target = self.targets.pop(name, None)
+        if target is not None:
+            target.close()
+
+    def close(self) -> None:
+        for name in list(self.targets):
+            self.forget(name)

@@ -1,0 +1,51 @@
+"""The trainer ranks' own side channel for a sync: handles, plans and barriers.
+
+A sync needs a few small collectives among the trainer ranks (rank 0 tells the others which
+engines take which path and where the shared bytes are; the ranks report back what they
+wrote). They run in a gloo group of their own, bounded by the sync's timeout: a rank that dies
+mid-sync fails the others within it, whatever timeout the training collectives have, and a
+hung sync never blocks the training group.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+
+class SyncGroup:
+    """The sync's collectives over the ranks of `group` (default: the whole world).
+
+    Built on every process of the default group at once (`dist.new_group` is collective), like
+    the model it serves. Rank numbers are ranks inside `group`."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout_s: float) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call "
+                               "dist.init_process_group (or init_trainer_group) first")
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        self.group = dist.new_group(ranks=ranks, backend="gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0's `obj`, on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, in rank order, on rank 0; None elsewhere."""
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, group=self.group, group_dst=0)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group(self.group)
