@@ -4,6 +4,10 @@ Two architectures that SGLang and vLLM both run on a CPU:
 - "opt": plain Linear layers, learned positions, tied head. The default, and the one for speed.
 - "gpt2": Conv1D weights stored (in, out) that engines transpose, and a tied head: the hard case
   for correctness.
+Two rope architectures with grouped-query attention (half as many KV heads) and an untied head,
+which vLLM runs on a CPU (SGLang's CPU build does not) and nemo-automodel has model classes for:
+- "qwen2": dense, biased q/k/v.
+- "qwen3_moe": every layer a mixture of 8 experts, top-2, each a quarter of the ffn width.
 Sizes go from "tiny" (tests: hidden 256, 4 heads of 64) to "medium" (~0.6 GB in bfloat16).
 """
 
@@ -19,7 +23,8 @@ import torch
 if TYPE_CHECKING:
     from torch import nn
 
-ARCHITECTURES = ("opt", "gpt2")
+ARCHITECTURES = ("opt", "gpt2", "qwen2", "qwen3_moe")
+NUM_EXPERTS = 8
 VOCAB_SIZE = 320  # 256 bytes + specials, rounded up
 MAX_POSITIONS = 512
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
@@ -51,10 +56,19 @@ def _check(arch: str, size: str) -> ModelSize:
 
 def make_config(arch: str = "opt", size: str = "tiny"):
     """The transformers config of a tiny model (no weights)."""
-    from transformers import GPT2Config, OPTConfig
+    from transformers import GPT2Config, OPTConfig, Qwen2Config, Qwen3MoeConfig
 
     s = _check(arch, size)
     ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+    rope = {"vocab_size": VOCAB_SIZE, "hidden_size": s.hidden, "num_attention_heads": s.heads,
+            "num_key_value_heads": s.heads // 2, "head_dim": s.hidden // s.heads,
+            "num_hidden_layers": s.layers, "intermediate_size": s.ffn,
+            "max_position_embeddings": MAX_POSITIONS, "tie_word_embeddings": False, **ids}
+    if arch == "qwen2":
+        return Qwen2Config(**rope)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**rope, num_experts=NUM_EXPERTS, num_experts_per_tok=2,
+                              moe_intermediate_size=s.ffn // 4, decoder_sparse_step=1)
     if arch == "opt":
         return OPTConfig(
             vocab_size=VOCAB_SIZE, hidden_size=s.hidden, num_attention_heads=s.heads,
