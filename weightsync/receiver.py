@@ -465,9 +465,9 @@ def checkpoint_specs(path: str) -> dict[str, TensorSpec]:
     """Name, dtype and shape of every tensor in a safetensors checkpoint directory (headers
     only; nothing is loaded)."""
     import glob
-    import json
     import os
-    import struct
+
+    from safetensors import safe_open
 
     dtypes = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
               "I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64",
@@ -477,13 +477,11 @@ def checkpoint_specs(path: str) -> dict[str, TensorSpec]:
         raise ValueError(f"no *.safetensors files in {path!r}; cannot check refit info")
     specs: dict[str, TensorSpec] = {}
     for file in files:
-        with open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                specs[name] = TensorSpec(name=name, dtype=dtypes.get(entry["dtype"], "?"),
-                                         shape=tuple(entry["shape"]))
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                specs[name] = TensorSpec(name=name, dtype=dtypes.get(piece.get_dtype(), "?"),
+                                         shape=tuple(piece.get_shape()))
     return specs
 
 
