@@ -16,6 +16,11 @@ import tempfile
 import time
 from typing import Any
 
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
 TEXT = "weightsync keeps every engine in step with the trainer. "
 
 
@@ -64,12 +69,15 @@ def run(args: argparse.Namespace) -> int:
     handles = {name: actors[name]() for name in engines}
     trainer = launcher.TrainerGroup("weightsync.worker.DTensorV2WeightSyncWorker",
                                     model_path=model, lr=2e-3, seed=0)
+    _wait_for_engines(handles)
     trainer.call("connect", handles)
     steps: list[dict[str, Any]] = []
     ok = True
+    table = Table("step", "loss", *[c for n in engines
+                                     for c in (f"{n} ms", "GB/s", "ok", f"{n} continuation")])
+    live = Live(table, console=Console(), auto_refresh=False)
     if not args.json:
-        print(f"{'step':>4} {'loss':>7}  " + "  ".join(
-            f"{n + ' ms':>10} {'GB/s':>6} {'ok':>3}  {n + ' continuation':<28}" for n in engines))
+        live.start()
     for step in range(1, args.steps + 1):
         loss = trainer.call("train_step", batch)
         report = trainer.call("sync", f"step-{step}", verify=True)
@@ -85,11 +93,11 @@ def run(args: argparse.Namespace) -> int:
                                     "sync_s": engine_s, "gbps": report["nbytes"] / engine_s / 1e9,
                                     "text": _continuation(got["tokens"][0])}
         steps.append(row)
-        if not args.json:
-            print(f"{step:>4} {loss:>7.3f}  " + "  ".join(
-                f"{e['sync_s'] * 1e3:>10.1f} {e['gbps']:>6.2f} "
-                f"{'yes' if e['verified'] and e['matches_reference'] else 'NO':>3}  "
-                f"{e['text'][:28]!r:<28}" for e in row["engines"].values()), flush=True)
+        table.add_row(str(step), f"{loss:.3f}", *[c for e in row["engines"].values() for c in (
+            f"{e['sync_s'] * 1e3:.1f}", f"{e['gbps']:.2f}",
+            "yes" if e["verified"] and e["matches_reference"] else "NO", repr(e["text"][:28]))])
+        live.refresh()
+    live.stop()
     summary = {"ok": ok, "steps": steps, "reference": _continuation(want)}
     if args.json:
         json.dump(summary, sys.stdout, indent=1)
@@ -108,6 +116,31 @@ def run(args: argparse.Namespace) -> int:
     ray.shutdown()
     time.sleep(0.1)
     return 0 if ok else 1
+
+
+def _wait_for_engines(handles: dict[str, Any]) -> None:
+    """Engines take a minute or two to start on a CPU: show each one's state and elapsed time
+    (on stderr) until all answer; an engine that died raises its error here."""
+    import ray
+
+    start = time.monotonic()
+    pending = {name: handle.weight_version.remote() for name, handle in handles.items()}
+    ready: dict[str, float] = {}
+
+    def status() -> Text:
+        now = time.monotonic() - start
+        return Text("  ".join(f"{n}: ready after {ready[n]:.0f} s" if n in ready
+                              else f"{n}: starting, {now:.0f} s" for n in handles))
+
+    with Live(status(), console=Console(stderr=True), refresh_per_second=2) as live:
+        while pending:
+            done, _ = ray.wait(list(pending.values()), timeout=0.5)
+            for name, ref in list(pending.items()):
+                if ref in done:
+                    ray.get(ref)
+                    ready[name] = time.monotonic() - start
+                    del pending[name]
+            live.update(status())
 
 
 def _plot(steps: list[dict[str, Any]], path: str) -> None:
