@@ -60,15 +60,29 @@ class DTensorV2Source:
         self.model = model
         self.dtype = dtype_from_str(dtype) if dtype is not None else None
         self.aliases = tied_aliases(model)
+        adapter = getattr(model, "state_dict_adapter", None)
+        self.adapter = adapter if hasattr(adapter, "to_hf") else None
 
-    def _state_dict(self) -> dict[str, torch.Tensor]:
+    def _native(self) -> dict[str, torch.Tensor]:
+        """The model's own state dict (training names), tied aliases left out."""
         state = self.model.state_dict()
         for alias in self.aliases:
             state.pop(alias, None)
-        adapter = getattr(self.model, "state_dict_adapter", None)
-        if adapter is not None and hasattr(adapter, "to_hf"):
-            state = adapter.to_hf(state)
         return state
+
+    def _to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The HF tensors of one native tensor, which must be full (or on "meta"): given a
+        grouped-expert DTensor sharded on the expert dim, nemo-automodel's MoE adapters return
+        only this rank's experts (rank 0 of 2 would send experts 0-3 of 8)."""
+        if self.adapter is None:
+            return {name: tensor}
+        return self.adapter.to_hf({name: tensor})
+
+    def _hf_layout(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What `_to_hf` makes of `tensor`, as "meta" tensors of the global shape."""
+        if self.adapter is None:
+            return {name: tensor}
+        return self._to_hf(name, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
 
     def _out_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         if self.dtype is not None and tensor.dtype.is_floating_point:
@@ -78,18 +92,20 @@ class DTensorV2Source:
     def specs(self) -> list[TensorSpec]:
         """What `tensors()` will yield, without gathering anything."""
         return [
-            TensorSpec(name=name, dtype=dtype_to_str(self._out_dtype(t)), shape=_global_shape(t))
-            for name, t in self._state_dict().items()
+            TensorSpec(name=hf_name, dtype=dtype_to_str(self._out_dtype(t)), shape=_global_shape(t))
+            for name, native in self._native().items()
+            for hf_name, t in self._hf_layout(name, native).items()
         ]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) pairs, gathered one at a time. Collective: all ranks call."""
-        for name, tensor in self._state_dict().items():
-            full = _full(tensor.detach())
-            out_dtype = self._out_dtype(full)
-            if full.dtype != out_dtype:
-                full = full.to(out_dtype)
-            yield name, full.contiguous()
+        """(HF name, full tensor) pairs, gathered one native tensor at a time. Collective: all
+        ranks call."""
+        for name, native in self._native().items():
+            for hf_name, full in self._to_hf(name, _full(native.detach())).items():
+                out_dtype = self._out_dtype(full)
+                if full.dtype != out_dtype:
+                    full = full.to(out_dtype)
+                yield hf_name, full.contiguous()
 
 
 def init_trainer_group(*, rank: int, world_size: int, master_addr: str, master_port: int,
@@ -171,9 +187,18 @@ class ShardPieces:
         return offset
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None, int]]:
-        for name, tensor in self.source._state_dict().items():
+        source = self.source
+        for name, tensor in source._native().items():
             tensor = tensor.detach()
-            out_dtype = self.source._out_dtype(tensor)
+            if source.adapter is not None:
+                layout = source._hf_layout(name, tensor)
+                if list(layout) != [name] or layout[name].shape != tensor.shape:
+                    # Renamed or split by the adapter: gathered, converted, written by rank 0.
+                    for hf_name, full in source._to_hf(name, _full(tensor)).items():
+                        data = full.to(source._out_dtype(full)).contiguous()
+                        yield hf_name, (data if self.rank == 0 else None), 0
+                    continue
+            out_dtype = source._out_dtype(tensor)
             if _dim0_sharded(tensor):
                 local = tensor.to_local()
                 data = local.to(out_dtype).contiguous() if local.numel() else None
