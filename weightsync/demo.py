@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     ok = True
     table = Table("step", "loss", *[c for n in engines
                                      for c in (f"{n} ms", "GB/s", "ok", f"{n} continuation")])
-    live = Live(table, console=Console(), auto_refresh=False)
+    console = Console()
+    live = Live(table, console=console, auto_refresh=False)
     if not args.json:
         live.start()
     for step in range(1, args.steps + 1):
@@ -97,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
             f"{e['sync_s'] * 1e3:.1f}", f"{e['gbps']:.2f}",
             "yes" if e["verified"] and e["matches_reference"] else "NO", repr(e["text"][:28]))])
         live.refresh()
-    live.stop()
+    if not args.json:
+        live.stop()
+        console.line()
     summary = {"ok": ok, "steps": steps, "reference": _continuation(want)}
     if args.json:
         json.dump(summary, sys.stdout, indent=1)
