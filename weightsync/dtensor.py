@@ -62,9 +62,20 @@ class DTensorV2Source:
         self.aliases = tied_aliases(model)
         adapter = getattr(model, "state_dict_adapter", None)
         self.adapter = adapter if hasattr(adapter, "to_hf") else None
+        from torch.distributed.fsdp import FSDPModule
+
+        self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
     def _native(self) -> dict[str, torch.Tensor]:
-        """The model's own state dict (training names), tied aliases left out."""
+        """The model's own state dict (training names), tied aliases left out.
+
+        A forward that no backward followed (a no-grad pass for log-probs, an eval) leaves some
+        FSDP2 units unsharded: the root always, and with nemo-automodel the last layer and the
+        output head. Their parameters are then plain tensors in the compute dtype, so each unit
+        is resharded first (local, no communication; never call this between a forward and
+        its backward)."""
+        for module in self._fsdp_modules:
+            module.reshard()
         state = self.model.state_dict()
         for alias in self.aliases:
             state.pop(alias, None)

@@ -7,7 +7,7 @@ Two architectures that SGLang and vLLM both run on a CPU:
 Two rope architectures with grouped-query attention (half as many KV heads) and an untied head,
 which vLLM runs on a CPU (SGLang's CPU build does not) and nemo-automodel has model classes for:
 - "qwen2": dense, biased q/k/v.
-- "qwen3_moe": every layer a mixture of 8 experts, top-2, each a quarter of the ffn width.
+- "qwen3_moe": every layer a mixture of 8 experts, top-2, each an eighth of the ffn width.
 Sizes go from "tiny" (tests: hidden 256, 4 heads of 64) to "medium" (~0.6 GB in bfloat16).
 """
 
@@ -68,7 +68,7 @@ def make_config(arch: str = "opt", size: str = "tiny"):
         return Qwen2Config(**rope)
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(**rope, num_experts=NUM_EXPERTS, num_experts_per_tok=2,
-                              moe_intermediate_size=s.ffn // 4, decoder_sparse_step=1)
+                              moe_intermediate_size=s.ffn // 8, decoder_sparse_step=1)
     if arch == "opt":
         return OPTConfig(
             vocab_size=VOCAB_SIZE, hidden_size=s.hidden, num_attention_heads=s.heads,
