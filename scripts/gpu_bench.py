@@ -38,6 +38,7 @@ def _model(num_tensors: int, numel: int, device: str) -> torch.nn.Module:
 
 def _receiver_main(device: int, num_tensors: int, numel: int, conn) -> None:
     torch.cuda.set_device(device)
+    from weightsync.errors import error_to_wire
     from weightsync.receiver import ModuleWeightReceiver
 
     receiver = ModuleWeightReceiver(_model(num_tensors, numel, f"cuda:{device}"), name="receiver")
@@ -58,8 +59,8 @@ def _receiver_main(device: int, num_tensors: int, numel: int, conn) -> None:
             if method == "end":  # the update is done once its copies are
                 torch.cuda.synchronize()
             conn.send(("ok", result))
-        except Exception as exc:  # reported to the sender
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # reported to the sender as plain data
+            conn.send(("error", error_to_wire(exc)))
     receiver.receiver.close()
 
 
@@ -87,7 +88,9 @@ class PipeEndpoint:
             self._answers[self._received] = self.conn.recv()
         status, value = self._answers.pop(ticket)
         if status == "error":
-            raise RuntimeError(f"{self.name}: {value}")
+            from weightsync.errors import error_from_wire
+
+            raise error_from_wire(value, peer=self.name)
         return value
 
     def call(self, method, *args, timeout_s):

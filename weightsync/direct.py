@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from weightsync.errors import NotShared
 from weightsync.transports.shm import PREFIX, SHM_DIR, _Segment, _unlink_all
 from weightsync.wire import ALIGNMENT_BYTES, TensorSpec, align, dtype_from_str
 
@@ -56,10 +57,6 @@ LoadOne = Callable[[str, torch.Tensor], Any]
 # Small enough that a chunk's source and destination stay in a core's L2 cache between the copy
 # and the read-back.
 CHECK_CHUNK_BYTES = 128 << 10
-
-
-class NotShared(RuntimeError):
-    """The engine's parameters are not (or no longer) in the shared segment."""
 
 
 # ---- engine side ---------------------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """Endpoints: how the sender reaches a `WeightReceiver` (an engine actor, or one in-process).
 
 The sender submits calls and waits for them with a deadline, so a dead engine surfaces as a
-RuntimeError naming it instead of a hang. Arguments and results are plain data.
+RuntimeError naming it instead of a hang. Arguments and results are plain data; which of the
+engine's errors reach the caller as themselves is weightsync/errors.py's `WIRE_ERRORS`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from typing import Any
+
+from weightsync.errors import crosses_as_itself
 
 
 class Endpoint(ABC):
@@ -22,14 +25,15 @@ class Endpoint(ABC):
     @abstractmethod
     def wait(self, ticket: Any, *, timeout_s: float) -> Any:
         """The call's result. Raises RuntimeError naming the endpoint if it failed or timed
-        out, and the receiver's own ValueError when it rejected the input."""
+        out, and the receiver's own error of `WIRE_ERRORS` when it rejected the input."""
 
     def call(self, method: str, *args: Any, timeout_s: float) -> Any:
         return self.wait(self.submit(method, *args), timeout_s=timeout_s)
 
 
 class LocalEndpoint(Endpoint):
-    """A receiver object in this process; calls run at submit time."""
+    """A receiver object in this process; calls run at submit time, and its exceptions are
+    raised unchanged (nothing crosses a wire)."""
 
     def __init__(self, receiver: Any, *, name: str = "local") -> None:
         self.receiver = receiver
@@ -73,6 +77,6 @@ class RayEndpoint(Endpoint):
             raise RuntimeError(f"engine {self.name!r} died: {exc}") from None
         except RayTaskError as exc:
             cause = exc.as_instanceof_cause()
-            if isinstance(cause, ValueError | TypeError):
+            if crosses_as_itself(cause):
                 raise cause from None
             raise RuntimeError(f"engine {self.name!r} failed: {exc}") from None

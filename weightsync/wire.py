@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from weightsync.errors import BucketRejected, error_from_wire, error_to_wire
+
 _DTYPES: dict[str, torch.dtype] = {
     name: dtype
     for name, dtype in {
@@ -124,11 +126,6 @@ class TensorMeta:
         return cls(name=d["name"], dtype=d["dtype"], shape=tuple(d["shape"]), offset=d["offset"])
 
 
-class BucketRejected(ValueError):
-    """A bucket refused before any of its bytes reached a parameter (bad layout, tensors that
-    refit info did not announce): the engine's weights are as they were."""
-
-
 @dataclass(kw_only=True, slots=True)
 class BucketDescriptor:
     """One bucket on the wire: the transport handle plus the tensors packed in it.
@@ -206,18 +203,14 @@ def ok_reply(result: Any) -> dict[str, Any]:
 
 
 def error_reply(exc: BaseException) -> dict[str, Any]:
-    import traceback
-
-    return {"ok": False, "type": type(exc).__name__, "error": str(exc),
-            "traceback": traceback.format_exc(limit=8)}
+    """A failed call's outcome as plain data (weightsync/errors.py says how it crosses)."""
+    return {"ok": False, **error_to_wire(exc)}
 
 
 def unwrap_replies(replies: list[dict[str, Any]]) -> Any:
-    """The first reply's result; a failed reply is raised again, ValueError/TypeError/
-    BucketRejected as themselves (the caller's bad input), anything else as RuntimeError."""
+    """The first reply's result; a failed reply is raised again as `WIRE_ERRORS` says (the
+    caller's bad input as itself, anything else as RuntimeError)."""
     for reply in replies:
         if not reply["ok"]:
-            error_type = {"ValueError": ValueError, "TypeError": TypeError,
-                          "BucketRejected": BucketRejected}.get(reply["type"], RuntimeError)
-            raise error_type(reply["error"])
+            raise error_from_wire(reply)
     return replies[0]["result"]

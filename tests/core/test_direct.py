@@ -6,14 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.direct import (
-    DirectTarget,
-    NotShared,
-    SharedParameters,
-    copy_checked,
-    probe_destinations,
-)
+from weightsync.direct import DirectTarget, SharedParameters, copy_checked, probe_destinations
 from weightsync.endpoint import LocalEndpoint
+from weightsync.errors import NotShared
 from weightsync.receiver import ModuleWeightReceiver
 from weightsync.sender import WeightSender
 from weightsync.transports.shm import ShmSender, list_segments

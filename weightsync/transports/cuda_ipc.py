@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from weightsync.bucket import BucketPlan, tensor_view, write_tensor
+from weightsync.errors import BucketRejected
 from weightsync.transports import ReceiverTransport, SenderTransport
-from weightsync.wire import BucketDescriptor, BucketRejected, dtype_from_str
+from weightsync.wire import BucketDescriptor, dtype_from_str
 
 _uids = itertools.count()
 

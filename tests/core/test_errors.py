@@ -1,0 +1,63 @@
+"""The one table of errors that cross the wire: the caller's bad input as itself, anything else
+as RuntimeError, the same whichever endpoint carried it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weightsync.errors import (
+    WIRE_ERRORS,
+    BucketRejected,
+    NotShared,
+    crosses_as_itself,
+    error_from_wire,
+    error_to_wire,
+)
+from weightsync.wire import error_reply, ok_reply, unwrap_replies
+
+
+def _over_the_wire(exc: BaseException) -> dict:
+    try:
+        raise exc
+    except BaseException as raised:  # noqa: BLE001 - as an engine worker catches it
+        return json.loads(json.dumps(error_reply(raised)))
+
+
+def test_the_callers_bad_input_crosses_as_itself():
+    assert list(WIRE_ERRORS) == ["BucketRejected", "ValueError", "TypeError"]
+    for exc in (BucketRejected("bucket 3: bad layout"), ValueError("tensor 'w': shape"),
+                TypeError("not a dict")):
+        with pytest.raises(type(exc), match=str(exc)) as info:
+            unwrap_replies([_over_the_wire(exc)])
+        assert type(info.value) is type(exc)
+        assert crosses_as_itself(exc)
+
+
+def test_a_subclass_crosses_as_the_table_class_it_derives_from():
+    reply = _over_the_wire(json.JSONDecodeError("bad json", "{", 0))
+    assert reply["type"] == "ValueError"
+    with pytest.raises(ValueError, match="bad json"):
+        unwrap_replies([reply])
+
+
+def test_a_failed_peer_crosses_as_runtime_error():
+    for exc in (NotShared("parameters moved"), KeyError("w"), RuntimeError("boom")):
+        assert not crosses_as_itself(exc)
+        with pytest.raises(RuntimeError) as info:
+            unwrap_replies([_over_the_wire(exc)])
+        assert type(info.value) is RuntimeError
+
+
+def test_a_named_peer_is_named_with_the_error_it_raised():
+    error = error_to_wire(NotShared("parameters moved"))
+    assert str(error_from_wire(error, peer="receiver")) == \
+        "receiver failed: NotShared: parameters moved"
+    assert str(error_from_wire(error)) == "parameters moved"
+
+
+def test_the_first_failed_reply_is_raised_and_otherwise_the_first_result_returned():
+    assert unwrap_replies([ok_reply({"a": 1}), ok_reply({"a": 2})]) == {"a": 1}
+    with pytest.raises(ValueError, match="second"):
+        unwrap_replies([ok_reply(1), _over_the_wire(ValueError("second"))])
