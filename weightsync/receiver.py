@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightsync.bucket import unpack
-from weightsync.direct import NotShared, SharedParameters, probe_destinations
+from weightsync.direct import SharedParameters, probe_destinations
+from weightsync.errors import BucketRejected, NotShared
 from weightsync.fingerprint import Fingerprint, combine, fingerprint
-from weightsync.transports import ReceiverTransport, receiver_for
-from weightsync.wire import BucketDescriptor, BucketRejected, TensorSpec, dtype_to_str
+from weightsync.transports import ReceiverTransport, make_receiver
+from weightsync.wire import BucketDescriptor, TensorSpec, dtype_to_str
 
 if TYPE_CHECKING:
     from torch import nn
@@ -230,7 +230,7 @@ class ModelReceiver:
     def _transport(self, kind: str) -> ReceiverTransport:
         transport = self._transports.get(kind)
         if transport is None:
-            transport = self._transports[kind] = receiver_for(kind)
+            transport = self._transports[kind] = make_receiver(kind)
         return transport
 
     def check_descriptor(self, descriptor: BucketDescriptor) -> None:
@@ -251,13 +251,7 @@ class ModelReceiver:
     def receive(self, descriptor: BucketDescriptor) -> list[tuple[str, torch.Tensor]]:
         """Views of one bucket's tensors, after checking them against refit info."""
         self.check_descriptor(descriptor)
-        handle = descriptor.handle
-        transport = self._transport(handle["kind"])
-        receive_tensors = getattr(transport, "receive_tensors", None)
-        if receive_tensors is not None:  # a transport that passes tensors in place (CUDA IPC)
-            return receive_tensors(descriptor)
-        data = transport.receive(handle, descriptor.nbytes)
-        return unpack(data, descriptor)
+        return self._transport(descriptor.handle["kind"]).receive_tensors(descriptor)
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]], *,
              keep_previous: bool = False) -> None:

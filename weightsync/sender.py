@@ -102,9 +102,10 @@ class WeightSender:
         unknown = [n for n in names if n not in self.engines]
         if unknown:
             raise ValueError(f"unknown engine(s) {unknown}; registered: {list(self.engines)}")
-        num_slots = getattr(self.transport, "num_slots", 1)
-        # Transports that can pass the tensors themselves (CUDA IPC) offer `attach`.
-        attach = getattr(self.transport, "attach", None) if write_bucket is None else None
+        num_slots = self.transport.num_slots
+        # Transports that can pass the tensors themselves (CUDA IPC) take them in `attach`.
+        attach = self.transport.attach if (self.transport.takes_tensors
+                                           and write_bucket is None) else None
         in_flight: dict[int, list[tuple[str, Any]]] = {}
         sent: dict[str, Fingerprint] = {}
         load_s: dict[str, float] = {}

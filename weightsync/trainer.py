@@ -177,19 +177,10 @@ class TrainerSync:
                           "weights (%s)", name, str(exc).splitlines()[0][:200])
 
     def _make_transport(self, num_receivers: int) -> SenderTransport:
-        transport = self.options.transport
-        if transport == "shm":
-            from weightsync.transports.shm import ShmSender
+        from weightsync.transports import make_sender
 
-            return ShmSender(num_slots=2)
-        if transport == "cuda_ipc":
-            from weightsync.transports.cuda_ipc import CudaIpcSender
-
-            return CudaIpcSender(num_slots=2)
-        from weightsync.transports.collective import CollectiveSender
-
-        return CollectiveSender(num_receivers=num_receivers, backend=transport,
-                                host=self.options.collective_host, timeout_s=self.options.timeout_s)
+        return make_sender(self.options.transport, num_receivers=num_receivers,
+                           host=self.options.collective_host, timeout_s=self.options.timeout_s)
 
     def sync(self, version: str | None = None, *, verify: bool | None = None,
              engines: list[str] | None = None) -> dict[str, Any]:

@@ -7,13 +7,13 @@ import torch
 
 from weightsync.bucket import fill_buckets, plan_buckets, unpack
 from weightsync.fingerprint import fingerprint
-from weightsync.transports import receiver_for
+from weightsync.transports import make_receiver
 from weightsync.transports.collective import CollectiveSender
 from weightsync.wire import BucketDescriptor, TensorSpec
 
 
 def _receiver_process(requests, replies):
-    receiver = receiver_for("collective")
+    receiver = make_receiver("gloo")
     while (item := requests.get()) is not None:
         desc = BucketDescriptor.from_dict(item)
         views = unpack(receiver.receive(desc.handle, desc.nbytes), desc)

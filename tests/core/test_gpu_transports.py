@@ -112,17 +112,24 @@ def test_cuda_ipc_view_beyond_its_storage_is_rejected(ipc_pair):
 def test_zero_copy_hooks_pass_tensors_in_place_on_cpu():
     """The sender's `attach` and the receiver's `receive_tensors` hooks (what CUDA IPC's
     zero-copy path uses), with an in-process stand-in that passes tensors by reference."""
+    from weightsync import transports
     from weightsync.endpoint import LocalEndpoint
     from weightsync.receiver import ModuleWeightReceiver
     from weightsync.sender import WeightSender
-    from weightsync.transports import _RECEIVERS
     from weightsync.wire import TensorSpec
 
     passed: dict[int, list[torch.Tensor]] = {}
 
-    class InPlaceSender:
+    class InPlaceSender(transports.SenderTransport):
         kind = "test_in_place"
-        num_slots = 2
+        takes_tensors = True
+
+        @property
+        def num_slots(self):
+            return 2
+
+        def buffer(self, slot, nbytes):
+            raise AssertionError("a transport that takes tensors is never asked for a buffer")
 
         def attach(self, slot, plan, tensors):
             passed[slot] = tensors
@@ -130,27 +137,23 @@ def test_zero_copy_hooks_pass_tensors_in_place_on_cpu():
         def handle(self, slot):
             return {"kind": self.kind, "slot": slot}
 
-        def send(self, slot, nbytes):
-            pass
-
         def close(self):
             pass
 
-    class InPlaceReceiver:
-        kind = "test_in_place"
+    class InPlaceReceiver(transports.ReceiverTransport):
+        def receive(self, handle, nbytes):
+            raise AssertionError("receive_tensors passes the tensors; no bytes are received")
 
         def receive_tensors(self, descriptor):
             tensors = passed[descriptor.handle["slot"]]
             return [(m.name, t) for m, t in zip(descriptor.tensors, tensors)]
 
-        def release(self, handle):
-            pass
-
         def close(self):
             pass
 
     sys.modules[__name__].InPlaceReceiver = InPlaceReceiver
-    _RECEIVERS["test_in_place"] = f"{__name__}:InPlaceReceiver"
+    transports.register_transport("test_in_place", sender=f"{__name__}:InPlaceSender",
+                                  receiver=f"{__name__}:InPlaceReceiver")
     try:
         g = torch.Generator().manual_seed(3)
         source = {f"w{i}": torch.randn(5 + i, 3, generator=g) for i in range(7)}
@@ -167,4 +170,4 @@ def test_zero_copy_hooks_pass_tensors_in_place_on_cpu():
         with pytest.raises(ValueError, match="beyond its refit info"):
             sender.sync(iter([*source.items(), ("extra", torch.zeros(1))]), version="v2")
     finally:
-        del _RECEIVERS["test_in_place"]
+        del transports._REGISTRY["test_in_place"]

@@ -67,9 +67,15 @@ def _broadcast(group: Any, tensor: torch.Tensor, timeout: datetime.timedelta) ->
 
 
 class CollectiveSender(SenderTransport):
-    """Rank 0 of a broadcast group of 1 + `num_receivers` processes."""
+    """Rank 0 of a broadcast group of 1 + `num_receivers` processes; registered as "gloo" and
+    "nccl", its `backend` (and the "kind" of its handles)."""
 
-    kind = "collective"
+    takes_tensors = True
+
+    @classmethod
+    def create(cls, *, num_receivers: int, host: str, timeout_s: float,
+               **options: Any) -> CollectiveSender:
+        return cls(num_receivers=num_receivers, host=host, timeout_s=timeout_s, **options)
 
     def __init__(self, *, num_receivers: int, backend: str = "gloo", host: str = "127.0.0.1",
                  port: int | None = None, num_slots: int = 2, timeout_s: float = 60.0) -> None:
@@ -77,7 +83,7 @@ class CollectiveSender(SenderTransport):
             raise ValueError(f"num_receivers={num_receivers}: need at least one receiver")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"collective backend {backend!r}: expected 'gloo' or 'nccl'")
-        self.backend = backend
+        self.kind = self.backend = backend
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
         self.host = host
@@ -133,7 +139,9 @@ class CollectiveSender(SenderTransport):
             data = direct.reshape(-1).view(torch.uint8)[:nbytes]
         else:
             buf = self._slots[slot]
-            assert buf is not None, f"slot {slot} has no buffer"
+            if buf is None:
+                raise RuntimeError(f"{self.backend}: send({slot}) before buffer({slot}, nbytes) "
+                                   f"or attach({slot}, ...); the slot holds nothing to send")
             data = buf[:nbytes]
         if self.backend != "nccl":
             _broadcast(self.group, data, self.timeout)
@@ -163,8 +171,6 @@ class CollectiveSender(SenderTransport):
 
 class CollectiveReceiver(ReceiverTransport):
     """Joins the sender's group on the first bucket; keeps one receive buffer."""
-
-    kind = "collective"
 
     def __init__(self) -> None:
         self._groups: dict[tuple[str, int], Any] = {}

@@ -56,6 +56,7 @@ def _open(h: dict[str, Any], device: int) -> torch.UntypedStorage:
 
 class CudaIpcSender(SenderTransport):
     kind = "cuda_ipc"
+    takes_tensors = True
 
     def __init__(self, *, num_slots: int = 2, device: int | None = None,
                  zero_copy: bool = True) -> None:
@@ -145,7 +146,9 @@ class CudaIpcSender(SenderTransport):
         views = self._views[slot]
         if views is None:
             handle = self._handles[slot]
-            assert handle is not None, f"slot {slot} has no buffer yet"
+            if handle is None:
+                raise RuntimeError(f"cuda_ipc: handle({slot}) before buffer({slot}, nbytes) or "
+                                   f"attach({slot}, ...); the slot holds nothing yet")
             out = {"kind": self.kind, **handle}
         else:
             out = {"kind": self.kind, "device": self.device, "sync": self._sync,
@@ -166,8 +169,6 @@ class CudaIpcSender(SenderTransport):
 
 
 class CudaIpcReceiver(ReceiverTransport):
-    kind = "cuda_ipc"
-
     def __init__(self, *, device: int | None = None, max_open: int = 4,
                  max_storages: int = 1 << 16) -> None:
         self.device = device

@@ -169,7 +169,9 @@ class ShmSender(SenderTransport):
 
     def handle(self, slot: int) -> dict[str, Any]:
         segment = self._slots[slot]
-        assert segment is not None, f"slot {slot} has no buffer yet"
+        if segment is None:
+            raise RuntimeError(f"shm: handle({slot}) before buffer({slot}, nbytes); a slot has "
+                               f"bytes only once the sender asked for its buffer")
         return {"kind": self.kind, "name": segment.name, "nbytes": segment.nbytes}
 
     def _drop(self, slot: int) -> None:
@@ -189,8 +191,6 @@ class ShmSender(SenderTransport):
 
 class ShmReceiver(ReceiverTransport):
     """Maps the sender's segments by name and keeps the most recent few mapped."""
-
-    kind = "shm"
 
     def __init__(self, *, shm_dir: str = SHM_DIR, max_open: int = 4) -> None:
         self._shm_dir = shm_dir
