@@ -48,7 +48,7 @@ def _receiver_main(device: int, num_tensors: int, numel: int, conn) -> None:
             if method == "bare_broadcast":
                 from weightsync.transports.collective import _broadcast
 
-                transport = receiver.receiver._transport("nccl")
+                transport = receiver.receiver.buckets.transport("nccl")
                 group = next(iter(transport._groups.values()))
                 big = torch.empty(args[0], dtype=torch.uint8, device=f"cuda:{device}")
                 _broadcast(group, big, __import__("datetime").timedelta(seconds=120))

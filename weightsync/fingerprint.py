@@ -9,6 +9,10 @@ fingerprint is the sum of the q, k and v fingerprints, a transposed weight's equ
 with add nothing. One changed element always changes the first sum. What the sums cannot see is a
 permutation of elements; the generation check catches those.
 
+Verification compares the two ends through the refit check's map of trainer tensor -> engine
+parameters: the engine reports `model_fingerprints`, the sender computes `expected_fingerprints`
+from what it sent.
+
 Speed: on CPU each chunk is widened to float64 and reduced with torch's sum and BLAS dot, ~5 GB/s
 on one core and ~10 GB/s on two (numpy int64 sums ran at ~2 GB/s). Exactness holds because every
 partial result is an integer below 2**53: a chunk of 2**20 words sums to at most 2**35 and its
@@ -17,7 +21,12 @@ squares to at most 2**50, whatever order the BLAS adds them in.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from torch import nn
 
 MASK = (1 << 64) - 1
 _CPU_CHUNK_WORDS = 1 << 20  # keeps every float64 partial sum exact (see above)
@@ -67,3 +76,28 @@ def diff(expected: dict[str, Fingerprint], actual: dict[str, Fingerprint]) -> li
         if n not in expected or n not in actual or tuple(expected[n]) != tuple(actual[n])
     )
 
+
+def expected_fingerprints(param_of: dict[str, list[str]],
+                          sent: dict[str, Fingerprint]) -> dict[str, Fingerprint]:
+    """What each engine parameter's fingerprint must be, from the trainer tensors' fingerprints.
+
+    A trainer tensor that lands in several engine parameters cannot be checked this way and is
+    left out (its parameters are then compared through their other tensors only if exclusive).
+    """
+    parts: dict[str, list[Fingerprint]] = {}
+    shared: set[str] = set()
+    for name, targets in param_of.items():
+        if len(targets) != 1:
+            shared.update(targets)
+            continue
+        parts.setdefault(targets[0], []).append(tuple(sent[name]))
+    return {p: combine(prints) for p, prints in parts.items() if p not in shared}
+
+
+def model_fingerprints(model: nn.Module,
+                       param_of: dict[str, list[str]]) -> dict[str, list[int]]:
+    """Engine side: {parameter name: [s1, s2]} of every parameter some trainer tensor lands in
+    (`param_of`: trainer tensor -> engine parameters), as plain data."""
+    covered = {p for targets in param_of.values() for p in targets}
+    return {name: list(fingerprint(p.data)) for name, p in model.named_parameters()
+            if name in covered}

@@ -27,8 +27,7 @@ from weightsync.bucket import (
     tensor_view,
 )
 from weightsync.endpoint import Endpoint
-from weightsync.fingerprint import Fingerprint, fingerprint
-from weightsync.receiver import expected_fingerprints
+from weightsync.fingerprint import Fingerprint, expected_fingerprints, fingerprint
 from weightsync.transports import SenderTransport
 from weightsync.wire import TensorSpec, specs_to_dicts
 

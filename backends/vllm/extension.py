@@ -147,7 +147,8 @@ class WeightsyncWorkerExtension:
     def _ws_state(self) -> dict[str, Any]:
         state = getattr(self, "_weightsync", None)
         if state is None:
-            from weightsync.receiver import ModelReceiver, copy_loader
+            from weightsync.receiver import ModelReceiver
+            from weightsync.refit import copy_loader
 
             model = self.model_runner.model
             state = self._weightsync = {
@@ -160,7 +161,7 @@ class WeightsyncWorkerExtension:
 
     @_guard
     def weightsync_check(self, specs: list[dict]) -> dict[str, Any]:
-        from weightsync.receiver import check_against_checkpoint
+        from weightsync.refit import check_against_checkpoint
         from weightsync.wire import dtype_to_str, specs_from_dicts
 
         config = self.vllm_config.model_config
@@ -168,8 +169,8 @@ class WeightsyncWorkerExtension:
         parsed = specs_from_dicts(specs)
         check_against_checkpoint(parsed, config.model, engine_dtype=dtype_to_str(config.dtype),
                                  name="vllm")
-        receiver.accepted = {s.name: s for s in parsed}
-        return {"param_of": receiver.param_of, "num_params": len(receiver.accepted)}
+        receiver.refit.accept(parsed)
+        return {"param_of": receiver.param_of, "num_params": len(receiver.refit.accepted)}
 
     @_guard
     def weightsync_begin(self, direct: bool = False) -> dict[str, Any]:

@@ -1,0 +1,90 @@
+"""The engine side of the one-copy path (weightsync/direct.py): sharing a model's parameters.
+
+Once a first sync by buckets has shown where every trainer tensor lands, the engine probes its
+loader and moves the parameters into shared memory; from then on each update checks, before the
+trainer writes and again at its end, that the parameters still are where the trainer writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from weightsync.direct import SharedParameters, probe_destinations
+from weightsync.errors import NotShared
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from weightsync.refit import LoadFn, RefitCheck
+
+logger = logging.getLogger(__name__)
+
+
+class ParameterSharing:
+    """Whether one model replica's parameters are shared with the trainer, and where."""
+
+    def __init__(self, model: nn.Module, refit: RefitCheck, *, load_fn: LoadFn,
+                 name: str = "engine") -> None:
+        self.model = model
+        self.refit = refit
+        self.load_fn = load_fn
+        self.name = name
+        self.shared: SharedParameters | None = None
+
+    def share(self) -> dict[str, Any]:
+        """Move the parameters into shared memory for the trainer to write; once, after a first
+        sync by buckets (the loader must have shown where every tensor goes). Returns
+        {"shared": plain description or None, "why": reason when None, "retry": bool}."""
+        if self.shared is not None:
+            try:
+                self.shared.check()
+                return {"shared": self.shared.describe(), "why": None, "retry": False}
+            except NotShared:
+                self.shared.close()
+                self.shared = None
+        accepted, param_of = self.refit.accepted, self.refit.param_of
+        unknown = sorted(set(accepted) - set(param_of))
+        if not accepted or unknown:
+            return {"shared": None, "retry": True,
+                    "why": f"{self.name}: where {len(unknown)} tensor(s) land is not known yet "
+                           f"(sync by buckets first)"}
+        params = dict(self.model.named_parameters())
+        destinations = probe_destinations(
+            params, param_of, accepted,
+            lambda name, tensor: self.load_fn(iter([(name, tensor)])))
+        indirect = sorted(set(accepted) - set(destinations))
+        if indirect:
+            return {"shared": None, "retry": False,
+                    "why": f"{self.name}: the loader does not copy {len(indirect)} tensor(s) "
+                           f"verbatim into one parameter, e.g. {indirect[:3]}"}
+        self.shared = SharedParameters(params, destinations)
+        logger.info("%s: %d parameters moved into shared segment %s (%d bytes)", self.name,
+                    len(self.shared.params), self.shared.segment.name, self.shared.segment.nbytes)
+        return {"shared": self.shared.describe(), "why": None, "retry": False}
+
+    def begin(self) -> str | None:
+        """Before the trainer writes: None if the parameters are where it will write, else
+        why not."""
+        if self.shared is None:
+            return f"{self.name}: parameters are not shared"
+        try:
+            self.shared.check()
+        except NotShared as exc:
+            return str(exc)
+        return None
+
+    def params(self) -> list[str]:
+        """Names of the shared parameters (the ones the trainer writes into)."""
+        return sorted(self.shared.params) if self.shared is not None else []
+
+    def end(self) -> None:
+        """After the trainer wrote: raise `NotShared` unless every shared parameter still is
+        the bytes it wrote (something may have replaced one meanwhile)."""
+        if self.shared is None:
+            raise NotShared(f"{self.name}: parameters are not shared")
+        self.shared.check()
+
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
