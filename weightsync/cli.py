@@ -12,7 +12,7 @@ import sys
 import time
 from itertools import combinations
 
-from weightsync import envs
+from weightsync import abi, envs
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -91,11 +91,47 @@ def _pair_evidence(a: str, b: str) -> str:
     return f"WARNING: {ea}=={pa[ea]} and {eb}=={pb[eb]} co-resolve"
 
 
+def _abi_lines(reports: dict[str, abi.AbiReport], *, verbose: bool) -> list[str]:
+    """The ABI table, then each missing torch symbol (demangled) beside the extension needing it."""
+    rows = [[name, r.torch.version, str(len(r.extensions)), str(len(r.skipped)),
+             str(r.num_torch_symbols), str(r.num_missing), f"{r.seconds:.1f}"]
+            for name, r in reports.items()]
+    lines = [_table(rows, ["env", "torch", "extensions", "skipped", "symbols", "missing",
+                           "seconds"])]
+    for name, report in reports.items():
+        if verbose:
+            lines += [f"  {name}: {e.path}: {e.num_torch_symbols} torch symbols"
+                      for e in report.extensions]
+            lines += [f"  {name}: {path}: skipped, {why}" for path, why in report.skipped.items()]
+        for ext in report.broken:
+            lines += [f"MISSING {name}: {ext.path} links {lib}, which torch {report.torch.version}"
+                      f" in {report.torch.site_packages} lacks" for lib in ext.missing_libraries]
+            lines += [f"MISSING {name}: {ext.path} needs {abi.demangle(symbol)}"
+                      for symbol in ext.missing]
+    return lines
+
+
+def cmd_check_abi(args: argparse.Namespace) -> int:
+    """What if: each named env's extensions against another env's (or folder's) torch."""
+    names = _names(args)
+    target = args.torch_from
+    torch_site_packages = (envs.site_packages(target) if target in envs.ENVS
+                           else abi.site_packages_of(target))
+    reports = {name: abi.check(envs.site_packages(name), torch_site_packages=torch_site_packages)
+               for name in names}
+    print(f"compiled extensions against the torch in {torch_site_packages}:")
+    print("\n".join(_abi_lines(reports, verbose=args.verbose)))
+    return EXIT_OK if all(r.ok for r in reports.values()) else EXIT_FAIL
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     """The dependency-conflict matrix."""
+    if args.torch_from:
+        return cmd_check_abi(args)
     names = _names(args) if (args.names or args.all) else list(envs.ENVS)
     failed = False
     rows = []
+    abi_reports = {}
     seen_py, seen_ray = {}, {}
     for name in names:
         start = time.perf_counter()
@@ -110,6 +146,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             failed = True
             rows.append([name, "current", "FAILED", "-", "-", "-", str(exc)])
             continue
+        abi_reports[name] = abi.check(envs.site_packages(name))
+        failed |= not abi_reports[name].ok
         info = envs.smoke(name)
         if "error" in info:
             failed = True
@@ -119,7 +157,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         verdicts = []
         for mod, verdict in info["compiled"].items():
             if verdict == "needs GPU" and not envs.has_gpu():
-                verdicts.append(f"{mod}: needs GPU")
+                verdicts.append(f"{mod}: needs GPU to import (ABI checked below)")
             elif verdict != "ok":
                 failed = True
                 verdicts.append(f"{mod}: {verdict}")
@@ -136,6 +174,10 @@ def cmd_check(args: argparse.Namespace) -> int:
                   + ", ".join(f"{n}={v}" for n, v in seen.items()))
         elif seen:
             print(f"same {label} everywhere: {next(iter(seen.values()))}")
+    if abi_reports:
+        print("\nABI: the torch symbols (count, missing) that each compiled extension needs, looked "
+              "up in its env's torch/lib:")
+        print("\n".join(_abi_lines(abi_reports, verbose=args.verbose)))
     if not args.skip_pairs:
         print()
         pair_rows = []
@@ -166,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*")
     p.add_argument("--all", action="store_true")
     p.add_argument("--skip-pairs", action="store_true", help="skip the pairwise resolution")
+    p.add_argument("--torch-from", metavar="ENV_OR_PATH",
+                   help="only the ABI check, against this env's torch (or a venv, site-packages "
+                        "or torch folder): which extensions would break on that torch")
+    p.add_argument("--verbose", action="store_true",
+                   help="list every extension checked and every one skipped")
     for extra in _extra_commands():
         extra(sub)
     return parser

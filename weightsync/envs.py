@@ -85,6 +85,15 @@ def python_path(name: str) -> Path:
     return venv_dir(name) / "bin" / "python"
 
 
+def site_packages(name: str) -> Path:
+    """The env's site-packages; every env pins one Python, so the venv holds exactly one."""
+    found = sorted(venv_dir(name).glob("lib/python3*/site-packages"))
+    if not found:
+        raise ValueError(f"env {name!r} has no site-packages under {venv_dir(name)} (state "
+                         f"{state(name)}); run `weightsync env build {name}`")
+    return found[0]
+
+
 def lock_hash(name: str) -> str:
     digest = hashlib.sha256()
     for fname in ("pyproject.toml", "uv.lock"):

