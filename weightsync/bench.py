@@ -23,12 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from typing import Any
-
-import torch
-
-from weightsync.worker import DTensorV2WeightSyncWorker
 
 log = logging.getLogger("weightsync.bench")
 
@@ -36,80 +31,12 @@ log = logging.getLogger("weightsync.bench")
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="sync speed beside native engine paths and memcpy")
     p.add_argument("--sizes", default="medium", help="comma-separated: tiny,small,base,medium")
-    p.add_argument("--engines", default="sglang,vllm")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--bucket-mb", type=int, default=256)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--engines", default="sglang,vllm", help="comma-separated: sglang, vllm")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (best kept)")
+    p.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="GB/s against model size")
     p.set_defaults(run=run)
-
-
-class BenchWorker(DTensorV2WeightSyncWorker):
-    """The trainer worker plus the measurements that need the trainer's process."""
-
-    def bench_memcpy(self, nbytes: int, repeats: int = 3) -> float:
-        src = torch.empty(nbytes, dtype=torch.uint8)
-        src.fill_(1)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        return min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-
-    def bench_gather(self) -> float:
-        start = time.perf_counter()
-        for _ in self.weights.source.tensors():
-            pass
-        return time.perf_counter() - start
-
-    def bench_gather_save(self, out_dir: str) -> float:
-        """Gather every tensor and write one safetensors file (rank 0); seconds for both."""
-        from safetensors.torch import save_file
-
-        start = time.perf_counter()
-        state = dict(self.weights.source.tensors())
-        if self.rank == 0:
-            save_file(state, os.path.join(out_dir, "model.safetensors"))
-        seconds = time.perf_counter() - start
-        if self.rank == 0:
-            for name in os.listdir(self.model_path):
-                if name.endswith((".json", ".txt")) and "index" not in name:
-                    shutil.copy(os.path.join(self.model_path, name), out_dir)
-        return seconds
-
-    def bench_transport(self) -> float:
-        """Pack already-gathered tensors into shared-memory buckets and copy them out into
-        preallocated tensors through a receiver mapping: the transport alone, no gather, no
-        engine. Rank 0 measures; the other ranks only take part in the gather beforehand."""
-        from weightsync.bucket import fill_buckets, plan_buckets, unpack
-        from weightsync.transports.shm import ShmReceiver, ShmSender
-
-        tensors = list(self.weights.source.tensors())
-        if self.rank != 0:
-            return 0.0
-        specs = self.weights.source.specs()
-        plans = plan_buckets(specs, capacity_bytes=self.weights.options.bucket_bytes)
-        dst = {name: torch.empty_like(t) for name, t in tensors}
-        sender, receiver = ShmSender(num_slots=2), ShmReceiver()
-
-        def one_pass() -> float:
-            start = time.perf_counter()
-            for plan in fill_buckets(plans, iter(tensors),
-                                     lambda p: sender.buffer(p.index % 2, p.nbytes)):
-                desc = plan.descriptor(sender.handle(plan.index % 2))
-                for name, view in unpack(receiver.receive(desc.handle, desc.nbytes), desc):
-                    dst[name].copy_(view)
-            return time.perf_counter() - start
-
-        one_pass()  # first touch of the segments' pages
-        seconds = one_pass()
-        receiver.close()
-        sender.close()
-        return seconds
-
-
-def _timed(fn: Any) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -130,8 +57,8 @@ def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict
                                         dtype="bfloat16"),
     }
     handles = {name: actors[name]() for name in engines}
-    launcher.register_actor("weightsync.bench.BenchWorker", "sglang")
-    trainer = launcher.TrainerGroup("weightsync.bench.BenchWorker", env="sglang",
+    launcher.register_actor("weightsync.bench_worker.BenchWorker", "sglang")
+    trainer = launcher.TrainerGroup("weightsync.bench_worker.BenchWorker", env="sglang",
                                     model_path=model, dtype="bfloat16",
                                     bucket_bytes=args.bucket_mb << 20, timeout_s=300)
     trainer.call("connect", handles)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from itertools import combinations
+from typing import Any
 
 from weightsync import abi, envs
 
@@ -192,8 +193,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_FAIL if failed else EXIT_OK
 
 
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command's help shows each option's default."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
+    parser = _Parser(prog="weightsync", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="per-backend environments")
     env_sub = env.add_subparsers(dest="env_command", required=True)

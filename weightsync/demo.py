@@ -26,7 +26,7 @@ TEXT = "weightsync keeps every engine in step with the trainer. "
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="train a tiny model and keep SGLang and vLLM in step")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=30, help="training steps, each followed by a sync")
     p.add_argument("--engines", default="sglang,vllm", help="comma-separated: sglang, vllm")
     p.add_argument("--model-size", default="tiny", help="tiny, small, base or medium")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")

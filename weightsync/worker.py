@@ -112,6 +112,16 @@ class DTensorV2WeightSyncWorker:
                 local = param.to_local() if hasattr(param, "to_local") else param
                 local.copy_(torch.randn(local.shape, generator=gen) * 0.05)
 
+    def model_info(self) -> dict[str, Any]:
+        """Which class holds the weights and how many parameters are DTensors (plain data)."""
+        params = list(self.model.parameters())
+        # fully_shard swaps in a subclass ("FSDP<name>"): report the model's own class.
+        cls = next(c for c in type(self.model).__mro__
+                   if not c.__module__.startswith("torch.distributed"))
+        return {"module": cls.__module__, "class": cls.__name__,
+                "num_params": len(params),
+                "num_dtensor_params": sum(type(p).__name__ == "DTensor" for p in params)}
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 

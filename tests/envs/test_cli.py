@@ -79,3 +79,20 @@ def test_conflict_matrix_reports_the_abi_of_every_env_without_a_gpu(matrix):
     assert set(rows) == set(envs.ENVS)
     for row in rows.values():
         assert int(row["extensions"]) > 0 and row["missing"] == "0"
+
+
+@pytest.mark.parametrize(("command", "shown"), [
+    (["demo"], ["(default: 30)", "(default: sglang,vllm)"]),
+    (["bench"], ["(default: medium)", "(default: 3)", "(default: 256)"]),
+])
+def test_help_shows_each_options_default(command, shown):
+    out = _cli(*command, "--help")
+    assert out.returncode == 0, out.stderr
+    for text in shown:
+        assert text in " ".join(out.stdout.split()), (text, out.stdout)
+
+
+def test_the_cli_starts_without_importing_torch():
+    code = "import sys, weightsync.cli; weightsync.cli.build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
