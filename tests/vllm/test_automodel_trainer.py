@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 import ray
 
-from tests.engine_checks import check_repeated_syncs, check_sync_after_training
+from tests.engine_checks import (
+    assert_engine_matches_reference,
+    check_sync_after_training,
+    training_batch,
+)
 from weightsync import launcher
 from weightsync.models import make_tiny_model
 
@@ -40,4 +44,10 @@ def test_automodel_qwen2_trainer_syncs_verified_and_vllm_generates_its_reference
 
 def test_automodel_trainer_takes_the_one_copy_path_from_the_second_sync(setup):
     engine, trainer = setup
-    check_repeated_syncs(engine, trainer, "vllm", "automodel-round", rounds=2, path="direct")
+    for round_ in range(2):  # training steps between syncs, as in a training loop
+        trainer.call("train_step", training_batch(10 + round_))
+        report = trainer.call("sync", f"automodel-round-{round_}", verify=True)
+        assert report["engines"]["vllm"]["path"] == "direct", report
+        assert report["verify"]["vllm"]["verified"], report["verify"]
+        assert ray.get(engine.weight_version.remote()) == f"automodel-round-{round_}"
+        assert_engine_matches_reference(engine, trainer)
