@@ -17,11 +17,13 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightsync import envs
+from weightsync import envs, preflight
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,14 @@ ACTORS: dict[str, str] = {
     "backends.sglang.engine.SglEngineActor": "sglang",
     "backends.vllm.worker.VllmDTensorV2WeightSyncWorker": "*vllm",
     "backends.vllm.engine.VllmEngineActor": "*vllm",
+}
+
+
+# Checks the driver runs with an actor's (args, kwargs) before creating it on this node: they
+# refuse what is known not to start (weightsync/preflight.py) at once, instead of after the
+# engine's minute of start-up. The actor checks again in its own process.
+PREFLIGHT: dict[str, Callable[[tuple, dict], None]] = {
+    "backends.sglang.engine.SglEngineActor": preflight.sglang_launch_check,
 }
 
 
@@ -61,7 +71,13 @@ def _import(qualname: str) -> type:
 
 
 class ActorHost:
-    """Runs in the actor's env: builds the target object and forwards calls to it."""
+    """Runs in the actor's env: builds the target object and forwards calls to it.
+
+    When building the object raises, the host stays up without one and every call raises that
+    exception again, as its own class, with the constructor's frames and a note naming the
+    class: the caller's first call says why the actor could not start. (Had `__init__` raised,
+    Ray would report an ActorDiedError instead.) The host goes away with its last handle.
+    """
 
     def __init__(self, qualname: str, args: tuple, kwargs: dict) -> None:
         import logging as _logging
@@ -69,15 +85,23 @@ class ActorHost:
         _logging.basicConfig(level=_logging.INFO,
                              format=f"%(asctime)s {qualname.rsplit('.', 1)[-1]} "
                                     f"%(name)s: %(message)s")
-        self.obj = _import(qualname)(*args, **kwargs)
+        self.obj: Any = None
+        self.start_error: Exception | None = None
+        try:
+            self.obj = _import(qualname)(*args, **kwargs)
+        except Exception as exc:
+            exc.add_note(f"raised by {qualname}(...) in its actor (pid {os.getpid()}, "
+                         f"{sys.executable}) while it started; the actor holds no object")
+            self.start_error, self._start_frames = exc, exc.__traceback__
+            logger.error("%s could not start", qualname, exc_info=True)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.start_error is not None:
+            raise self.start_error.with_traceback(self._start_frames)
         return getattr(self.obj, method)(*args, **kwargs)
 
     def where(self) -> dict[str, Any]:
         """The Ray node, interpreter and process this actor runs in (plain data)."""
-        import sys
-
         import ray
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "python": sys.executable,
@@ -117,17 +141,20 @@ def launch(qualname: str, *args: Any, env: str | None = None, name: str | None =
     import ray
 
     env = env or env_of(qualname)
+    here = node_id is None or node_id == ray.get_runtime_context().get_node_id()
+    if here and qualname in PREFLIGHT:
+        PREFLIGHT[qualname](args, kwargs)
     runtime_env: dict[str, Any] = {"env_vars": {"PYTHONUNBUFFERED": "1", **(env_vars or {})}}
     if env != "driver":
         envs.get(env)
-        if node_id is not None and node_id != ray.get_runtime_context().get_node_id():
+        if not here:
             runtime_env["py_executable"] = build_env_on_node(env, node_id)["python"]
         else:
             if build and envs.state(env) != "built":
                 logger.info("env %s is %s; building it first", env, envs.state(env))
                 envs.build(env)
             runtime_env["py_executable"] = str(envs.python_path(env))
-    elif node_id is not None and node_id != ray.get_runtime_context().get_node_id():
+    elif not here:
         raise ValueError(f"{qualname} runs in the driver's env, which exists on the driver's "
                          f"node only; launch it without node_id or give it an env")
     options: dict[str, Any] = {"runtime_env": runtime_env, "num_cpus": num_cpus,

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from backends.sglang.loader import LOADER
+from weightsync.preflight import refuse_unsupported_sglang
 from weightsync.receiver import EngineSession
 from weightsync.server import LocalServer, cli_flags
 from weightsync.wire import as_plain, unwrap_replies
@@ -41,11 +42,63 @@ CPU_ENGINE_ARGS: dict[str, Any] = {
 }
 
 
+def _child_traceback(*, max_lines: int = 14) -> str:
+    """The end of the traceback a failed SGLang child logged, read back from this process's
+    stderr file (Ray's worker log, which the children inherit); "" if it is not there."""
+    try:
+        path = os.readlink("/proc/self/fd/2")
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - (256 << 10)))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    start = text.rfind("Scheduler hit an exception:")
+    if start < 0:
+        return ""
+    lines = text[start:].splitlines()
+    # The traceback ends where the next log record ("[2026-...") begins.
+    end = next((i for i, line in enumerate(lines[1:], 1) if line.startswith("[")), len(lines))
+    return "\n".join(lines[max(1, end - max_lines):end])
+
+
+_starting_engines = 0
+
+
+def _on_child_failure(signum: int, frame: Any) -> None:
+    """SGLang's SIGQUIT handler in the engine actor (a module function: SGLang pickles it)."""
+    from sglang.srt.utils import kill_process_tree
+
+    if not _starting_engines:
+        logger.error("an sglang child process failed; ending the engine's processes")
+        kill_process_tree(os.getpid())
+    raise RuntimeError("an sglang child process failed during start-up (SIGQUIT)")
+
+
 class _InProcess:
     def __init__(self, model_path: str, engine_args: dict[str, Any]) -> None:
-        import sglang
+        import signal
 
-        self.engine = sglang.Engine(model_path=model_path, **engine_args)
+        import sglang
+        from sglang.srt.utils import kill_process_tree
+
+        global _starting_engines
+        # A child that fails sends this process SIGQUIT. SGLang's own handler then kills the
+        # whole process tree, this actor included, and its caller learns nothing (Ray: "The
+        # actor never ran"). During start-up raise instead, so the error reaches the caller.
+        _starting_engines += 1
+        before = signal.getsignal(signal.SIGQUIT)
+        try:
+            self.engine = sglang.Engine(model_path=model_path,
+                                        custom_sigquit_handler=_on_child_failure, **engine_args)
+        except Exception as exc:
+            kill_process_tree(os.getpid(), include_parent=False)
+            signal.signal(signal.SIGQUIT, before)
+            child = _child_traceback()
+            raise RuntimeError(
+                f"sglang engine for {model_path!r} failed to start: {type(exc).__name__}: {exc}"
+                + (f"\nits scheduler raised:\n{child}" if child else "")) from exc
+        finally:
+            _starting_engines -= 1
 
     def has_session(self) -> bool:
         return hasattr(self.engine, "begin_weight_update")
@@ -155,6 +208,8 @@ class SglEngineActor(EngineSession):
                  idle_timeout_s: float = 60.0, keep_previous: bool = False) -> None:
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
+        refuse_unsupported_sglang(model_path, engine_args=engine_args,
+                                  cuda=torch.cuda.is_available())
         super().__init__(idle_timeout_s=idle_timeout_s)
         args = {**(CPU_ENGINE_ARGS if not torch.cuda.is_available() else {}), "dtype": dtype,
                 **(engine_args or {})}
