@@ -3,6 +3,8 @@ parameters moved into shared memory, trainer writes, digests, and the sender's d
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from weightsync.endpoint import LocalEndpoint
 from weightsync.errors import NotShared
 from weightsync.receiver import ModuleWeightReceiver
 from weightsync.sender import WeightSender
-from weightsync.transports.shm import ShmSender, list_segments
+from weightsync.transports.shm import SHM_DIR, ShmSender, list_segments
 from weightsync.wire import TensorSpec
 
 
@@ -95,6 +97,19 @@ def test_shared_parameters_take_trainer_writes_and_notice_when_moved():
         target.close()
         shared.close()
     assert shared.segment.name not in list_segments()
+
+
+def test_trainer_refuses_shared_parameters_others_may_read():
+    params, specs, param_of, load_one = _fused_engine()
+    shared = SharedParameters(params, probe_destinations(params, param_of, specs, load_one))
+    try:
+        os.chmod(os.path.join(SHM_DIR, shared.segment.name), 0o640)
+        with pytest.raises(RuntimeError, match=rf"segment '{SHM_DIR}/{shared.segment.name}' has "
+                                               rf"owner uid {os.geteuid()}, mode 0o640; "
+                                               rf"weightsync maps only .* own uid"):
+            DirectTarget(shared.describe())
+    finally:
+        shared.close()
 
 
 def _module(seed: int) -> torch.nn.Module:

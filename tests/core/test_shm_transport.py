@@ -2,15 +2,26 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
+import resource
+import secrets
 import stat
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from weightsync.bucket import fill_buckets, plan_buckets
 from weightsync.fingerprint import fingerprint
-from weightsync.transports.shm import ShmReceiver, ShmSender, list_segments, sweep_stale_segments
+from weightsync.transports.shm import (
+    SHM_DIR,
+    ShmReceiver,
+    ShmSender,
+    _Segment,
+    list_segments,
+    sweep_stale_segments,
+)
 from weightsync.wire import BucketDescriptor, TensorSpec
 
 
@@ -78,7 +89,122 @@ def test_receiver_reports_a_vanished_segment():
     sender.buffer(0, 64)
     handle = sender.handle(0)
     sender.close()
-    import pytest
-
     with pytest.raises(RuntimeError, match="is gone"):
         ShmReceiver().receive(handle, 64)
+
+
+def _free_bytes(path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+@pytest.mark.parametrize("planted", ["file", "dangling symlink"])
+def test_an_existing_file_at_a_new_segments_name_is_refused_not_reused(tmp_path, planted):
+    # Refused rather than retried under a fresh name: names carry 32 random bits, so a file
+    # already there was planted or leaked, and the user should see it.
+    name = f"weightsync-{os.getpid()}-{secrets.token_hex(4)}-0-1"
+    path = tmp_path / name
+    if planted == "file":
+        path.write_bytes(b"theirs")
+        path.chmod(0o644)
+    else:
+        path.symlink_to(tmp_path / "target")
+    with pytest.raises(RuntimeError, match=rf"segment '{re.escape(str(path))}' exists already \(owner uid "
+                                           rf"{os.getuid()}, mode 0o[0-7]+\); weightsync creates "
+                                           rf"each segment new and never reuses a file; remove it"):
+        _Segment(name, 4096, create=True, shm_dir=str(tmp_path))
+    if planted == "file":
+        assert path.read_bytes() == b"theirs" and stat.S_IMODE(path.stat().st_mode) == 0o644
+    else:
+        assert not (tmp_path / "target").exists()
+
+
+def test_receiver_refuses_a_segment_others_may_read():
+    sender = ShmSender()
+    try:
+        sender.buffer(0, 64)
+        handle = sender.handle(0)
+        os.chmod(os.path.join(SHM_DIR, handle["name"]), 0o644)
+        with pytest.raises(RuntimeError, match=(
+                rf"segment '{SHM_DIR}/{handle['name']}' has owner uid {os.geteuid()}, mode "
+                rf"0o644; weightsync maps only regular files owned by its own uid "
+                rf"\({os.geteuid()}\) with no group or other permission bits .* run the trainer "
+                rf"and the engines as the same user")):
+            ShmReceiver().receive(handle, 64)
+    finally:
+        sender.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
+def test_receiver_refuses_a_segment_owned_by_another_uid():
+    sender = ShmSender()
+    try:
+        sender.buffer(0, 64)
+        handle = sender.handle(0)
+        os.chown(os.path.join(SHM_DIR, handle["name"]), 65534, 65534)
+        with pytest.raises(RuntimeError, match=rf"segment '{SHM_DIR}/{handle['name']}' has "
+                                               rf"owner uid 65534, mode 0o600; .* own uid"):
+            ShmReceiver().receive(handle, 64)
+    finally:
+        sender.close()
+
+
+def test_receiver_refuses_a_symlink_at_a_segments_name(tmp_path):
+    target = tmp_path / "own-file"
+    target.write_bytes(bytes(4096))
+    target.chmod(0o600)
+    name = f"weightsync-{os.getpid()}-{secrets.token_hex(4)}-0-1"
+    (tmp_path / name).symlink_to(target)
+    with pytest.raises(RuntimeError, match=rf"segment '{re.escape(str(tmp_path / name))}' is a symbolic link"):
+        ShmReceiver(shm_dir=str(tmp_path)).receive({"name": name}, 64)
+
+
+def test_receiver_refuses_a_segment_smaller_than_the_bytes_asked_for():
+    sender = ShmSender()
+    try:
+        sender.buffer(0, 64)
+        handle = sender.handle(0)
+        size = handle["nbytes"]
+        with pytest.raises(ValueError, match=rf"holds {size} bytes, fewer than the "
+                                             rf"{size + 1} the descriptor names"):
+            ShmReceiver().receive(handle, size + 1)
+    finally:
+        sender.close()
+
+
+def test_a_segment_larger_than_its_directorys_free_space_is_refused_before_a_file_is_made(
+        tmp_path):
+    free_bytes = _free_bytes(tmp_path)
+    nbytes = free_bytes + (1 << 30)
+    with pytest.raises(RuntimeError, match=(
+            rf"needs {nbytes} bytes but {re.escape(str(tmp_path))} has \d+ free; give the shared-memory "
+            rf"filesystem more room \(Docker: --shm-size.*\) or sync in smaller buckets "
+            rf"\(a smaller bucket_bytes\)")):
+        _Segment("weightsync-0-big", nbytes, create=True, shm_dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_sender_refuses_a_bucket_larger_than_dev_shm_before_making_a_segment():
+    before = list_segments()
+    sender = ShmSender()
+    try:
+        with pytest.raises(RuntimeError, match=rf"bytes but {SHM_DIR} has \d+ free; .*--shm-size"):
+            sender.buffer(0, 2 * _free_bytes(SHM_DIR))
+        assert [n for n in list_segments() if n not in before] == []
+    finally:
+        sender.close()
+
+
+def test_a_failed_allocation_removes_the_file_and_names_the_fix(tmp_path):
+    # A real posix_fallocate failure: a file-size limit below the segment's size (EFBIG; Python
+    # ignores SIGXFSZ), after the free-space check has passed.
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        with pytest.raises(RuntimeError, match=(
+                r"allocating 4194304 bytes failed \(File too large; .* had \d+ free\); give the "
+                r"shared-memory filesystem more room")):
+            _Segment("weightsync-0-limited", 4 << 20, create=True, shm_dir=str(tmp_path))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert os.listdir(tmp_path) == []

@@ -1,11 +1,14 @@
 """POSIX shared memory between processes of one host (the CPU transport).
 
-Segments live in /dev/shm, are created owner-only (0600) and are named
+Segments live in /dev/shm, are created owner-only (0600), new (O_EXCL: an existing file of the
+name is refused, never reused) and allocated up front after a free-space check (so a segment
+/dev/shm cannot hold raises instead of a SIGBUS on first touch), and are named
 `weightsync-<creator pid>-<random>-<slot>` (engine actors' reply folders follow the same
 `weightsync-<pid>-` naming). The sender unlinks its segments on close and at exit; a
 segment whose creator died without unlinking is swept by the next sender on the host. The receiver
-keeps each segment it mapped (the sender reuses its slots across buckets and syncs), so the pages
-are mapped once and later syncs pay only the copy.
+opens a segment only if it is a regular file of its own uid without group or other permission
+bits, and keeps each segment it mapped (the sender reuses its slots across buckets and syncs), so
+the pages are mapped once and later syncs pay only the copy.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import mmap
 import os
 import secrets
 import shutil
+import stat
 import weakref
 from typing import Any
 
@@ -77,36 +81,98 @@ def list_segments(shm_dir: str = SHM_DIR) -> list[str]:
         return []
 
 
+def _free_bytes(shm_dir: str) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+_ROOM_FIX = ("give the shared-memory filesystem more room (Docker: --shm-size, e.g. "
+             "--shm-size=16g) or sync in smaller buckets (a smaller bucket_bytes)")
+
+
+def _describe_mode(st: os.stat_result) -> str:
+    return f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):#o}"
+
+
+def _create(path: str, nbytes: int, shm_dir: str) -> int:
+    """A new owner-only file of `nbytes` allocated bytes at `path`; its open descriptor."""
+    free_bytes = _free_bytes(shm_dir)
+    if nbytes > free_bytes:
+        raise RuntimeError(
+            f"shared-memory segment {path!r} needs {nbytes} bytes but {shm_dir} has "
+            f"{free_bytes} free; {_ROOM_FIX}")
+    try:
+        # O_EXCL: a file already at this name (planted, or a stale one) is never reused; names
+        # carry 32 random bits, so a clash is not chance. It does not follow a symlink either.
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except FileExistsError:
+        try:
+            found = _describe_mode(os.lstat(path))
+        except FileNotFoundError:
+            found = "removed since"
+        raise RuntimeError(
+            f"shared-memory segment {path!r} exists already ({found}); weightsync creates each "
+            f"segment new and never reuses a file; remove it if no weightsync process of yours "
+            f"made it") from None
+    try:
+        # Allocated now, not on first touch: a segment /dev/shm cannot hold fails here instead
+        # of killing the process with SIGBUS when a page is first written.
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        os.close(fd)
+        os.unlink(path)
+        raise RuntimeError(
+            f"shared-memory segment {path!r}: allocating {nbytes} bytes failed "
+            f"({exc.strerror}; {shm_dir} had {free_bytes} free); {_ROOM_FIX}") from None
+    return fd
+
+
+def _open_own(path: str, name: str, nbytes: int) -> tuple[int, int]:
+    """Open an existing segment only if this user alone can access it and it holds `nbytes`;
+    returns its descriptor and size."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"shared-memory segment {name!r} is gone; the sender closed it or died") from None
+    except OSError:
+        if not os.path.islink(path):
+            raise
+        raise RuntimeError(
+            f"shared-memory segment {path!r} is a symbolic link; weightsync maps only regular "
+            f"files its own processes created; remove it") from None
+    st = os.fstat(fd)
+    if (st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077
+            or not stat.S_ISREG(st.st_mode)):
+        os.close(fd)
+        raise RuntimeError(
+            f"shared-memory segment {path!r} has {_describe_mode(st)}; weightsync maps only "
+            f"regular files owned by its own uid ({os.geteuid()}) with no group or other "
+            f"permission bits (its senders create them 0o600): run the trainer and the engines "
+            f"as the same user, and remove the file if no weightsync process of that user "
+            f"made it")
+    if st.st_size < nbytes:
+        os.close(fd)
+        raise ValueError(
+            f"shared-memory segment {name!r} holds {st.st_size} bytes, fewer than the "
+            f"{nbytes} the descriptor names")
+    return fd, st.st_size
+
+
 class _Segment:
-    """One mapped segment: its name, size, mmap and a uint8 tensor over it."""
+    """One mapped segment: its name, size, mmap and a uint8 tensor over it.
+
+    `create=True` makes a new owner-only file (refusing an existing one, and a size its
+    directory has no room for); `create=False` opens one only if it is this user's alone."""
 
     __slots__ = ("name", "nbytes", "_map", "tensor")
 
     def __init__(self, name: str, nbytes: int, *, create: bool, shm_dir: str) -> None:
         path = os.path.join(shm_dir, name)
         if create:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-            except OSError:
-                os.close(fd)
-                os.unlink(path)
-                raise
+            fd = _create(path, nbytes, shm_dir)
         else:
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except FileNotFoundError:
-                raise RuntimeError(
-                    f"shared-memory segment {name!r} is gone; the sender closed it or died"
-                ) from None
-            size = os.fstat(fd).st_size
-            if size < nbytes:
-                os.close(fd)
-                raise ValueError(
-                    f"shared-memory segment {name!r} holds {size} bytes, fewer than the "
-                    f"{nbytes} the descriptor names"
-                )
-            nbytes = size
+            fd, nbytes = _open_own(path, name, nbytes)
         try:
             self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
