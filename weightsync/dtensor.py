@@ -138,6 +138,23 @@ def init_trainer_group(*, rank: int, world_size: int, master_addr: str, master_p
     return device
 
 
+def close_trainer_group() -> None:
+    """Leave the trainer's process group in order: every rank first waits until all ranks have
+    finished their collectives (a barrier), so no rank closes its connections while a peer's
+    gloo threads still work on them, then the groups are destroyed while the interpreter is
+    fully alive (not at interpreter exit, where a gloo thread dropping its last work item
+    aborts the process). All ranks call it."""
+    import gc
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+
+
 def shard_model(model: nn.Module, *, device: str = "cpu") -> nn.Module:
     """FSDP2-shard `model` over all ranks the way nemo-automodel does: each transformer block,
     then the root. Parameters become DTensors sharded on dim 0."""

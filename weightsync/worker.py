@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from weightsync.dtensor import init_trainer_group, shard_model
+from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
 from weightsync.fingerprint import fingerprint
 from weightsync.trainer import SyncOptions, TrainerSync
 from weightsync.wire import dtype_from_str
@@ -123,11 +123,8 @@ class DTensorV2WeightSyncWorker:
                 "num_dtensor_params": sum(type(p).__name__ == "DTensor" for p in params)}
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
-
         self.weights.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_trainer_group()
 
     def process_stats(self) -> dict[str, int]:
         from weightsync.procstats import process_tree_stats

@@ -6,7 +6,12 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import free_port
-from weightsync.dtensor import DTensorV2Source, init_trainer_group, shard_model
+from weightsync.dtensor import (
+    DTensorV2Source,
+    close_trainer_group,
+    init_trainer_group,
+    shard_model,
+)
 from weightsync.models import build_model
 
 
@@ -23,7 +28,7 @@ def _rank_main(rank, world_size, port, arch, results):
                      "is_dtensor": is_dtensor,
                      # numpy, not torch: torch would pass shared-memory handles that die with us
                      "full": {k: v.view(torch.int16).numpy().copy() for k, v in full.items()}})
-    torch.distributed.destroy_process_group()
+    close_trainer_group()
 
 
 def _gather(arch):
@@ -92,7 +97,7 @@ def _pieces_main(rank, world_size, port, results):
         out.append((name, None if data is None else data.reshape(-1).view(torch.uint8).numpy()
                     .copy(), offset))
     results.put((rank, out))
-    torch.distributed.destroy_process_group()
+    close_trainer_group()
 
 
 def test_shard_pieces_written_at_their_offsets_rebuild_every_full_tensor():

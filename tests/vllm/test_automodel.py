@@ -61,9 +61,8 @@ def _checkpoint(path: str) -> dict[str, torch.Tensor]:
 
 def _rank_main(rank, port, results, qwen2_path, moe_path):
     """Both parts on the same 2 ranks: importing nemo-automodel costs each process ~15 s."""
-    import torch.distributed as dist
 
-    from weightsync.dtensor import init_trainer_group
+    from weightsync.dtensor import close_trainer_group, init_trainer_group
 
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     start = time.perf_counter()
@@ -73,7 +72,7 @@ def _rank_main(rank, port, results, qwen2_path, moe_path):
     if rank == 0:
         results.put({"qwen2": qwen2, "moe": moe, "qwen2_s": built - start,
                      "moe_s": time.perf_counter() - built})
-    dist.destroy_process_group()
+    close_trainer_group()
 
 
 @pytest.fixture(scope="module")
