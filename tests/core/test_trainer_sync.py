@@ -35,13 +35,8 @@ def test_sync_options_are_frozen():
         options.transport = "gloo"  # type: ignore[misc]
 
 
-def _rank_main(rank: int, port: int, results, options: dict) -> None:
-    from weightsync import SyncOptions, TrainerSync
-    from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
-    from weightsync.endpoint import LocalEndpoint
-    from weightsync.models import build_model
-    from weightsync.receiver import ModuleWeightReceiver
-
+def _collect_logs() -> list[str]:
+    """The messages weightsync logs in this process from now on."""
     records: list[str] = []
 
     class Collect(logging.Handler):
@@ -50,6 +45,32 @@ def _rank_main(rank: int, port: int, results, options: dict) -> None:
 
     logging.getLogger("weightsync").addHandler(Collect())
     logging.getLogger("weightsync").setLevel(logging.INFO)
+    return records
+
+
+def _run_two_ranks_of(target, options: dict) -> dict:
+    """Run `target(rank, port, results, options)` on 2 spawned ranks; rank 0's result."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, results, options)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = results.get(timeout=240)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return out
+
+
+def _rank_main(rank: int, port: int, results, options: dict) -> None:
+    from weightsync import SyncOptions, TrainerSync
+    from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
+    from weightsync.endpoint import LocalEndpoint
+    from weightsync.models import build_model
+    from weightsync.receiver import ModuleWeightReceiver
+
+    records = _collect_logs()
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     model = shard_model(build_model("opt", "tiny", seed=3), device="cpu")
     sync = TrainerSync(model, options=SyncOptions(bucket_bytes=1 << 16, **options))
@@ -78,17 +99,7 @@ def _rank_main(rank: int, port: int, results, options: dict) -> None:
 
 
 def _run_two_ranks(**options) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, results, options)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = results.get(timeout=240)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return out
+    return _run_two_ranks_of(_rank_main, options)
 
 
 def test_trainer_sync_takes_buckets_then_the_one_copy_path_and_verifies():
@@ -116,14 +127,7 @@ def _construct_only(rank: int, port: int, results, options: dict) -> None:
     from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
     from weightsync.models import build_model
 
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger("weightsync").addHandler(Collect())
-    logging.getLogger("weightsync").setLevel(logging.INFO)
+    records = _collect_logs()
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     sync = TrainerSync(shard_model(build_model("opt", "tiny"), device="cpu"),
                        options=SyncOptions(**options))
@@ -135,17 +139,7 @@ def _construct_only(rank: int, port: int, results, options: dict) -> None:
 
 
 def test_trainer_sync_logs_each_option_it_turns_off_and_why():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_construct_only, args=(r, port, results, {"transport": "gloo"}))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    out = results.get(timeout=240)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    out = _run_two_ranks_of(_construct_only, {"transport": "gloo"})
     assert not out["shard_writes"] and not out["one_copy"]
     assert "[rank 0] shard_writes off: transport 'gloo' sends from rank 0" in out["logs"]
     assert "[rank 0] one_copy off: transport 'gloo' has no one-copy path" in out["logs"]
