@@ -139,20 +139,19 @@ def init_trainer_group(*, rank: int, world_size: int, master_addr: str, master_p
 
 
 def close_trainer_group() -> None:
-    """Leave the trainer's process group in order: every rank first waits until all ranks have
-    finished their collectives (a barrier), so no rank closes its connections while a peer's
-    gloo threads still work on them, then the groups are destroyed while the interpreter is
-    fully alive (not at interpreter exit, where a gloo thread dropping its last work item
-    aborts the process). All ranks call it."""
-    import gc
-
+    """Leave every process group of this rank (`weightsync.sync_group.leave_group`, in
+    group-name order, so ranks that share several groups meet in each in the same order), then
+    destroy them all. All ranks call it, after their last collective."""
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    from weightsync.sync_group import leave_group
 
     if not dist.is_initialized():
         return
-    dist.barrier()
+    for group in sorted(_world.pg_names, key=_world.pg_names.__getitem__):
+        leave_group(group)
     dist.destroy_process_group()
-    gc.collect()
 
 
 def shard_model(model: nn.Module, *, device: str = "cpu") -> nn.Module:

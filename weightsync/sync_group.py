@@ -14,6 +14,32 @@ from typing import Any
 
 import torch.distributed as dist
 
+# Each gloo group's last barrier, kept until the interpreter exits: see `leave_group`.
+_last_barriers: list[dist.Work] = []
+
+
+def leave_group(group: dist.ProcessGroup | None = None) -> None:
+    """A last barrier in `group` (default: the whole world), whose handle is kept until the
+    interpreter exits, so that the process can exit cleanly. Every rank of the group calls it
+    after its last collective there; the caller then destroys the group.
+
+    Why: a gloo worker thread drops a finished collective after the caller has seen it complete,
+    and dropping its tensors takes the GIL (torch keeps their Python objects alive while C++
+    holds them). On a loaded machine the worker can get there just as Python starts finalizing;
+    Python 3.11 ends a thread that then waits for the GIL with pthread_exit, whose unwind
+    through the collective's destructor aborts the process ("terminate called without an active
+    exception", SIGABRT in thread `pt_gloo_runloop`). `destroy_process_group` does not stop
+    these threads: the backend lives on while any DeviceMesh or DTensor refers to it. A gloo
+    barrier records, under the lock the workers drop their collectives under, every collective
+    not dropped yet, and a collective's tensors are freed only when the last such record goes.
+    Kept in a module global, the barrier goes only once Python has finalized so far that torch
+    no longer takes the GIL to drop a Python object (it leaks it).
+    """
+    work = dist.barrier(group=group, async_op=True)
+    work.wait()
+    if dist.get_backend(group) == "gloo":
+        _last_barriers.append(work)
+
 
 class SyncGroup:
     """The sync's collectives over the ranks of `group` (default: the whole world).
@@ -47,5 +73,7 @@ class SyncGroup:
         dist.barrier(group=self.group)
 
     def close(self) -> None:
+        """All ranks of the group call it."""
         if dist.is_initialized():
+            leave_group(self.group)
             dist.destroy_process_group(self.group)
