@@ -124,7 +124,8 @@ class SharedParameters:
     lands in it. Built in the engine's model process; see the module doc."""
 
     def __init__(self, params: dict[str, torch.Tensor],
-                 destinations: dict[str, tuple[str, int]], *, shm_dir: str = SHM_DIR) -> None:
+                 destinations: dict[str, tuple[str, int]], *,
+                 placements: dict[str, Any] | None = None, shm_dir: str = SHM_DIR) -> None:
         names = sorted({pname for pname, _ in destinations.values()})
         offsets: dict[str, int] = {}
         total = 0
@@ -146,11 +147,17 @@ class SharedParameters:
                 param.data = view
         self.tensor_offsets = {t: offsets[p] + off for t, (p, off) in destinations.items()}
         self.tensor_params = {t: p for t, (p, _) in destinations.items()}
+        # A tensor-parallel worker's tensors: element size and patterns inside the parameter.
+        self.placed = {t: [params[p].element_size(), pats]
+                       for t, (p, pats) in (placements or {}).items()}
 
     def describe(self) -> dict[str, Any]:
         """What a trainer rank needs to write here (plain data)."""
-        return {"segment": self.segment.name, "nbytes": self.segment.nbytes,
-                "offsets": dict(self.tensor_offsets)}
+        out = {"segment": self.segment.name, "nbytes": self.segment.nbytes,
+               "offsets": dict(self.tensor_offsets)}
+        if self.placed:
+            out["placed"] = self.placed
+        return out
 
     def moved(self) -> list[str]:
         """Parameters whose storage is no longer their place in the segment."""
@@ -209,11 +216,16 @@ class DirectTarget:
         self.name = name
         self.segment = _Segment(name, int(shared["nbytes"]), create=False, shm_dir=shm_dir)
         self.offsets: dict[str, int] = {k: int(v) for k, v in shared["offsets"].items()}
+        self.placed: dict[str, Any] = shared.get("placed") or {}
 
     def write(self, name: str, offset: int, src: torch.Tensor, *, check: bool = False) -> bool:
         """Copy `src`'s bytes to byte `offset` of tensor `name`'s place; with `check`, read
-        them back (`copy_checked`) and return whether they arrived intact."""
+        them back (`copy_checked`) and return whether they arrived intact. A placed tensor
+        (a tensor-parallel worker's) gets only the elements the worker holds, where it holds
+        them."""
         raw = src.reshape(-1).view(torch.uint8)
+        if name in self.placed:
+            return self._write_placed(name, offset, raw, check=check)
         start = self.offsets[name] + offset
         dst = self.segment.tensor[start:start + raw.numel()]
         if check:
@@ -221,5 +233,49 @@ class DirectTarget:
         dst.copy_(raw)
         return True
 
+    def _write_placed(self, name: str, offset: int, raw: torch.Tensor, *, check: bool) -> bool:
+        size, pats = self.placed[name]
+        if offset % size or raw.numel() % size:
+            raise ValueError(f"{name!r}: a piece at byte {offset} of {raw.numel()} bytes is not "
+                             f"whole {size}-byte elements")
+        word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+        src = raw.view(word)
+        dst = self.segment.tensor[self.offsets[name]:].view(word)  # the parameter from here on
+        intact = True
+        for d_view, s_view in placed_pieces(dst, src, offset // size, pats):
+            d_view.copy_(s_view)
+            if check:
+                intact = intact and torch.equal(d_view, s_view)
+        return intact
+
     def close(self) -> None:
         self.segment.close()
+
+
+def placed_pieces(dst: torch.Tensor, src: torch.Tensor, start: int,
+                  pats: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination view, source view) pairs that put `src`, elements [start, start + n) of a
+    flat tensor, where the patterns (weightsync/placement.py) say, into the flat `dst`."""
+    end = start + src.numel()
+    out = []
+    for d, s, length, count, d_stride, s_stride in pats:
+        if count == 1:
+            d_stride = s_stride = length
+        # Whole runs inside [start, end): one strided view on each side.
+        first = max(0, -(-(start - s) // s_stride))
+        last = min(count, (end - s - length) // s_stride + 1) if end - s >= length else 0
+        if last > first:
+            out.append((dst.as_strided((last - first, length), (d_stride, 1),
+                                       dst.storage_offset() + d + first * d_stride),
+                        src.as_strided((last - first, length), (s_stride, 1),
+                                       src.storage_offset() + s + first * s_stride - start)))
+        # Runs cut by either end of the piece.
+        for i in {first - 1, max(last, first)}:
+            if not 0 <= i < count:
+                continue
+            lo = max(start, s + i * s_stride)
+            hi = min(end, s + i * s_stride + length)
+            if hi > lo and not (first <= i < last):
+                at = d + i * d_stride + lo - (s + i * s_stride)
+                out.append((dst[at:at + hi - lo], src[lo - start:hi - start]))
+    return out

@@ -44,6 +44,7 @@ ACTORS: dict[str, str] = {
 # engine's minute of start-up. The actor checks again in its own process.
 PREFLIGHT: dict[str, Callable[[tuple, dict], None]] = {
     "backends.sglang.engine.SglEngineActor": preflight.sglang_launch_check,
+    "backends.vllm.engine.VllmEngineActor": preflight.vllm_launch_check,
 }
 
 

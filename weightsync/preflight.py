@@ -1,4 +1,5 @@
-"""Engine, model and machine combinations known not to run, refused before an engine starts.
+"""Engine, model and machine combinations known not to run, refused before an engine starts
+(SGLang: rope models and TP > 1 on CPU; vLLM: a tensor-parallel size the model cannot be split by).
 
 Without this, SGLang 0.5 on a machine without CUDA took a Qwen2 checkpoint, spent ~58 s starting
 its scheduler, which then failed importing `vllm._custom_ops` (its non-CUDA rotary embedding is
@@ -111,3 +112,72 @@ def sglang_launch_check(args: tuple, kwargs: dict[str, Any]) -> None:
     if isinstance(model_path, str) and os.path.isdir(model_path):
         refuse_unsupported_sglang(model_path, engine_args=kwargs.get("engine_args"),
                                   cuda=cuda_device_present())
+
+
+def tp_divisibility_errors(config: dict[str, Any], tp_size: int) -> list[str]:
+    """What in `config` (a config.json) a tensor-parallel size of `tp_size` does not divide:
+    attention heads, and the MLP / expert widths that column-parallel layers split; KV heads
+    either divide among the workers or are replicated (the TP size a multiple of them)."""
+    errors = []
+    part = config.get("text_config") or config
+    heads = part.get("num_attention_heads")
+    if heads and heads % tp_size:
+        errors.append(f"num_attention_heads={heads}")
+    kv = part.get("num_key_value_heads")
+    if kv and kv % tp_size and tp_size % kv:
+        errors.append(f"num_key_value_heads={kv} (neither divides the other)")
+    for key in ("intermediate_size", "moe_intermediate_size", "ffn_dim", "n_inner"):
+        width = part.get(key)
+        if isinstance(width, int) and width % tp_size:
+            errors.append(f"{key}={width}")
+    return errors
+
+
+def refuse_unsupported_vllm(model_path: str, *, tensor_parallel_size: int = 1,
+                            engine_args: dict[str, Any] | None = None) -> None:
+    """Raise ValueError for a vLLM engine known not to start: a tensor-parallel size that is
+    not a positive int, or one the model's heads or MLP width cannot be split by (vLLM itself
+    would fail after a minute of start-up, inside a worker process)."""
+    tp_size = tensor_parallel_size
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"tensor_parallel_size={tp_size!r}: must be a positive int")
+    if "tensor_parallel_size" in (engine_args or {}):
+        raise ValueError("engine_args['tensor_parallel_size']: pass tensor_parallel_size= to "
+                         "the engine actor instead (it also binds the workers' CPU threads)")
+    config = read_config(model_path)
+    if config is None or tp_size == 1:
+        return
+    errors = tp_divisibility_errors(config, tp_size)
+    if errors:
+        raise ValueError(
+            f"vllm: tensor_parallel_size={tp_size} does not divide model {model_path!r}: "
+            f"{', '.join(errors)}; use a tensor_parallel_size that divides each")
+
+
+def cpu_binding(num_workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `num_workers` CPU workers: this process's cores split
+    into that many consecutive groups ("0|1", "0-3|4-7"). Fewer cores than workers raise."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < num_workers:
+        raise ValueError(f"tensor_parallel_size={num_workers} on CPU needs a core per worker; "
+                         f"this process may use {len(cores)} ({cores})")
+    per = len(cores) // num_workers
+    groups = [cores[i * per:(i + 1) * per] for i in range(num_workers)]
+
+    def spell(group: list[int]) -> str:
+        if len(group) == 1:
+            return str(group[0])
+        if group[-1] - group[0] == len(group) - 1:
+            return f"{group[0]}-{group[-1]}"
+        return ",".join(map(str, group))
+
+    return "|".join(spell(g) for g in groups)
+
+
+def vllm_launch_check(args: tuple, kwargs: dict[str, Any]) -> None:
+    """The launcher's check for a `VllmEngineActor(model_path, ...)`."""
+    model_path = args[0] if args else kwargs.get("model_path")
+    if isinstance(model_path, str) and os.path.isdir(model_path):
+        refuse_unsupported_vllm(model_path,
+                                tensor_parallel_size=kwargs.get("tensor_parallel_size", 1),
+                                engine_args=kwargs.get("engine_args"))

@@ -146,8 +146,8 @@ class ModelReceiver:
     def drop_previous(self) -> None:
         self.previous.drop()
 
-    def share(self) -> dict[str, Any]:
-        return self.sharing.share()
+    def share(self, placements: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.sharing.share(placements)
 
     def begin_direct(self, *, keep_previous: bool) -> str | None:
         """Before the trainer writes: None if the parameters are where it will write (and, with

@@ -28,6 +28,7 @@ from weightsync.bucket import (
 )
 from weightsync.endpoint import Endpoint
 from weightsync.fingerprint import Fingerprint, expected_fingerprints, fingerprint
+from weightsync.placement import placed_params
 from weightsync.transports import SenderTransport
 from weightsync.wire import TensorSpec, specs_to_dicts
 
@@ -40,6 +41,9 @@ DEFAULT_TIMEOUT_S = 60.0
 class EngineState:
     endpoint: Endpoint
     param_of: dict[str, list[str]] = field(default_factory=dict)
+    # Per worker of a tensor-parallel engine, {tensor: [parameter, patterns]}: which elements
+    # of each tensor it holds (weightsync/placement.py); None where every worker holds all.
+    placements: list[dict[str, Any]] | None = None
 
 
 class WeightSender:
@@ -145,6 +149,8 @@ class WeightSender:
                 # Engines that learn the tensor -> parameter map while loading report it here.
                 if isinstance(end, dict) and "param_of" in end:
                     self.engines[name].param_of = end.pop("param_of")
+                if isinstance(end, dict) and "placements" in end:
+                    self.engines[name].placements = end.pop("placements")
         except BaseException as exc:
             self._abort(names, f"{type(exc).__name__}: {exc}")
             raise
@@ -240,17 +246,44 @@ class WeightSender:
         out["verify_s"] = time.perf_counter() - start
         return out
 
-    def verify(self, sent: dict[str, Fingerprint], *, engines: list[str]) -> dict[str, Any]:
-        """Compare the engines' parameter fingerprints with what was sent."""
+    def verify(self, sent: dict[str, Fingerprint], *, engines: list[str],
+               worker_sent: dict[str, list[dict[str, Fingerprint]]] | None = None,
+               ) -> dict[str, Any]:
+        """Compare the engines' parameter fingerprints with what was sent (`sent`: trainer
+        tensor -> fingerprint). A tensor-parallel engine is compared worker by worker with
+        `worker_sent[engine]` (per worker, parameter -> fingerprint of the slices it holds,
+        `placement.WorkerPrints`); without it its result is {"verified": None, "pending":
+        True}: the caller computes it from the tensors and verifies again."""
         start = time.perf_counter()
-        actual = self._broadcast("fingerprints", names=engines)
+        worker_sent = worker_sent or {}
         out: dict[str, Any] = {}
-        for name, prints in zip(engines, actual):
-            expected = expected_fingerprints(self.engines[name].param_of, sent)
-            bad = sorted(p for p, fp in expected.items()
-                         if p not in prints or tuple(prints[p]) != tuple(fp))
-            out[name] = {"verified": not bad and bool(expected), "mismatched": bad,
-                         "num_checked": len(expected)}
+        asked = []
+        for name in engines:
+            if self.engines[name].placements is None:
+                asked.append((name, "fingerprints"))
+            elif name in worker_sent:
+                asked.append((name, "worker_fingerprints"))
+            else:
+                out[name] = {"verified": None, "pending": True, "mismatched": [],
+                             "num_checked": 0}
+        tickets = [(n, self.engines[n].endpoint.submit(method)) for n, method in asked]
+        for (name, method), prints in zip(asked, self._wait_all(tickets)):
+            state = self.engines[name]
+            if method == "fingerprints":
+                expected = expected_fingerprints(state.param_of, sent)
+                bad = _mismatched(expected, prints)
+                out[name] = {"verified": not bad and bool(expected), "mismatched": bad,
+                             "num_checked": len(expected)}
+                continue
+            bad, checked = [], 0
+            for rank, (placements, want, got) in enumerate(
+                    zip(state.placements, worker_sent[name], prints)):
+                expected = {p: fp for p, fp in want.items()
+                            if p in placed_params(state.param_of, placements)}
+                bad += [f"worker {rank}: {p}" for p in _mismatched(expected, got)]
+                checked += len(expected)
+            out[name] = {"verified": not bad and checked > 0, "mismatched": bad,
+                         "num_checked": checked, "num_workers": len(prints)}
         out["verify_s"] = time.perf_counter() - start
         return out
 
@@ -265,6 +298,11 @@ class WeightSender:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _mismatched(expected: dict[str, Fingerprint], actual: dict[str, Any]) -> list[str]:
+    return sorted(p for p, fp in expected.items()
+                  if p not in actual or tuple(actual[p]) != tuple(fp))
 
 
 def _write_each(plans: list[BucketPlan], get_buffer: Callable[[BucketPlan], torch.Tensor],

@@ -84,6 +84,12 @@ class BucketShardWriter:
             self._maps = None
 
 
+def worker_shares(shared: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An engine's `share_params()["shared"]`: one worker's description, or a list of them (a
+    tensor-parallel engine's, each worker's slices in its own segment)."""
+    return shared if isinstance(shared, list) else [shared]
+
+
 class OneCopyWriter:
     """Every rank writes its own shards into the shared parameters of the engines it is told
     of, reading each chunk back when verifying (weightsync/direct.py)."""
@@ -93,7 +99,7 @@ class OneCopyWriter:
         self.source = source
         self.group = group
         self.before_write = before_write
-        self.targets: dict[str, DirectTarget] = {}  # engine -> its mapped parameters
+        self.targets: dict[str, list[DirectTarget]] = {}  # engine -> each worker's parameters
         self.rank_write_s: list[float] = []  # rank 0: each rank's seconds in the last write
 
     def write(self, msg: dict[str, Any], *, verify: bool) -> dict[str, Any] | None:
@@ -102,11 +108,9 @@ class OneCopyWriter:
         Returns on rank 0 how many pieces were written and which tensors' bytes read back
         differently; None elsewhere."""
         for name, shared in msg["new"].items():
-            old = self.targets.pop(name, None)
-            if old is not None:
-                old.close()
-            self.targets[name] = DirectTarget(shared)
-        targets = [self.targets[n] for n in msg["direct"]]
+            self.forget(name)
+            self.targets[name] = [DirectTarget(s) for s in worker_shares(shared)]
+        targets = [t for n in msg["direct"] for t in self.targets[n]]
         pieces, mismatched = 0, set()
         start = time.perf_counter()
         hook = self.before_write if self.group.rank == 0 else None
@@ -130,8 +134,7 @@ class OneCopyWriter:
                 "mismatched": sorted({m for _, bad, _ in gathered for m in bad})}
 
     def forget(self, name: str) -> None:
-        target = self.targets.pop(name, None)
-        if target is not None:
+        for target in self.targets.pop(name, []):
             target.close()
 
     def close(self) -> None:

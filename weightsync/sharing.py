@@ -32,10 +32,12 @@ class ParameterSharing:
         self.name = name
         self.shared: SharedParameters | None = None
 
-    def share(self) -> dict[str, Any]:
+    def share(self, placements: dict[str, Any] | None = None) -> dict[str, Any]:
         """Move the parameters into shared memory for the trainer to write; once, after a first
-        sync by buckets (the loader must have shown where every tensor goes). Returns
-        {"shared": plain description or None, "why": reason when None, "retry": bool}."""
+        sync by buckets (the loader must have shown where every tensor goes). `placements`
+        (weightsync/placement.py), from a tensor-parallel worker: which elements of each tensor
+        it holds and where; the trainer then writes each tensor through its patterns.
+        Returns {"shared": plain description or None, "why": reason when None, "retry": bool}."""
         if self.shared is not None:
             try:
                 self.shared.check()
@@ -50,15 +52,18 @@ class ParameterSharing:
                     "why": f"{self.name}: where {len(unknown)} tensor(s) land is not known yet "
                            f"(sync by buckets first)"}
         params = dict(self.model.named_parameters())
-        destinations = probe_destinations(
-            params, param_of, accepted,
-            lambda name, tensor: self.load_fn(iter([(name, tensor)])))
+        if placements is None:
+            destinations = probe_destinations(
+                params, param_of, accepted,
+                lambda name, tensor: self.load_fn(iter([(name, tensor)])))
+        else:
+            destinations = {name: (pname, 0) for name, (pname, _) in placements.items()}
         indirect = sorted(set(accepted) - set(destinations))
         if indirect:
             return {"shared": None, "retry": False,
                     "why": f"{self.name}: the loader does not copy {len(indirect)} tensor(s) "
                            f"verbatim into one parameter, e.g. {indirect[:3]}"}
-        self.shared = SharedParameters(params, destinations)
+        self.shared = SharedParameters(params, destinations, placements=placements)
         logger.info("%s: %d parameters moved into shared segment %s (%d bytes)", self.name,
                     len(self.shared.params), self.shared.segment.name, self.shared.segment.nbytes)
         return {"shared": self.shared.describe(), "why": None, "retry": False}

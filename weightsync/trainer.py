@@ -28,8 +28,14 @@ from weightsync.bucket import DEFAULT_BUCKET_BYTES
 from weightsync.dtensor import DTensorV2Source
 from weightsync.endpoint import Endpoint, RayEndpoint
 from weightsync.fingerprint import fingerprint
+from weightsync.placement import WorkerPrints
 from weightsync.sender import DEFAULT_TIMEOUT_S, WeightSender
-from weightsync.shard_writes import BeforeWrite, BucketShardWriter, OneCopyWriter
+from weightsync.shard_writes import (
+    BeforeWrite,
+    BucketShardWriter,
+    OneCopyWriter,
+    worker_shares,
+)
 from weightsync.sync_group import SyncGroup
 from weightsync.wire import as_plain, dtype_from_str, specs_to_dicts
 
@@ -136,7 +142,7 @@ class TrainerSync:
         self.sender: WeightSender | None = None
         self._shared: dict[str, dict[str, Any]] = {}  # rank 0: engine -> shared parameters
         self._no_share: dict[str, str] = {}  # rank 0: engine -> why it has no one-copy path
-        self._sent: dict[str, str] = {}  # rank 0: engine -> segment the ranks were told of
+        self._sent: dict[str, list[str]] = {}  # rank 0: engine -> segments the ranks know of
         self._num_syncs = 0
 
     def refit_info(self) -> list[dict]:
@@ -203,23 +209,52 @@ class TrainerSync:
             bucket_report = self._sync_buckets(version, buckets, verify=verify)
             if self.rank == 0:
                 self._share(buckets, bucket_report)
+        report = _merge(direct_report, bucket_report) if self.rank == 0 else None
+        if verify:
+            self._verify_pending(report)
         if self.rank != 0:
             return {"rank": self.rank}
-        report = _merge(direct_report, bucket_report)
         self.log.info("sync %s: %.3f s, %.2f GB/s (%s)", version, report["sync_s"],
                       report["gbps"], report["path"])
         return as_plain(report)
 
     def verify(self, engines: list[str] | None = None) -> dict[str, Any]:
         """Compare each engine's parameters with the model's current weights, without syncing:
-        {engine: {"verified", "mismatched", "num_checked"}, "verify_s"} on rank 0."""
-        sent = {name: fingerprint(t) for name, t in self.source.tensors()}
+        {engine: {"verified", "mismatched", "num_checked"}, "verify_s"} on rank 0. A
+        tensor-parallel engine is checked worker by worker against the slices it holds."""
+        names: list[str] = []
+        if self.rank == 0:
+            if self.sender is None or not self.sender.engines:
+                raise ValueError("verify before connect: call connect({name: engine}) first")
+            names = list(self.sender.engines) if engines is None else list(engines)
+        workers = {n: WorkerPrints(self.sender.engines[n].placements) for n in names
+                   if self.sender.engines[n].placements is not None}
+        sent = {}
+        for name, tensor in self.source.tensors():  # every rank takes part in each gather
+            if self.rank == 0:
+                sent[name] = fingerprint(tensor)
+                for prints in workers.values():
+                    prints.add(name, tensor)
         if self.rank != 0:
             return {"rank": self.rank}
-        if self.sender is None or not self.sender.engines:
-            raise ValueError("verify before connect: call connect({name: engine}) first")
-        names = list(self.sender.engines) if engines is None else list(engines)
-        return as_plain(self.sender.verify(sent, engines=names))
+        return as_plain(self.sender.verify(
+            sent, engines=names, worker_sent={n: w.result() for n, w in workers.items()}))
+
+    def _verify_pending(self, report: dict[str, Any] | None) -> None:
+        """After a verified sync: engines whose workers hold slices were left "pending" (their
+        expected fingerprints need the tensors again); verify those now, on every rank."""
+        pending = None
+        if self.rank == 0:
+            checked = (report or {}).get("verify", {})
+            pending = sorted(n for n, v in checked.items()
+                             if isinstance(v, dict) and v.get("pending"))
+        pending = self.group.broadcast(pending)
+        if not pending:
+            return
+        again = self.verify(engines=pending)
+        if self.rank == 0:
+            report["verify"].update({n: again[n] for n in pending})
+            report["verify"]["verify_s"] += again["verify_s"]
 
     def close(self) -> None:
         """Free the transport, the mapped segments and the sync group (all ranks)."""
@@ -290,11 +325,13 @@ class TrainerSync:
             return None, msg["fallback"]
 
         def write(direct: list[str], fallback: list[str]) -> dict[str, Any] | None:
-            new = {n: self._shared[n] for n in direct
-                   if self._sent.get(n) != self._shared[n]["segment"]}
+            def segments(n: str) -> list[str]:
+                return [s["segment"] for s in worker_shares(self._shared[n])]
+
+            new = {n: self._shared[n] for n in direct if self._sent.get(n) != segments(n)}
             self.group.broadcast({"direct": direct, "fallback": fallback, "new": new})
             for n in new:
-                self._sent[n] = new[n]["segment"]
+                self._sent[n] = segments(n)
             for n in fallback:  # its parameters moved: buckets now, then share again
                 self._shared.pop(n, None)
             return self.writer.write({"direct": direct, "new": new}, verify=verify)

@@ -207,10 +207,19 @@ def error_reply(exc: BaseException) -> dict[str, Any]:
     return {"ok": False, **error_to_wire(exc)}
 
 
-def unwrap_replies(replies: list[dict[str, Any]]) -> Any:
-    """The first reply's result; a failed reply is raised again as `WIRE_ERRORS` says (the
-    caller's bad input as itself, anything else as RuntimeError)."""
-    for reply in replies:
+def unwrap_all(replies: list[dict[str, Any]]) -> list[Any]:
+    """Every reply's result, in worker order; a failed reply is raised again as `WIRE_ERRORS`
+    says (the caller's bad input as itself, anything else as RuntimeError), with a note naming
+    the worker when there are several."""
+    for i, reply in enumerate(replies):
         if not reply["ok"]:
-            raise error_from_wire(reply)
-    return replies[0]["result"]
+            exc = error_from_wire(reply)
+            if len(replies) > 1:
+                exc.add_note(f"from engine worker {i} of {len(replies)}")
+            raise exc
+    return [reply["result"] for reply in replies]
+
+
+def unwrap_replies(replies: list[dict[str, Any]]) -> Any:
+    """The first reply's result (`unwrap_all` for the rules)."""
+    return unwrap_all(replies)[0]

@@ -17,9 +17,10 @@ import sys
 import time
 from typing import Any
 
+from weightsync.preflight import cpu_binding, cuda_device_present, refuse_unsupported_vllm
 from weightsync.receiver import EngineSession
 from weightsync.server import LocalServer, cli_flags
-from weightsync.wire import as_plain, unwrap_replies
+from weightsync.wire import as_plain, unwrap_all
 
 logger = logging.getLogger(__name__)
 
@@ -113,46 +114,82 @@ class VllmEngineActor(EngineSession):
 
     def __init__(self, model_path: str, *, mode: str = "engine", dtype: str = "float32",
                  max_model_len: int = 256, api_key: str | None = None,
-                 engine_args: dict[str, Any] | None = None,
+                 tensor_parallel_size: int = 1, engine_args: dict[str, Any] | None = None,
                  idle_timeout_s: float = 60.0) -> None:
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
         super().__init__(idle_timeout_s=idle_timeout_s)
+        refuse_unsupported_vllm(model_path, tensor_parallel_size=tensor_parallel_size,
+                                engine_args=engine_args)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         args = {"dtype": dtype, "enforce_eager": True, "max_model_len": max_model_len,
                 **(engine_args or {})}
+        if tensor_parallel_size > 1:
+            args["tensor_parallel_size"] = tensor_parallel_size
+            args.setdefault("distributed_executor_backend", "mp")
+            if not cuda_device_present():
+                # vLLM on CPU binds each worker's threads to cores it is told of.
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                      cpu_binding(tensor_parallel_size))
+        self.tp_size = tensor_parallel_size
         self.mode = mode
         self.client = (_InProcess(model_path, args) if mode == "engine"
                        else _Http(model_path, args, api_key=api_key))
 
+    def _rpc_all(self, method: str, *args: Any) -> list[Any]:
+        """Every worker's result, in worker (= TP rank) order, as collective_rpc answers."""
+        return unwrap_all(self.client.rpc(method, args))
+
     def _rpc(self, method: str, *args: Any) -> Any:
-        return unwrap_replies(self.client.rpc(method, args))
+        return self._rpc_all(method, *args)[0]
 
     # ---- WeightReceiver --------------------------------------------------------------------
     def check_refit(self, specs: list[dict]) -> dict:
-        return as_plain(self._rpc("weightsync_check", specs))
+        """Every worker checks; `num_receivers`: the worker processes a sync reaches (each
+        joins a collective transport's group)."""
+        results = self._rpc_all("weightsync_check", specs)
+        return as_plain({"param_of": results[0]["param_of"],
+                         "num_params": results[0]["num_params"],
+                         "num_receivers": len(results), "tp_size": self.tp_size})
 
     def _engine_begin(self, direct: bool) -> str | None:
-        return self._rpc("weightsync_begin", direct)["why"]
+        whys = [r["why"] for r in self._rpc_all("weightsync_begin", direct) if r["why"]]
+        return "; ".join(whys) if whys else None
 
     def _engine_load(self, descriptor: dict) -> dict:
         return as_plain(self._rpc("weightsync_load", descriptor))
 
     def _engine_end(self, version: str) -> dict:
-        result = self._rpc("weightsync_end")
+        results = self._rpc_all("weightsync_end")
         flushed = self.client.reset_prefix_cache()
         self.client.set_version(version)
-        return as_plain({"cache_flushed": flushed, "param_of": result["param_of"]})
+        report = {"cache_flushed": flushed, "param_of": results[0]["param_of"]}
+        if self.tp_size > 1:  # each worker holds slices: where, for verification
+            report["placements"] = [r["placements"] for r in results]
+        return as_plain(report)
 
     def _engine_abort(self, reason: str) -> bool:
         # Loading is in place: weights are mixed once a bucket was loaded.
         return self._loaded > 0
 
     def fingerprints(self) -> dict[str, list[int]]:
+        """Worker 0's parameters (all of them at TP=1); `worker_fingerprints` for each."""
         return self._rpc("weightsync_fingerprints")
 
+    def worker_fingerprints(self) -> list[dict[str, list[int]]]:
+        """Each worker's parameters, in TP-rank order: at TP > 1 each holds its slices."""
+        return self._rpc_all("weightsync_fingerprints")
+
     def share_params(self) -> dict:
-        return as_plain(self._rpc("weightsync_share"))
+        """At TP > 1, {"shared": [each worker's shared parameters]} or none of them."""
+        answers = self._rpc_all("weightsync_share")
+        if len(answers) == 1:
+            return as_plain(answers[0])
+        missing = [a for a in answers if not a["shared"]]
+        if missing:
+            return as_plain({"shared": None, "why": missing[0]["why"],
+                             "retry": any(a["retry"] for a in missing)})
+        return as_plain({"shared": [a["shared"] for a in answers], "why": None, "retry": False})
 
 
     def settle(self, timeout_s: float = 120.0) -> dict:

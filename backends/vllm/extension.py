@@ -156,8 +156,18 @@ class WeightsyncWorkerExtension:
                                           default_loader=copy_loader, name="vllm"),
                 "open": False,
                 "repacker": _Repacker(),
+                "placements": {},  # trainer tensor -> [parameter, patterns], at TP > 1
             }
         return state
+
+    def _ws_tp(self) -> tuple[int, int]:
+        """(this worker's tensor-parallel rank, the TP size)."""
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
     @_guard
     def weightsync_check(self, specs: list[dict]) -> dict[str, Any]:
@@ -170,7 +180,9 @@ class WeightsyncWorkerExtension:
         check_against_checkpoint(parsed, config.model, engine_dtype=dtype_to_str(config.dtype),
                                  name="vllm")
         receiver.refit.accept(parsed)
-        return {"param_of": receiver.param_of, "num_params": len(receiver.refit.accepted)}
+        rank, size = self._ws_tp()
+        return {"param_of": receiver.param_of, "num_params": len(receiver.refit.accepted),
+                "tp_rank": rank, "tp_size": size}
 
     @_guard
     def weightsync_begin(self, direct: bool = False) -> dict[str, Any]:
@@ -190,8 +202,11 @@ class WeightsyncWorkerExtension:
         import torch
         from vllm.config import set_current_vllm_config
 
+        state = self._ws_state()
+        # At TP > 1 the trainer writes each worker's slices through their placements.
+        placements = state["placements"] if self._ws_tp()[1] > 1 else None
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            return self._ws_state()["receiver"].share()
+            return state["receiver"].share(placements)
 
 
     def _ws_gemms(self) -> dict[str, list[_Gemm]]:
@@ -256,16 +271,36 @@ class WeightsyncWorkerExtension:
             known = [(n, t) for n, t in views if n in receiver.param_of]
             if known:
                 touched.update(model.load_weights(known))
-            # First sight of a tensor: load it alone to learn which parameters it lands in.
+            # First sight of a tensor: load it alone to learn which parameters it lands in
+            # (and, in a tensor-parallel worker, which of its elements land where).
             for name, tensor in views:
                 if name not in receiver.param_of:
                     receiver.param_of[name] = sorted(model.load_weights([(name, tensor)]))
                     touched.update(receiver.param_of[name])
+                    self._ws_learn_placement(name, tensor)
         self._ws_mark_stale(touched)
         del views, known
         receiver.release(bucket)
         return {"num_tensors": len(bucket.tensors), "nbytes": bucket.nbytes,
                 "seconds": time.perf_counter() - start}
+
+    def _ws_learn_placement(self, name: str, tensor: Any) -> None:
+        """At TP > 1: where this worker's loader puts the elements of `name`
+        (weightsync/placement.py), learned on a scratch copy of its one parameter."""
+        from weightsync.placement import learn_placement
+
+        if self._ws_tp()[1] == 1:
+            return
+        state = self._ws_state()
+        model = state["receiver"].model
+        targets = state["receiver"].param_of[name]
+        if len(targets) != 1:
+            return
+        param = dict(model.named_parameters())[targets[0]]
+        pats = learn_placement(param, tensor.dtype, tuple(tensor.shape),
+                               lambda t: model.load_weights([(name, t)]))
+        if pats is not None:
+            state["placements"][name] = [targets[0], pats]
 
     @_guard
     def weightsync_end(self) -> dict[str, Any]:
@@ -277,7 +312,9 @@ class WeightsyncWorkerExtension:
             self._ws_mark_stale(set(state["receiver"].direct_params()))
         state["open"], state["direct"] = False, False
         state["repacker"].start()
-        return {"param_of": state["receiver"].param_of}
+        rank, size = self._ws_tp()
+        return {"param_of": state["receiver"].param_of, "tp_rank": rank,
+                "placements": state["placements"] if size > 1 else None}
 
     @_guard
     def weightsync_repacked(self, timeout_s: float) -> dict[str, Any]:

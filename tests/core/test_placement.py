@@ -1,0 +1,124 @@
+"""Placements: which elements of a trainer tensor a tensor-parallel worker's loader keeps, and
+where, learned from the loader alone (weightsync/placement.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightsync.fingerprint import fingerprint
+from weightsync.placement import (
+    expected_worker_fingerprints,
+    learn_placement,
+    pattern_view,
+    patterns,
+)
+
+
+def _param(shape, dtype=torch.float32):
+    return torch.nn.Parameter(torch.randn(shape).to(dtype), requires_grad=False)
+
+
+def _apply(param, tensor, pats):
+    """Write `tensor` into `param` through the patterns, as a one-copy writer would."""
+    flat_p, flat_t = param.data.reshape(-1), tensor.reshape(-1)
+    for p in pats:
+        pattern_view(flat_p, p, dst=True).copy_(pattern_view(flat_t, p))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_column_and_row_parallel_slices_are_found(dtype, rank):
+    full = torch.randn(6, 8).to(dtype)
+    col = _param((3, 8), dtype)  # rows [3*rank, 3*rank+3)
+    row = _param((6, 4), dtype)  # columns [4*rank, 4*rank+4)
+    live_col, live_row = col.data.clone(), row.data.clone()
+
+    def load_col(t):
+        col.data.copy_(t.narrow(0, 3 * rank, 3))
+
+    def load_row(t):
+        row.data.copy_(t.narrow(1, 4 * rank, 4))
+
+    pc = learn_placement(col, dtype, (6, 8), load_col)
+    pr = learn_placement(row, dtype, (6, 8), load_row)
+    assert pc == [[0, 24 * rank, 24, 1, 0, 0]]
+    assert pr == [[0, 4 * rank, 4, 6, 4, 8]]  # one run of 4 per row
+    # The live weights were never touched.
+    assert torch.equal(col.data, live_col) and torch.equal(row.data, live_row)
+    _apply(col, full, pc)
+    _apply(row, full, pr)
+    assert torch.equal(col.data, full.narrow(0, 3 * rank, 3))
+    assert torch.equal(row.data, full.narrow(1, 4 * rank, 4))
+    want = expected_worker_fingerprints({"c": full, "r": full},
+                                        {"c": ("col", pc), "r": ("row", pr)})
+    assert want == {"col": fingerprint(col.data), "row": fingerprint(row.data)}
+
+
+def test_a_fused_parameter_takes_each_tensor_slice_at_its_offset():
+    q, k = torch.randn(8, 4), torch.randn(4, 4)
+    qkv = _param((4 + 2, 4))  # rank 1 of 2: q rows 4..8, k rows 2..4
+
+    def load(name):
+        def one(t):
+            if name == "q":
+                qkv.data[:4].copy_(t[4:8])
+            else:
+                qkv.data[4:].copy_(t[2:4])
+        return one
+
+    pq = learn_placement(qkv, torch.float32, (8, 4), load("q"))
+    pk = learn_placement(qkv, torch.float32, (4, 4), load("k"))
+    assert pq == [[0, 16, 16, 1, 0, 0]] and pk == [[16, 8, 8, 1, 0, 0]]
+    want = expected_worker_fingerprints({"q": q, "k": k}, {"q": ("qkv", pq), "k": ("qkv", pk)})
+    qkv.data[:4].copy_(q[4:8])
+    qkv.data[4:].copy_(k[2:4])
+    assert want == {"qkv": fingerprint(qkv.data)}
+
+
+def test_large_tensors_take_several_passes():
+    n = 70_000  # more than 2**15 elements of a 2-byte dtype: two passes
+    param = _param((n // 2,), torch.bfloat16)
+    pats = learn_placement(param, torch.bfloat16, (n,),
+                           lambda t: param.data.copy_(t[n // 2:]))
+    assert pats == [[0, n // 2, n // 2, 1, 0, 0]]
+
+
+def test_a_loader_that_converts_or_transforms_has_no_placement():
+    param = _param((4, 4))
+    assert learn_placement(param, torch.float32, (4, 4),
+                           lambda t: param.data.copy_(t * 2)) is None
+    assert learn_placement(param, torch.bfloat16, (4, 4),
+                           lambda t: param.data.copy_(t)) is None  # dtype differs
+    transposed = learn_placement(param, torch.float32, (4, 4),
+                                 lambda t: param.data.copy_(t.t()))
+    full = torch.randn(4, 4)
+    _apply(param, full, transposed)  # a permutation is a placement too
+    assert torch.equal(param.data, full.t())
+
+
+def test_patterns_compress_rows_and_keep_irregular_runs():
+    dst = torch.tensor([0, 1, 2, 3, 4, 5, 9])
+    src = torch.tensor([2, 3, 6, 7, 10, 11, 0])
+    assert patterns(dst, src) == [[0, 2, 2, 3, 2, 4], [9, 0, 1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("cuts", [[0, 48], [0, 5, 48], [0, 3, 13, 14, 30, 47, 48], [0, 1, 2, 48]])
+def test_pieces_of_a_tensor_land_where_the_patterns_say(cuts):
+    """A trainer rank writes its piece (a contiguous element range of the full tensor) into a
+    tensor-parallel worker's parameter: every piece boundary, including ones inside a run."""
+    from weightsync.direct import placed_pieces
+
+    full = torch.arange(48, dtype=torch.int32).reshape(6, 8)
+    for narrow in (lambda t: t.narrow(1, 4, 4), lambda t: t.narrow(0, 2, 3),
+                   lambda t: t.t()[2:5]):
+        want = narrow(full).contiguous()
+        param = torch.nn.Parameter(torch.zeros_like(want), requires_grad=False)
+        pats = learn_placement(param, torch.int32, (6, 8),
+                               lambda t: param.data.copy_(narrow(t)))
+        dst = torch.full((want.numel(),), -1, dtype=torch.int32)
+        flat = full.reshape(-1)
+        for a, b in zip(cuts, cuts[1:]):
+            for d_view, s_view in placed_pieces(dst, flat[a:b].clone(), a, pats):
+                d_view.copy_(s_view)
+        assert torch.equal(dst.view_as(want), want)

@@ -1,0 +1,118 @@
+"""Engine topologies: a tensor-parallel vLLM engine (TP=2: two worker processes, each holding
+slices of every tensor) and a second replica (TP=1), kept in step by one 2-rank FSDP2 trainer
+in one sync, each worker verified against what it holds. The model is a tiny Qwen2 (rope, GQA
+4/2 heads, untied head)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from tests.engine_checks import assert_engine_matches_reference, training_batch
+from weightsync import launcher
+from weightsync.models import make_tiny_model
+
+ENGINE = "backends.vllm.engine.VllmEngineActor"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = make_tiny_model(str(tmp_path_factory.mktemp("qwen2")), arch="qwen2", seed=0)
+    launcher.init_ray(num_cpus=2)
+    tp2 = launcher.launch(ENGINE, model, tensor_parallel_size=2)
+    tp1 = launcher.launch(ENGINE, model)
+    trainer = launcher.TrainerGroup("backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+                                    model_path=model, bucket_bytes=1 << 20, seed=0)
+    answer = trainer.call("connect", {"tp2": tp2, "tp1": tp1})
+    yield {"tp2": tp2, "tp1": tp1}, trainer, model, answer
+    ray.shutdown()
+
+
+def test_connect_counts_every_worker_process(setup):
+    *_, answer = setup
+    assert answer["tp2"]["num_receivers"] == 2
+    assert answer["tp1"]["num_receivers"] == 1
+
+
+def test_one_sync_serves_both_replicas_each_tp_worker_verified(setup):
+    engines, trainer, *_ = setup
+    for step in range(2):
+        trainer.call("train_step", training_batch(step))
+    report = trainer.call("sync", "step-2", verify=True)
+    checked = report["verify"]
+    assert checked["tp2"]["verified"] and checked["tp1"]["verified"], checked
+    assert checked["tp2"]["num_workers"] == 2
+    # Each worker is checked on every parameter it holds, against the slices the trainer's
+    # tensors put there: per layer qkv_proj (weight, bias), o_proj, gate_up_proj, down_proj and
+    # two norms; then embed_tokens, norm and lm_head: 2 * 7 + 3 = 17 per worker.
+    assert checked["tp2"]["num_checked"] == 2 * 17, checked["tp2"]
+    for name, engine in engines.items():
+        assert ray.get(engine.weight_version.remote()) == "step-2"
+        assert_engine_matches_reference(engine, trainer)
+        ray.get(engine.settle.remote(), timeout=300)
+        assert_engine_matches_reference(engine, trainer)
+
+
+def test_repeated_syncs_take_the_one_copy_path_into_every_worker(setup):
+    """From the second sync on, each trainer rank writes its shards straight into the shared
+    parameters of the TP=1 replica and, through each worker's placements, only the slices each
+    TP worker holds into its own parameters."""
+    engines, trainer, *_ = setup
+    for round_ in range(2):
+        trainer.call("train_step", training_batch(10 + round_))
+        report = trainer.call("sync", f"round-{round_}", verify=True)
+        assert report["engines"]["tp1"]["path"] == "direct", report["engines"]
+        assert report["engines"]["tp2"]["path"] == "direct", report["engines"]
+        assert report["verify"]["tp2"]["verified"] and report["verify"]["tp1"]["verified"]
+        for engine in engines.values():
+            assert ray.get(engine.weight_version.remote()) == f"round-{round_}"
+            assert_engine_matches_reference(engine, trainer)
+
+
+def test_verification_names_the_worker_and_parameter_that_differ(setup):
+    """The engine reloads its starting checkpoint behind the trainer's back: each worker's
+    slices then differ from the trainer's weights, and the report says which."""
+    engines, trainer, model, _ = setup
+    trainer.call("train_step", training_batch(20))
+    assert trainer.call("sync", "before-reload", verify=True)["verify"]["tp2"]["verified"]
+    ray.get(engines["tp2"].native_reload.remote(model))
+    checked = trainer.call("verify")
+    assert checked["tp1"]["verified"]
+    assert not checked["tp2"]["verified"]
+    bad = checked["tp2"]["mismatched"]
+    assert any(b.startswith("worker 0: model.layers.0.self_attn.qkv_proj") for b in bad), bad
+    assert any(b.startswith("worker 1: model.layers.0.self_attn.qkv_proj") for b in bad), bad
+    report = trainer.call("sync", "after-reload", verify=True)
+    assert report["verify"]["tp2"]["verified"], report["verify"]
+    assert_engine_matches_reference(engines["tp2"], trainer)
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_is_refused_before_start(setup):
+    *_, model, _ = setup
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide model .*"
+                                         r"num_attention_heads=4"):
+        launcher.launch(ENGINE, model, tensor_parallel_size=3)
+    assert time.perf_counter() - start < 5
+
+
+def test_a_collective_transport_reaches_every_worker_of_every_engine(setup):
+    """Over gloo the broadcast group is rank 0 plus every engine worker process (here 2 + 1):
+    each TP worker joins it and loads its own slices of the full tensors it receives."""
+    engines, _, model, _ = setup
+    other = launcher.TrainerGroup("backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+                                  world_size=1, model_path=model, bucket_bytes=1 << 20,
+                                  seed=1, transport="gloo")
+    try:
+        other.call("set_weights_from", 7)
+        other.call("connect", dict(engines))
+        report = other.call("sync", "gloo-1", verify=True)
+        assert report["verify"]["tp2"]["verified"] and report["verify"]["tp1"]["verified"]
+        assert report["engines"]["tp2"]["path"] == "buckets"
+        for engine in engines.values():
+            assert_engine_matches_reference(engine, other)
+    finally:
+        other.call("shutdown")
+        other.kill()
