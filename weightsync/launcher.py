@@ -135,10 +135,15 @@ class ActorProxy:
 
 def launch(qualname: str, *args: Any, env: str | None = None, name: str | None = None,
            num_cpus: float = 0, env_vars: dict[str, str] | None = None, build: bool = True,
-           max_concurrency: int = 1, node_id: str | None = None, **kwargs: Any) -> ActorProxy:
+           max_concurrency: int = 1, node_id: str | None = None,
+           resources: dict[str, float] | None = None, placement: Placement | None = None,
+           **kwargs: Any) -> ActorProxy:
     """Start `qualname(*args, **kwargs)` as a Ray actor in its env (building the env first).
 
-    `node_id` (a Ray node id) places it on that node, with the env built on that node."""
+    `node_id` (a Ray node id) places it on that node, with the env built on that node.
+    `resources` ({"GPU": 2}, {"CPU": 1, "my_resource": 1}) are what the actor holds while it
+    lives (an engine: what its worker processes use); `placement` puts it into a bundle reserved
+    by `place` (then `resources` default to the whole bundle)."""
     import ray
 
     env = env or env_of(qualname)
@@ -160,6 +165,10 @@ def launch(qualname: str, *args: Any, env: str | None = None, name: str | None =
                          f"node only; launch it without node_id or give it an env")
     options: dict[str, Any] = {"runtime_env": runtime_env, "num_cpus": num_cpus,
                                "max_concurrency": max_concurrency}
+    if placement is not None:
+        resources = dict(placement.bundle) if resources is None else resources
+        options["scheduling_strategy"] = placement.strategy()
+    options.update(_actor_resources(resources or {}, num_cpus))
     if name:
         options["name"] = name
     if node_id is not None:
@@ -168,6 +177,74 @@ def launch(qualname: str, *args: Any, env: str | None = None, name: str | None =
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     handle = ray.remote(ActorHost).options(**options).remote(qualname, args, kwargs)
     return ActorProxy(handle=handle, qualname=qualname, env=env)
+
+
+# ---- placement -------------------------------------------------------------------------------
+def _actor_resources(resources: dict[str, float], num_cpus: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"num_cpus": resources.get("CPU", num_cpus)}
+    if "GPU" in resources:
+        out["num_gpus"] = resources["GPU"]
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+    if custom:
+        out["resources"] = custom
+    return out
+
+
+@dataclass(slots=True)
+class Placement:
+    """One reserved bundle of a Ray placement group: what one engine replica (all its worker
+    processes, on one node) or one trainer rank holds. Made by `place`."""
+
+    group: Any
+    index: int
+    bundle: dict[str, float]
+
+    def strategy(self) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self.group,
+                                                placement_group_bundle_index=self.index)
+
+
+def replica_resources(tensor_parallel_size: int, per_worker: dict[str, float]) -> dict[str, float]:
+    """What one engine replica of `tensor_parallel_size` workers asks for: `per_worker` times
+    the TP size (on a GPU cluster {"GPU": 1} per worker)."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: must be >= 1")
+    return {k: v * tensor_parallel_size for k, v in per_worker.items()}
+
+
+def place(num: int, bundle: dict[str, float], *, strategy: str = "PACK",
+          timeout_s: float = 60.0) -> list[Placement]:
+    """Reserve `num` bundles of `bundle` resources (one per engine replica or trainer rank;
+    each bundle on one node) and wait until Ray has placed them all. Raises ValueError at once
+    when no node has `bundle` at all, and TimeoutError after `timeout_s` when the cluster has
+    no room for all of them now; both name what was asked for and what the cluster has."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    if num < 1 or not bundle or any(v < 0 for v in bundle.values()):
+        raise ValueError(f"place({num}, {bundle}): need num >= 1 and a non-empty bundle of "
+                         f"non-negative amounts")
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    if not any(all(node.get(k, 0) >= v for k, v in bundle.items()) for node in nodes):
+        raise ValueError(f"no Ray node has {bundle} for one replica; the nodes have "
+                         f"{[_round(n) for n in nodes]}")
+    group = placement_group([dict(bundle) for _ in range(num)], strategy=strategy)
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise TimeoutError(
+            f"Ray could not place {num} x {bundle} within {timeout_s:g} s; available now: "
+            f"{_round(ray.available_resources())}, in all: {_round(ray.cluster_resources())}"
+        ) from None
+    return [Placement(group=group, index=i, bundle=dict(bundle)) for i in range(num)]
+
+
+def _round(resources: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 2) for k, v in sorted(resources.items())
+            if not k.startswith(("node:", "memory", "object_store_memory"))}
 
 
 # ---- env builds on other nodes --------------------------------------------------------------

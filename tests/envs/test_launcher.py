@@ -10,7 +10,8 @@ from weightsync import envs, launcher
 
 @pytest.fixture(scope="module")
 def ray_job():
-    launcher.init_ray(num_cpus=2)
+    # "accel": a custom resource standing in for GPUs (3 of them on this one node).
+    launcher.init_ray(num_cpus=2, resources={"accel": 3})
     yield
     ray.shutdown()
 
@@ -40,3 +41,32 @@ def test_unknown_env_is_a_clear_error():
 def test_unregistered_class_is_a_clear_error():
     with pytest.raises(ValueError, match=r"'my.Actor' is not registered.*register_actor"):
         launcher.launch("my.Actor")
+
+
+def test_a_replica_holds_the_resources_of_its_workers_in_one_bundle(ray_job):
+    from ray.util.placement_group import remove_placement_group
+
+    bundle = launcher.replica_resources(2, {"accel": 1})  # a TP=2 replica, one per worker
+    assert bundle == {"accel": 2}
+    (slot,) = launcher.place(1, bundle)
+    try:
+        probe = launcher.launch("weightsync.launcher.EnvProbe", placement=slot)
+        assert ray.get(probe.versions.remote(), timeout=120)["pid"] > 0
+        assert ray.available_resources().get("accel", 0) == 1
+        # A second replica does not fit now: it fails within the timeout, naming what it
+        # asked for and what is left, instead of waiting for ever.
+        with pytest.raises(TimeoutError, match=r"could not place 1 x \{'accel': 2\} within "
+                                               r"3 s; available now: .*'accel': 1\.0"):
+            launcher.place(1, bundle, timeout_s=3)
+    finally:
+        remove_placement_group(slot.group)
+
+
+def test_a_replica_no_node_can_hold_is_refused_at_once(ray_job):
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"no Ray node has \{'accel': 8\} for one replica; "
+                                         r"the nodes have \[\{.*'accel': 3\.0"):
+        launcher.place(2, launcher.replica_resources(8, {"accel": 1}))
+    assert time.perf_counter() - start < 5
