@@ -12,6 +12,7 @@ engine (bf16, in-process). Measured, best of `--repeats` after one warm-up:
   moves between the stages): SGLang gather + update_weights_from_tensor (tensors already in the
   engine's process), gather + save safetensors + update_weights_from_disk; vLLM gather + save +
   reload_weights.
+With `--tp N` / `--replicas M`: M vLLM engines of N workers each in one sync (`_bench_topology`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,87 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="GB/s against model size")
+    p.add_argument("--tp", type=int, default=1,
+                   help="with --tp > 1 or --replicas > 1: vLLM engines of this "
+                        "tensor_parallel_size (a topology run, vLLM only)")
+    p.add_argument("--replicas", type=int, default=1, help="engine replicas in a topology run")
     p.set_defaults(run=run)
+
+
+def _bench_topology(size: str, args: argparse.Namespace) -> dict[str, Any]:
+    """`--replicas` vLLM engines of `--tp` workers each, one sync into all of them: the sync
+    time, the bytes the trainer's ranks wrote into every worker's parameters (one-copy path)
+    and a memcpy of that many bytes, measured in the trainer's process in the same run."""
+    import ray
+
+    from weightsync import launcher
+    from weightsync.models import make_tiny_model, model_bytes
+
+    work = tempfile.mkdtemp(prefix=f"wsbench-{size}-", dir="/dev/shm")
+    model = make_tiny_model(os.path.join(work, "model"), arch="opt", size=size, seed=0,
+                            dtype="bfloat16")
+    engines = {f"vllm-{i}": launcher.launch("backends.vllm.engine.VllmEngineActor", model,
+                                            dtype="bfloat16", tensor_parallel_size=args.tp)
+               for i in range(args.replicas)}
+    launcher.register_actor("weightsync.bench_worker.BenchWorker", "sglang")
+    trainer = launcher.TrainerGroup("weightsync.bench_worker.BenchWorker", env="sglang",
+                                    model_path=model, dtype="bfloat16",
+                                    bucket_bytes=args.bucket_mb << 20, timeout_s=300)
+    trainer.call("connect", engines)
+    trainer.call("sync")  # by buckets; the engines then share their parameters
+    trainer.call("sync")  # the ranks map the shared parameters
+    syncs = []
+    for _ in range(max(1, args.repeats)):
+        ray.get([e.settle.remote() for e in engines.values()])
+        syncs.append(trainer.call("sync"))
+    best = min(syncs, key=lambda r: r["sync_s"])
+    checked = trainer.call("sync", verify=True)
+    written = int(best.get("bytes_written", 0))
+    result = {"size": size, "tp": args.tp, "replicas": args.replicas,
+              "nbytes": model_bytes("opt", size, dtype="bfloat16"), "path": best["path"],
+              "sync_s": best["sync_s"], "bytes_written": written,
+              "memcpy_s": trainer.call("bench_memcpy", max(written, 1)),
+              "verified": all(v["verified"] for k, v in checked["verify"].items()
+                              if k != "verify_s")}
+    for engine in engines.values():
+        ray.get(engine.shutdown.remote(), timeout=120)
+        ray.kill(engine.handle)
+    trainer.call("shutdown")
+    trainer.kill()
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _run_topology(args: argparse.Namespace, sizes: list[str]) -> int:
+    import ray
+
+    from weightsync import envs, launcher
+
+    for env in ("sglang", envs.default_vllm_env()):
+        envs.build(env)
+    launcher.init_ray(num_cpus=2, log_to_driver=False)
+    results = [_bench_topology(size, args) for size in sizes]
+    ray.shutdown()
+    if args.json:
+        json.dump(results, sys.stdout, indent=1)
+        print()
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"one sync into {args.replicas} vLLM replica(s) of TP={args.tp}")
+    for col in ("size", "model GB", "path", "bytes written GB", "sync ms", "written GB/s",
+                "memcpy GB/s", "ratio", "verified"):
+        table.add_column(col)
+    for r in results:
+        rate = _gbps(r["bytes_written"], r["sync_s"])
+        copy = _gbps(r["bytes_written"], r["memcpy_s"])
+        table.add_row(r["size"], f"{r['nbytes'] / 1e9:.3f}", r["path"],
+                      f"{r['bytes_written'] / 1e9:.3f}", f"{r['sync_s'] * 1e3:.0f}",
+                      f"{rate:.2f}", f"{copy:.2f}", f"{rate / copy:.2f}" if copy else "-",
+                      str(r["verified"]))
+    Console().print(table)
+    return 0
 
 
 def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -133,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if args.tp < 1 or args.replicas < 1:
+        raise SystemExit(f"--tp {args.tp} --replicas {args.replicas}: both must be >= 1")
+    if args.tp > 1 or args.replicas > 1:
+        return _run_topology(args, sizes)
     for env in ["sglang"] + (["vllm"] if "vllm" in engines else []):
         env = envs.default_vllm_env() if env == "vllm" else env
         envs.build(env)

@@ -217,6 +217,7 @@ class DirectTarget:
         self.segment = _Segment(name, int(shared["nbytes"]), create=False, shm_dir=shm_dir)
         self.offsets: dict[str, int] = {k: int(v) for k, v in shared["offsets"].items()}
         self.placed: dict[str, Any] = shared.get("placed") or {}
+        self.written = 0  # bytes written into the parameters, since made
 
     def write(self, name: str, offset: int, src: torch.Tensor, *, check: bool = False) -> bool:
         """Copy `src`'s bytes to byte `offset` of tensor `name`'s place; with `check`, read
@@ -228,6 +229,7 @@ class DirectTarget:
             return self._write_placed(name, offset, raw, check=check)
         start = self.offsets[name] + offset
         dst = self.segment.tensor[start:start + raw.numel()]
+        self.written += raw.numel()
         if check:
             return copy_checked(dst, raw)
         dst.copy_(raw)
@@ -244,6 +246,7 @@ class DirectTarget:
         intact = True
         for d_view, s_view in placed_pieces(dst, src, offset // size, pats):
             d_view.copy_(s_view)
+            self.written += d_view.numel() * size
             if check:
                 intact = intact and torch.equal(d_view, s_view)
         return intact

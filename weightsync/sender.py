@@ -226,7 +226,7 @@ class WeightSender:
         phases["end"] = sync_s - written_s
         report: dict[str, Any] = {
             "version": version, "nbytes": self.nbytes, "num_buckets": 0, "path": "direct",
-            "phases_s": phases,
+            "phases_s": phases, "bytes_written": int(written.get("bytes", 0)),
             "sync_s": sync_s, "gbps": self.nbytes / sync_s / 1e9 if sync_s > 0 else 0.0,
             "engines": {n: {"status": "ok", "path": "direct", **(e or {})}
                         for n, e in zip(direct, ends)},

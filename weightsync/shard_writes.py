@@ -105,12 +105,13 @@ class OneCopyWriter:
     def write(self, msg: dict[str, Any], *, verify: bool) -> dict[str, Any] | None:
         """Every rank, with rank 0's `msg` {"direct": engines, "new": {engine: shared}}.
 
-        Returns on rank 0 how many pieces were written and which tensors' bytes read back
-        differently; None elsewhere."""
+        Returns on rank 0 how many pieces and bytes (into all engines' workers) were written and
+        which tensors' bytes read back differently; None elsewhere."""
         for name, shared in msg["new"].items():
             self.forget(name)
             self.targets[name] = [DirectTarget(s) for s in worker_shares(shared)]
         targets = [t for n in msg["direct"] for t in self.targets[n]]
+        written_before = sum(t.written for t in targets)
         pieces, mismatched = 0, set()
         start = time.perf_counter()
         hook = self.before_write if self.group.rank == 0 else None
@@ -126,12 +127,15 @@ class OneCopyWriter:
                     if not target.write(name, offset, raw, check=verify):
                         mismatched.add(name)
                 pieces += 1
-        gathered = self.group.gather((pieces, sorted(mismatched), time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        nbytes = sum(t.written for t in targets) - written_before
+        gathered = self.group.gather((pieces, sorted(mismatched), seconds, nbytes))
         if gathered is None:
             return None
-        self.rank_write_s = [seconds for _, _, seconds in gathered]
-        return {"pieces": sum(n for n, _, _ in gathered),
-                "mismatched": sorted({m for _, bad, _ in gathered for m in bad})}
+        self.rank_write_s = [g[2] for g in gathered]
+        return {"pieces": sum(g[0] for g in gathered),
+                "mismatched": sorted({m for g in gathered for m in g[1]}),
+                "bytes": sum(g[3] for g in gathered)}
 
     def forget(self, name: str) -> None:
         for target in self.targets.pop(name, []):

@@ -1,12 +1,17 @@
 """A real SGLang engine (in-process sglang.Engine, tiny OPT) kept in step with a 2-rank FSDP2
-trainer over gloo, through shared-memory buckets."""
+trainer over gloo, through shared-memory buckets; a second replica joins the same trainer."""
 
 from __future__ import annotations
 
 import pytest
 import ray
 
-from tests.engine_checks import check_repeated_syncs, check_sync_after_training, prompt_ids
+from tests.engine_checks import (
+    assert_engine_matches_reference,
+    check_repeated_syncs,
+    check_sync_after_training,
+    prompt_ids,
+)
 from weightsync import launcher
 from weightsync.models import make_tiny_model
 
@@ -21,26 +26,40 @@ def setup(tmp_path_factory):
     trainer = launcher.TrainerGroup("backends.sglang.worker.SglDTensorV2WeightSyncWorker",
                                     model_path=model, bucket_bytes=1 << 20, seed=0)
     trainer.call("connect", {"sglang": engine})
-    yield engine, trainer
-    ray.get(engine.shutdown.remote(), timeout=120)
+    # A second replica, started once the first is up, connected to the same trainer later.
+    replica = launcher.launch("backends.sglang.engine.SglEngineActor", model, mode="engine")
+    trainer.call("connect", {"sglang-2": replica})
+    yield engine, trainer, replica
+    for e in (engine, replica):
+        ray.get(e.shutdown.remote(), timeout=120)
     ray.shutdown()
 
 
 def test_sync_after_training_is_verified_and_generation_matches_reference(setup):
-    engine, trainer = setup
+    engine, trainer, _ = setup
     report = check_sync_after_training(engine, trainer, "sglang", "step-3", steps=3)
     assert report["engines"]["sglang"]["weight_version"] == "step-3"
     assert ray.get(engine.engine_weight_version.remote()) == "step-3"  # SGLang's own tag
 
 
+def test_one_sync_serves_two_replicas_each_verified(setup):
+    engine, trainer, replica = setup
+    report = trainer.call("sync", "both", verify=True)
+    for name, e in (("sglang", engine), ("sglang-2", replica)):
+        assert report["verify"][name]["verified"], report["verify"]
+        assert report["engines"][name]["weight_version"] == "both"
+        assert ray.get(e.weight_version.remote()) == "both"
+        assert_engine_matches_reference(e, trainer)
+
+
 def test_repeated_syncs_with_requests_in_between(setup):
-    engine, trainer = setup
+    engine, trainer, _ = setup
     # The first sync went by buckets; the engine then shared its parameters.
     check_repeated_syncs(engine, trainer, "sglang", "round", rounds=3, path="direct")
 
 
 def test_shape_mismatch_is_rejected_before_any_engine_weight_changes(setup):
-    engine, trainer = setup
+    engine, trainer, _ = setup
     trainer.call("sync", "good", verify=True)
     prints = ray.get(engine.fingerprints.remote())
     specs = trainer.call("refit_info")

@@ -65,6 +65,10 @@ def test_repeated_syncs_take_the_one_copy_path_into_every_worker(setup):
         report = trainer.call("sync", f"round-{round_}", verify=True)
         assert report["engines"]["tp1"]["path"] == "direct", report["engines"]
         assert report["engines"]["tp2"]["path"] == "direct", report["engines"]
+        # Bytes written: one model into the replica, and into the TP=2 engine the sum of its
+        # workers' slices (one model, plus the norms both workers hold), not two full copies.
+        nbytes = report["nbytes"]
+        assert 2 * nbytes <= report["bytes_written"] < 2.05 * nbytes, report["bytes_written"]
         assert report["verify"]["tp2"]["verified"] and report["verify"]["tp1"]["verified"]
         for engine in engines.values():
             assert ray.get(engine.weight_version.remote()) == f"round-{round_}"
