@@ -65,7 +65,10 @@ def check_repeated_syncs(engine, trainer, name: str, prefix: str, *, rounds: int
     assert out["tokens"] != before["tokens"]
 
 
-def check_server_on_loopback_demands_key(engine, path: str) -> None:
+def check_server_on_loopback_demands_key(engine, path: str, *, key: str | None = None,
+                                         get_path: str | None = None) -> None:
+    """The server listens on 127.0.0.1 and answers 401 to a POST to `path` without a key; with
+    `key`, a GET of `get_path` is answered 200."""
     import urllib.error
     import urllib.request
 
@@ -78,3 +81,8 @@ def check_server_on_loopback_demands_key(engine, path: str) -> None:
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=30)
     assert err.value.code == 401
+    if key is not None:
+        req = urllib.request.Request(base + get_path,
+                                     headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 200

@@ -116,6 +116,9 @@ class ModelReceiver:
         self.buckets = BucketLoader(self.refit, load_fn=load_fn, name=name)
         self.previous = PreviousWeights(model, self.refit, name=name)
         self.sharing = ParameterSharing(model, self.refit, load_fn=load_fn, name=name)
+        # At TP > 1: trainer tensor -> [parameter, patterns] (`learn_placements`)
+        self.placements: dict[str, list] = {}
+        self._unplaced: set[str] = set()
 
     @property
     def param_of(self) -> dict[str, list[str]]:
@@ -145,6 +148,25 @@ class ModelReceiver:
 
     def drop_previous(self) -> None:
         self.previous.drop()
+
+    def learn_placements(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """In a tensor-parallel worker, after loading: for each tensor seen for the first time
+        that lands in one parameter, where the loader puts its elements
+        (weightsync/placement.py; on a scratch copy, the live weights are not touched)."""
+        from weightsync.placement import learn_placement
+
+        params = None
+        for name, tensor in named_tensors:
+            targets = self.param_of.get(name, [])
+            if name in self.placements or name in self._unplaced or len(targets) != 1:
+                continue
+            params = params or dict(self.model.named_parameters())
+            pats = learn_placement(params[targets[0]], tensor.dtype, tuple(tensor.shape),
+                                   lambda t, name=name: self.buckets.load([(name, t)]))
+            if pats is None:
+                self._unplaced.add(name)
+            else:
+                self.placements[name] = [targets[0], pats]
 
     def share(self, placements: dict[str, Any] | None = None) -> dict[str, Any]:
         return self.sharing.share(placements)
@@ -248,7 +270,7 @@ class EngineSession(WeightReceiver):
     `idle_timeout_s` (checked whenever the engine is asked to serve or report its version):
     nothing waits on a sender that is gone. An update aborted once weights may be mixed leaves
     the engine refusing requests (`check_serving`) until a later sync completes, unless the
-    engine kept and put back its previous weights (SGLang's `keep_previous=True`): then it goes on
+    engine kept and put back its previous weights (`keep_previous=True`): then it goes on
     serving the previous version. Subclasses implement `_engine_begin`, `_engine_load`, `_engine_end`
     (returns extra report fields) and `_engine_abort` (returns whether weights may now be mixed:
     true once a bucket was loaded, unless the engine put its previous weights back).

@@ -1,6 +1,6 @@
 """Keeping the previous weights during an update, inside an engine's model process.
 
-An engine that keeps them (SGLang with `keep_previous=True`) copies every parameter an update is
+An engine that keeps them (SGLang or vLLM with `keep_previous=True`) copies every parameter an update is
 about to overwrite, once per update, and puts the copies back when the update is aborted: it
 goes on serving the previous version instead of refusing requests until the next sync. It costs
 one copy of what an update touches, held only while the update is open.
@@ -43,8 +43,13 @@ class PreviousWeights:
                     self._saved[pname] = params[pname].detach().clone()
 
     def keep_all(self, params: dict[str, torch.Tensor]) -> None:
-        """Before the trainer writes into `params` (the one-copy path): copy them all."""
-        self._saved = {p: param.detach().clone() for p, param in params.items()}
+        """Before the trainer writes into `params` (the one-copy path), or before tensors whose
+        parameters are not known yet are loaded: copy those not copied yet in this update."""
+        if self._saved is None:
+            self._saved = {}
+        for pname, param in params.items():
+            if pname not in self._saved:
+                self._saved[pname] = param.detach().clone()
 
     def restore(self) -> int:
         """Put back what this update overwrote; how many parameters that was."""

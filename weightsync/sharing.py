@@ -93,3 +93,16 @@ class ParameterSharing:
     def close(self) -> None:
         if self.shared is not None:
             self.shared.close()
+
+
+def combine_worker_shares(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's `share_params` answer from its workers' `ParameterSharing.share` answers:
+    one worker's as it is; several as {"shared": [each worker's]} when every worker shared its
+    parameters, else the first reason why not (the trainer writes into all workers or none)."""
+    if len(answers) == 1:
+        return answers[0]
+    missing = [a for a in answers if not a["shared"]]
+    if missing:
+        return {"shared": None, "why": missing[0]["why"],
+                "retry": any(a["retry"] for a in missing)}
+    return {"shared": [a["shared"] for a in answers], "why": None, "retry": False}

@@ -2,7 +2,7 @@
 
 A sync needs a few small collectives among the trainer ranks (rank 0 tells the others which
 engines take which path and where the shared bytes are; the ranks report back what they
-wrote). They run in a gloo group of their own, bounded by the sync's timeout: a rank that dies
+wrote), as JSON (never pickle). They run in a gloo group of their own, bounded by the sync's timeout: a rank that dies
 mid-sync fails the others within it, whatever timeout the training collectives have, and a
 hung sync never blocks the training group.
 """
@@ -10,8 +10,10 @@ hung sync never blocks the training group.
 from __future__ import annotations
 
 import datetime
+import json
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 # Each gloo group's last barrier, kept until the interpreter exits: see `leave_group`.
@@ -41,6 +43,18 @@ def leave_group(group: dist.ProcessGroup | None = None) -> None:
         _last_barriers.append(work)
 
 
+def _encode(obj: Any) -> bytes:
+    """JSON, never pickle: a rank reads nothing from its peers but plain data."""
+    return json.dumps(obj, allow_nan=True, separators=(",", ":")).encode()
+
+
+def _to_tensor(data: bytes, size: int) -> torch.Tensor:
+    buf = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf
+
+
 class SyncGroup:
     """The sync's collectives over the ranks of `group` (default: the whole world).
 
@@ -58,16 +72,41 @@ class SyncGroup:
         self.world_size = dist.get_world_size(self.group)
 
     def broadcast(self, obj: Any = None) -> Any:
-        """Rank 0's `obj`, on every rank."""
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
-        return box[0]
+        """Rank 0's `obj` (plain data: JSON types), on every rank. A value JSON cannot spell
+        raises TypeError on rank 0 and RuntimeError on the others."""
+        size = torch.zeros(1, dtype=torch.int64)
+        data = b""
+        error = None
+        if self.rank == 0:
+            try:
+                data = _encode(obj)
+                size[0] = len(data)
+            except (TypeError, ValueError) as exc:
+                error, size[0] = exc, -1
+        dist.broadcast(size, group=self.group, group_src=0)
+        if int(size[0]) < 0:
+            if error is not None:
+                raise TypeError(f"sync group: {error}") from error
+            raise RuntimeError("sync group: rank 0 could not encode what it broadcast")
+        buf = _to_tensor(data, int(size[0])) if self.rank == 0 else \
+            torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.broadcast(buf, group=self.group, group_src=0)
+        return json.loads(buf.numpy().tobytes()) if self.rank != 0 else json.loads(data)
 
     def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's `obj`, in rank order, on rank 0; None elsewhere."""
-        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, group=self.group, group_dst=0)
-        return out
+        """Every rank's `obj` (plain data), in rank order, on rank 0; None elsewhere."""
+        data = _encode(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s[0]) for s in sizes)
+        buf = _to_tensor(data, longest)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)] \
+            if self.rank == 0 else None
+        dist.gather(buf, out, group=self.group, group_dst=0)
+        if out is None:
+            return None
+        return [json.loads(b[:int(s[0])].numpy().tobytes()) for b, s in zip(out, sizes)]
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)

@@ -69,8 +69,8 @@ class SyncOptions:
     verify: bool = False
     """Default of `sync(verify=...)`: compare what each engine holds with what was sent."""
     keep_previous: bool = False
-    """Engines that can (SGLang) keep a copy of their weights during an update and put it back
-    when the update fails; engines that cannot are logged and go on without."""
+    """Engines that can (SGLang, vLLM) keep a copy of their weights during an update and put
+    it back when the update fails; engines that cannot are logged and go on without."""
     one_copy: bool | None = None
     """The one-copy path from the second sync on. None: wherever the transport allows it
     (`shm`); True: required (a transport that cannot is refused); False: buckets only."""

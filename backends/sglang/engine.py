@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -28,7 +29,8 @@ from backends.sglang.loader import LOADER
 from weightsync.preflight import refuse_unsupported_sglang
 from weightsync.receiver import EngineSession
 from weightsync.server import LocalServer, cli_flags
-from weightsync.wire import as_plain, unwrap_replies
+from weightsync.sharing import combine_worker_shares
+from weightsync.wire import as_plain, unwrap_all
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +147,7 @@ class _Http:
         if api_key:
             cmd += ["--api-key", api_key]
         self.server = LocalServer(cmd, name="sglang", api_key=api_key)
+        self.tp_size = int(engine_args.get("tp_size") or 1)
         self.base = self.server.base
         self._request = self.server.request
 
@@ -177,7 +180,9 @@ class _Http:
         if isinstance(payload, bytes):
             payload = base64.b64encode(payload).decode()
         return self._ok("/update_weights_from_tensor", {
-            "serialized_named_tensors": [payload], "load_format": LOADER, "flush_cache": False,
+            # One payload per TP rank: each scheduler takes serialized_named_tensors[tp_rank].
+            "serialized_named_tensors": [payload] * self.tp_size, "load_format": LOADER,
+            "flush_cache": False,
             "weight_version": weight_version})
 
     def flush_cache(self) -> bool:
@@ -214,11 +219,15 @@ class SglEngineActor(EngineSession):
         args = {**(CPU_ENGINE_ARGS if not torch.cuda.is_available() else {}), "dtype": dtype,
                 **(engine_args or {})}
         self.mode = mode
+        self.tp_size = int(args.get("tp_size") or 1)
+        # An HTTP server always demands a key: the caller's, or a random one this actor keeps
+        # (`server_api_key`) and sends with its own requests.
+        self._api_key = (api_key or secrets.token_urlsafe(24)) if mode == "http" else None
         # Copy what each update overwrites, so a failed update is rolled back and the engine
         # goes on serving its previous weights (costs a copy of the model, during updates).
         self.keep_previous = keep_previous
         self.client = (_InProcess(model_path, {**args, "custom_weight_loader": [LOADER]})
-                       if mode == "engine" else _Http(model_path, args, api_key=api_key))
+                       if mode == "engine" else _Http(model_path, args, api_key=self._api_key))
         self.sessions = self.client.has_session()
         # Named like the shared-memory segments, so a sender sweeps it if this actor dies.
         self.reply_dir = tempfile.mkdtemp(prefix=f"weightsync-{os.getpid()}-reply-",
@@ -227,6 +236,13 @@ class SglEngineActor(EngineSession):
 
     # ---- control channel -------------------------------------------------------------------
     def _control(self, op: str, *, weight_version: str | None = None, **fields: Any) -> Any:
+        """TP rank 0's reply to one control call (`_control_all` for every scheduler's)."""
+        return self._control_all(op, weight_version=weight_version, **fields)[0]
+
+    def _control_all(self, op: str, *, weight_version: str | None = None,
+                     **fields: Any) -> list[Any]:
+        """Every TP scheduler's reply, in TP-rank order: each runs our loader on its payload
+        (one per TP rank) and writes its own reply file."""
         for name in os.listdir(self.reply_dir):
             os.unlink(os.path.join(self.reply_dir, name))
         message = json.dumps({"op": op, "reply": self.reply_dir, **fields})
@@ -238,7 +254,10 @@ class SglEngineActor(EngineSession):
         if not replies:
             raise RuntimeError(f"sglang ran no weightsync loader for {op}; is "
                                f"custom_weight_loader={LOADER!r} set?")
-        return unwrap_replies(replies)
+        if len(replies) != self.tp_size:
+            raise RuntimeError(f"sglang: {len(replies)} of {self.tp_size} TP schedulers ran "
+                               f"the weightsync loader for {op}")
+        return sorted(unwrap_all(replies), key=lambda r: r.get("tp_rank", 0))
 
     def _session(self, op: str, *, needed: bool = True) -> None:
         if not self.sessions:
@@ -249,25 +268,34 @@ class SglEngineActor(EngineSession):
 
     # ---- WeightReceiver --------------------------------------------------------------------
     def _read_only(self, op: str, **fields: Any) -> Any:
+        return self._read_only_all(op, **fields)[0]
+
+    def _read_only_all(self, op: str, **fields: Any) -> list[Any]:
         """A control call that writes no weight; SGLang still wants it inside a session."""
         if self._open is not None:
-            return self._control(op, **fields)
+            return self._control_all(op, **fields)
         self._session("begin")
         try:
-            return self._control(op, **fields)
+            return self._control_all(op, **fields)
         finally:
             self._session("end")
 
     def check_refit(self, specs: list[dict]) -> dict:
-        return as_plain(self._read_only("check", specs=specs))
+        """Every TP scheduler checks; `num_receivers`: how many a sync reaches."""
+        answers = self._read_only_all("check", specs=specs)
+        return as_plain({"param_of": answers[0]["param_of"],
+                         "num_params": answers[0]["num_params"],
+                         "num_receivers": len(answers), "tp_size": self.tp_size})
 
     def _engine_begin(self, direct: bool) -> str | None:
         self._session("begin")
         if direct:
-            why = self._control("begin_direct", keep_previous=self.keep_previous)["why"]
-            if why is not None:
+            whys = [r["why"] for r in self._control_all("begin_direct",
+                                                        keep_previous=self.keep_previous)
+                    if r["why"] is not None]
+            if whys:
                 self._session("end", needed=False)
-            return why
+                return "; ".join(whys)
         return None
 
     def _engine_load(self, descriptor: dict) -> dict:
@@ -276,9 +304,12 @@ class SglEngineActor(EngineSession):
 
     def _engine_end(self, version: str) -> dict:
         # The version rides on a last, empty control call, so SGLang's own tag moves too.
-        self._control("commit", weight_version=version, direct=self._direct)
+        commits = self._control_all("commit", weight_version=version, direct=self._direct)
         self._session("end")
-        return {"cache_flushed": self.client.flush_cache()}
+        report = {"cache_flushed": self.client.flush_cache()}
+        if self.tp_size > 1:  # each scheduler holds slices: where, for verification
+            report["placements"] = [c["placements"] for c in commits]
+        return report
 
     def set_keep_previous(self, on: bool) -> None:
         """Turn keeping (and restoring) the previous weights on or off for later updates."""
@@ -297,10 +328,16 @@ class SglEngineActor(EngineSession):
         return bool(self._loaded) and not restored
 
     def fingerprints(self) -> dict[str, list[int]]:
+        """TP rank 0's parameters (all of them at TP=1); `worker_fingerprints` for each."""
         return self._read_only("fingerprints")["fingerprints"]
 
+    def worker_fingerprints(self) -> list[dict[str, list[int]]]:
+        return [r["fingerprints"] for r in self._read_only_all("fingerprints")]
+
     def share_params(self) -> dict:
-        return as_plain(self._read_only("share"))
+        answers = [{k: v for k, v in a.items() if k != "tp_rank"}
+                   for a in self._read_only_all("share")]
+        return as_plain(combine_worker_shares(answers))
 
 
     # ---- serving -------------------------------------------------------------------------
@@ -349,6 +386,10 @@ class SglEngineActor(EngineSession):
         from weightsync.procstats import process_tree_stats
 
         return process_tree_stats()
+
+    def server_api_key(self) -> str | None:
+        """The key the HTTP server demands (None in-process), for clients of the server."""
+        return self._api_key
 
     def server_url(self) -> str | None:
         return getattr(self.client, "base", None)

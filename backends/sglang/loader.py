@@ -37,35 +37,55 @@ def _receiver(model: Any) -> Any:
     return receiver
 
 
+def _tp() -> tuple[int, int]:
+    """(this scheduler's tensor-parallel rank, the TP size); (0, 1) where SGLang set up none."""
+    try:
+        from sglang.srt.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (ImportError, AssertionError, AttributeError):
+        return 0, 1
+
+
 def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
+    """One control call in one TP scheduler (each gets the same message); every reply carries
+    its `tp_rank`, and at TP > 1 the scheduler learns and reports its placements (the elements
+    of each tensor it holds; weightsync/placement.py)."""
     from weightsync.wire import BucketDescriptor, specs_from_dicts
 
     receiver = _receiver(model)
     op = message["op"]
+    rank, size = _tp()
     if op == "check":
-        return receiver.check_refit(specs_from_dicts(message["specs"]))
+        return {**receiver.check_refit(specs_from_dicts(message["specs"])), "tp_rank": rank}
     if op == "load":
         start = time.perf_counter()
         bucket = BucketDescriptor.from_dict(message["descriptor"])
         views = receiver.receive(bucket)
         receiver.load(views, keep_previous=bool(message.get("keep_previous")))
+        if size > 1:
+            receiver.learn_placements(views)
         del views
         receiver.release(bucket)
         return {"num_tensors": len(bucket.tensors), "nbytes": bucket.nbytes,
-                "seconds": time.perf_counter() - start}
+                "seconds": time.perf_counter() - start, "tp_rank": rank}
     if op == "share":
-        return receiver.share()
+        return {**receiver.share(receiver.placements if size > 1 else None), "tp_rank": rank}
     if op == "begin_direct":
-        return {"why": receiver.begin_direct(keep_previous=bool(message.get("keep_previous")))}
+        return {"why": receiver.begin_direct(keep_previous=bool(message.get("keep_previous"))),
+                "tp_rank": rank}
     if op == "commit":
         if message.get("direct"):
             receiver.end_direct()
         receiver.drop_previous()
-        return {}
+        return {"tp_rank": rank, "placements": receiver.placements if size > 1 else None}
     if op == "rollback":
-        return {"restored": receiver.restore_previous()}
+        return {"restored": receiver.restore_previous(), "tp_rank": rank}
     if op == "fingerprints":
-        return {"fingerprints": receiver.fingerprints()}
+        return {"fingerprints": receiver.fingerprints(), "tp_rank": rank}
     raise ValueError(f"unknown weightsync op {op!r}")
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 import time
 from typing import Any
 
 from weightsync.preflight import cpu_binding, cuda_device_present, refuse_unsupported_vllm
 from weightsync.receiver import EngineSession
+from weightsync.sharing import combine_worker_shares
 from weightsync.server import LocalServer, cli_flags
 from weightsync.wire import as_plain, unwrap_all
 
@@ -115,7 +117,7 @@ class VllmEngineActor(EngineSession):
     def __init__(self, model_path: str, *, mode: str = "engine", dtype: str = "float32",
                  max_model_len: int = 256, api_key: str | None = None,
                  tensor_parallel_size: int = 1, engine_args: dict[str, Any] | None = None,
-                 idle_timeout_s: float = 60.0) -> None:
+                 idle_timeout_s: float = 60.0, keep_previous: bool = False) -> None:
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
         super().__init__(idle_timeout_s=idle_timeout_s)
@@ -133,8 +135,14 @@ class VllmEngineActor(EngineSession):
                                       cpu_binding(tensor_parallel_size))
         self.tp_size = tensor_parallel_size
         self.mode = mode
+        # Copy what each update overwrites, so a failed update is rolled back and the engine
+        # goes on serving its previous weights (costs a copy of the model, during updates).
+        self.keep_previous = keep_previous
+        # An HTTP server always demands a key: the caller's, or a random one this actor keeps
+        # (`server_api_key`) and sends with its own requests.
+        self._api_key = (api_key or secrets.token_urlsafe(24)) if mode == "http" else None
         self.client = (_InProcess(model_path, args) if mode == "engine"
-                       else _Http(model_path, args, api_key=api_key))
+                       else _Http(model_path, args, api_key=self._api_key))
 
     def _rpc_all(self, method: str, *args: Any) -> list[Any]:
         """Every worker's result, in worker (= TP rank) order, as collective_rpc answers."""
@@ -153,8 +161,15 @@ class VllmEngineActor(EngineSession):
                          "num_receivers": len(results), "tp_size": self.tp_size})
 
     def _engine_begin(self, direct: bool) -> str | None:
-        whys = [r["why"] for r in self._rpc_all("weightsync_begin", direct) if r["why"]]
+        whys = [r["why"] for r in self._rpc_all("weightsync_begin", direct, self.keep_previous)
+                if r["why"]]
         return "; ".join(whys) if whys else None
+
+    def set_keep_previous(self, on: bool) -> None:
+        """Turn keeping (and restoring) the previous weights on or off for later updates."""
+        if self._open is not None:
+            raise RuntimeError(f"vllm: cannot change keep_previous during update {self._open!r}")
+        self.keep_previous = bool(on)
 
     def _engine_load(self, descriptor: dict) -> dict:
         return as_plain(self._rpc("weightsync_load", descriptor))
@@ -169,8 +184,15 @@ class VllmEngineActor(EngineSession):
         return as_plain(report)
 
     def _engine_abort(self, reason: str) -> bool:
-        # Loading is in place: weights are mixed once a bucket was loaded.
-        return self._loaded > 0
+        # Loading is in place: weights are mixed once a bucket was loaded, unless every worker
+        # put back what it had kept.
+        restored = False
+        if self.keep_previous and self._loaded:
+            try:
+                restored = all(r["restored"] >= 0 for r in self._rpc_all("weightsync_rollback"))
+            except Exception as exc:  # the engine itself may be what failed
+                logger.warning("vllm: rolling back update %r failed: %s", self._open, exc)
+        return self._loaded > 0 and not restored
 
     def fingerprints(self) -> dict[str, list[int]]:
         """Worker 0's parameters (all of them at TP=1); `worker_fingerprints` for each."""
@@ -182,15 +204,7 @@ class VllmEngineActor(EngineSession):
 
     def share_params(self) -> dict:
         """At TP > 1, {"shared": [each worker's shared parameters]} or none of them."""
-        answers = self._rpc_all("weightsync_share")
-        if len(answers) == 1:
-            return as_plain(answers[0])
-        missing = [a for a in answers if not a["shared"]]
-        if missing:
-            return as_plain({"shared": None, "why": missing[0]["why"],
-                             "retry": any(a["retry"] for a in missing)})
-        return as_plain({"shared": [a["shared"] for a in answers], "why": None, "retry": False})
-
+        return as_plain(combine_worker_shares(self._rpc_all("weightsync_share")))
 
     def settle(self, timeout_s: float = 120.0) -> dict:
         """On CPU the packed GEMMs are rebuilt in the background after an update."""
@@ -216,6 +230,10 @@ class VllmEngineActor(EngineSession):
         from weightsync.procstats import process_tree_stats
 
         return process_tree_stats()
+
+    def server_api_key(self) -> str | None:
+        """The key the HTTP server demands (None in-process), for clients of the server."""
+        return self._api_key
 
     def server_url(self) -> str | None:
         return getattr(self.client, "base", None)

@@ -156,7 +156,6 @@ class WeightsyncWorkerExtension:
                                           default_loader=copy_loader, name="vllm"),
                 "open": False,
                 "repacker": _Repacker(),
-                "placements": {},  # trainer tensor -> [parameter, patterns], at TP > 1
             }
         return state
 
@@ -185,16 +184,32 @@ class WeightsyncWorkerExtension:
                 "tp_rank": rank, "tp_size": size}
 
     @_guard
-    def weightsync_begin(self, direct: bool = False) -> dict[str, Any]:
+    def weightsync_begin(self, direct: bool = False, keep_previous: bool = False,
+                         ) -> dict[str, Any]:
+        """Open an update; with `keep_previous`, what it overwrites is copied first (each
+        parameter once) so that `weightsync_rollback` can put it back."""
         state = self._ws_state()
         state["repacker"].stop()  # it must not pack half-loaded weights
         self._ws_rewrap()
+        state["receiver"].drop_previous()
         if direct:
-            why = state["receiver"].begin_direct(keep_previous=False)
+            why = state["receiver"].begin_direct(keep_previous=keep_previous)
             if why is not None:
                 return {"why": why}
-        state["open"], state["direct"] = True, direct
+        state["open"], state["direct"], state["keep"] = True, direct, keep_previous
         return {"why": None}
+
+    @_guard
+    def weightsync_rollback(self) -> dict[str, Any]:
+        """Put back what the open update overwrote (kept since `weightsync_begin`); its layers
+        compute from the restored parameters until re-packed."""
+        state = self._ws_state()
+        receiver = state["receiver"]
+        restored = receiver.restore_previous()
+        self._ws_mark_stale({n for n, _ in receiver.model.named_parameters()})
+        state["open"], state["direct"], state["keep"] = False, False, False
+        state["repacker"].start()
+        return {"restored": restored}
 
     @_guard
     def weightsync_share(self) -> dict[str, Any]:
@@ -204,7 +219,7 @@ class WeightsyncWorkerExtension:
 
         state = self._ws_state()
         # At TP > 1 the trainer writes each worker's slices through their placements.
-        placements = state["placements"] if self._ws_tp()[1] > 1 else None
+        placements = state["receiver"].placements if self._ws_tp()[1] > 1 else None
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             return state["receiver"].share(placements)
 
@@ -269,6 +284,10 @@ class WeightsyncWorkerExtension:
         touched: set[str] = set()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             known = [(n, t) for n, t in views if n in receiver.param_of]
+            if state.get("keep"):
+                if len(known) < len(views):  # where a new tensor lands is not known yet
+                    receiver.previous.keep_all(dict(model.named_parameters()))
+                receiver.previous.keep([n for n, _ in known])
             if known:
                 touched.update(model.load_weights(known))
             # First sight of a tensor: load it alone to learn which parameters it lands in
@@ -285,22 +304,9 @@ class WeightsyncWorkerExtension:
                 "seconds": time.perf_counter() - start}
 
     def _ws_learn_placement(self, name: str, tensor: Any) -> None:
-        """At TP > 1: where this worker's loader puts the elements of `name`
-        (weightsync/placement.py), learned on a scratch copy of its one parameter."""
-        from weightsync.placement import learn_placement
-
-        if self._ws_tp()[1] == 1:
-            return
-        state = self._ws_state()
-        model = state["receiver"].model
-        targets = state["receiver"].param_of[name]
-        if len(targets) != 1:
-            return
-        param = dict(model.named_parameters())[targets[0]]
-        pats = learn_placement(param, tensor.dtype, tuple(tensor.shape),
-                               lambda t: model.load_weights([(name, t)]))
-        if pats is not None:
-            state["placements"][name] = [targets[0], pats]
+        """At TP > 1: where this worker's loader puts the elements of `name`."""
+        if self._ws_tp()[1] > 1:
+            self._ws_state()["receiver"].learn_placements([(name, tensor)])
 
     @_guard
     def weightsync_end(self) -> dict[str, Any]:
@@ -310,11 +316,12 @@ class WeightsyncWorkerExtension:
             # The trainer wrote into the shared parameters: their layers compute from them
             # until re-packed, as after a load.
             self._ws_mark_stale(set(state["receiver"].direct_params()))
-        state["open"], state["direct"] = False, False
+        state["open"], state["direct"], state["keep"] = False, False, False
+        state["receiver"].drop_previous()
         state["repacker"].start()
         rank, size = self._ws_tp()
         return {"param_of": state["receiver"].param_of, "tp_rank": rank,
-                "placements": state["placements"] if size > 1 else None}
+                "placements": state["receiver"].placements if size > 1 else None}
 
     @_guard
     def weightsync_repacked(self, timeout_s: float) -> dict[str, Any]:

@@ -14,15 +14,12 @@ from tests.engine_checks import (
 from weightsync import launcher
 from weightsync.models import make_tiny_model
 
-API_KEY = "test-key-123"
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="gpt2", seed=0)
     launcher.init_ray(num_cpus=2)
-    engine = launcher.launch("backends.sglang.engine.SglEngineActor", model, mode="http",
-                             api_key=API_KEY)
+    # No api_key given: the actor makes one up (vllm's server test passes its own).
+    engine = launcher.launch("backends.sglang.engine.SglEngineActor", model, mode="http")
     trainer = launcher.TrainerGroup("backends.sglang.worker.SglDTensorV2WeightSyncWorker",
                                     model_path=model, bucket_bytes=1 << 20, seed=0,
                                     transport="gloo")
@@ -43,6 +40,9 @@ def test_repeated_syncs_over_http_with_requests_in_between(setup):
     check_repeated_syncs(engine, trainer, "sglang-http", "http-round", rounds=2)
 
 
-def test_server_listens_on_loopback_and_demands_the_api_key(setup):
+def test_server_listens_on_loopback_and_demands_a_key_by_default(setup):
     engine, _ = setup
-    check_server_on_loopback_demands_key(engine, "/update_weights_from_tensor")
+    key = ray.get(engine.server_api_key.remote())
+    assert isinstance(key, str) and len(key) >= 24
+    check_server_on_loopback_demands_key(engine, "/update_weights_from_tensor", key=key,
+                                         get_path="/model_info")

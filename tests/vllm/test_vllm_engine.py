@@ -80,3 +80,50 @@ def test_a_sync_after_the_engines_own_reload_lands_verified(setup):
         assert_engine_matches_reference(engine, trainer)
     print(f"paths after vLLM's reload_weights: {paths}")
     assert paths[1] == "direct"
+
+
+@pytest.mark.parametrize("keep_previous", [False, True])
+def test_update_aborted_midway_is_rolled_back_with_keep_previous(setup, keep_previous):
+    """One tensor of an update is loaded, then the sender "dies": with keep_previous the engine
+    puts back what it overwrote and goes on serving its previous version; without, it refuses
+    to serve the mixture. Either way the next sync recovers."""
+    import torch
+
+    from weightsync.transports.shm import ShmSender
+    from weightsync.wire import TensorMeta
+
+    engine, trainer, _ = setup
+    trainer.call("sync", f"before-abort-{keep_previous}", verify=True)
+    ray.get(engine.settle.remote(), timeout=300)
+    ray.get(engine.set_keep_previous.remote(keep_previous))
+    version = ray.get(engine.weight_version.remote())
+    prints = ray.get(engine.fingerprints.remote())
+    served = ray.get(engine.generate.remote(prompt_ids()))
+    spec = next(s for s in trainer.call("refit_info") if s["name"].endswith("fc1.weight"))
+    sender = ShmSender(num_slots=1)
+    try:
+        meta = TensorMeta(name=spec["name"], dtype=spec["dtype"], shape=tuple(spec["shape"]),
+                          offset=0)
+        buf = sender.buffer(0, meta.nbytes)
+        buf.view(torch.float32).copy_(torch.randn(buf.numel() // 4))
+        descriptor = {"index": 0, "nbytes": meta.nbytes, "handle": sender.handle(0),
+                      "tensors": [meta.to_dict()]}
+        ray.get(engine.begin.remote("half"))
+        ray.get(engine.load_bucket.remote(descriptor))
+        ray.get(engine.abort.remote("sender failed"))
+    finally:
+        sender.close()
+        ray.get(engine.set_keep_previous.remote(False))
+    assert ray.get(engine.weight_version.remote()) == version
+    if keep_previous:
+        assert ray.get(engine.fingerprints.remote()) == prints
+        assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
+        ray.get(engine.settle.remote(), timeout=300)  # re-packed from the restored weights
+        assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
+    else:
+        assert ray.get(engine.fingerprints.remote()) != prints
+        with pytest.raises(Exception, match="does not serve: update 'half' was aborted"):
+            ray.get(engine.generate.remote(prompt_ids()))
+    report = trainer.call("sync", f"recovered-{keep_previous}", verify=True)
+    assert report["verify"]["vllm"]["verified"]
+    assert_engine_matches_reference(engine, trainer)

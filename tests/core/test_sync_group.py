@@ -1,0 +1,59 @@
+"""The trainer ranks' side channel (weightsync/sync_group.py): plain data as JSON over gloo,
+never pickle, between two spawned ranks."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+from tests.conftest import free_port
+
+
+def _rank(rank: int, port: int, results) -> None:
+    import pickle
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from weightsync.dtensor import close_trainer_group, init_trainer_group
+    from weightsync.sync_group import SyncGroup
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the sync group unpickled something from a peer")
+
+    # Whatever a peer sends, nothing here may unpickle it.
+    c10d._tensor_to_object = refuse
+    pickle.loads = refuse
+    pickle.Unpickler = refuse
+    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    group = SyncGroup(timeout_s=60)
+    out: dict = {}
+    plan = {"direct": ["a"], "new": {"a": {"segment": "x", "offsets": {"t": 64}}}, "n": None}
+    out["broadcast"] = group.broadcast(plan if rank == 0 else None)
+    out["gathered"] = group.gather((rank, [f"bad-{rank}"], 0.5 * rank, 10 ** 12))
+    try:
+        group.broadcast(object() if rank == 0 else None)
+    except Exception as exc:  # noqa: BLE001 - which class, on which rank, is the result
+        out["unencodable"] = f"{type(exc).__name__}: {exc}"
+    out["after"] = group.broadcast("still in step" if rank == 0 else None)
+    group.close()
+    close_trainer_group()
+    results.put((rank, out))
+
+
+def test_plain_data_crosses_as_json_and_an_unencodable_value_fails_every_rank():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    outs = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    want = {"direct": ["a"], "new": {"a": {"segment": "x", "offsets": {"t": 64}}}, "n": None}
+    assert outs[0]["broadcast"] == outs[1]["broadcast"] == want
+    assert outs[0]["gathered"] == [[0, ["bad-0"], 0.0, 10 ** 12], [1, ["bad-1"], 0.5, 10 ** 12]]
+    assert outs[1]["gathered"] is None
+    assert outs[0]["unencodable"].startswith("TypeError: sync group: Object of type object")
+    assert outs[1]["unencodable"].startswith("RuntimeError: sync group: rank 0 could not")
+    assert outs[0]["after"] == outs[1]["after"] == "still in step"
