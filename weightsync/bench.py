@@ -76,6 +76,7 @@ def _bench_topology(size: str, args: argparse.Namespace) -> dict[str, Any]:
     result = {"size": size, "tp": args.tp, "replicas": args.replicas,
               "nbytes": model_bytes("opt", size, dtype="bfloat16"), "path": best["path"],
               "sync_s": best["sync_s"], "bytes_written": written,
+              "phases_s": best.get("phases_s"),
               "memcpy_s": trainer.call("bench_memcpy", max(written, 1)),
               "verified": all(v["verified"] for k, v in checked["verify"].items()
                               if k != "verify_s")}
@@ -107,7 +108,7 @@ def _run_topology(args: argparse.Namespace, sizes: list[str]) -> int:
 
     table = Table(title=f"one sync into {args.replicas} vLLM replica(s) of TP={args.tp}")
     for col in ("size", "model GB", "path", "bytes written GB", "sync ms", "written GB/s",
-                "memcpy GB/s", "ratio", "verified"):
+                "memcpy GB/s", "ratio", "verified", "begin / write / end ms"):
         table.add_column(col)
     for r in results:
         rate = _gbps(r["bytes_written"], r["sync_s"])
@@ -115,8 +116,10 @@ def _run_topology(args: argparse.Namespace, sizes: list[str]) -> int:
         table.add_row(r["size"], f"{r['nbytes'] / 1e9:.3f}", r["path"],
                       f"{r['bytes_written'] / 1e9:.3f}", f"{r['sync_s'] * 1e3:.0f}",
                       f"{rate:.2f}", f"{copy:.2f}", f"{rate / copy:.2f}" if copy else "-",
-                      str(r["verified"]))
-    Console().print(table)
+                      str(r["verified"]),
+                      " / ".join(f"{(r['phases_s'] or {}).get(k, 0) * 1e3:.0f}"
+                                 for k in ("begin", "write", "end")))
+    Console(width=160).print(table)
     return 0
 
 
