@@ -102,11 +102,14 @@ class ActorHost:
         return getattr(self.obj, method)(*args, **kwargs)
 
     def where(self) -> dict[str, Any]:
-        """The Ray node, interpreter and process this actor runs in (plain data)."""
+        """The Ray node, interpreter and process this actor runs in, and the placement group
+        it was put into, if any (plain data)."""
         import ray
+        from ray.util import get_current_placement_group
 
+        group = get_current_placement_group()
         return {"node_id": ray.get_runtime_context().get_node_id(), "python": sys.executable,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "placement_group": group.id.hex() if group else None}
 
 
 @dataclass(slots=True)
@@ -355,16 +358,23 @@ class TrainerGroup:
     """
 
     def __init__(self, qualname: str, *, world_size: int = 2, env: str | None = None,
-                 call_timeout_s: float = 1200.0, **kwargs: Any) -> None:
+                 call_timeout_s: float = 1200.0, placements: list[Placement] | None = None,
+                 **kwargs: Any) -> None:
+        """`placements`: one bundle per rank (`place(world_size, {...})`), which the rank holds
+        while it lives."""
         import socket
 
+        if placements is not None and len(placements) != world_size:
+            raise ValueError(f"{len(placements)} placements for world_size={world_size}: give "
+                             f"one per rank")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.timeout_s = call_timeout_s
         self.ranks = [
             launch(qualname, env=env, rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                   master_port=port, **kwargs)
+                   master_port=port, placement=placements[rank] if placements else None,
+                   **kwargs)
             for rank in range(world_size)
         ]
 

@@ -51,7 +51,8 @@ def test_a_replica_holds_the_resources_of_its_workers_in_one_bundle(ray_job):
     (slot,) = launcher.place(1, bundle)
     try:
         probe = launcher.launch("weightsync.launcher.EnvProbe", placement=slot)
-        assert ray.get(probe.versions.remote(), timeout=120)["pid"] > 0
+        assert ray.get(probe.handle.where.remote(), timeout=120)["placement_group"] == \
+            slot.group.id.hex()
         assert ray.available_resources().get("accel", 0) == 1
         # A second replica does not fit now: it fails within the timeout, naming what it
         # asked for and what is left, instead of waiting for ever.

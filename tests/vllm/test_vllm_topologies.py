@@ -23,8 +23,13 @@ def setup(tmp_path_factory):
     launcher.init_ray(num_cpus=2)
     tp2 = launcher.launch(ENGINE, model, tensor_parallel_size=2)
     tp1 = launcher.launch(ENGINE, model)
+    # Each trainer rank in a bundle of its own (on a GPU cluster: {"GPU": 1}).
+    ranks = launcher.place(2, {"CPU": 0.5})
     trainer = launcher.TrainerGroup("backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
-                                    model_path=model, bucket_bytes=1 << 20, seed=0)
+                                    model_path=model, bucket_bytes=1 << 20, seed=0,
+                                    placements=ranks)
+    assert [ray.get(r.handle.where.remote())["placement_group"] for r in trainer.ranks] == \
+        [ranks[0].group.id.hex()] * 2
     answer = trainer.call("connect", {"tp2": tp2, "tp1": tp1})
     yield {"tp2": tp2, "tp1": tp1}, trainer, model, answer
     ray.shutdown()
