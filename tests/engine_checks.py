@@ -86,3 +86,26 @@ def check_server_on_loopback_demands_key(engine, path: str, *, key: str | None =
                                      headers={"Authorization": f"Bearer {key}"})
         with urllib.request.urlopen(req, timeout=30) as resp:
             assert resp.status == 200
+
+
+def half_update(engine, spec: dict, version: str = "half") -> None:
+    """Begin an update, load one tensor of random float32 values (`spec`, from refit info),
+    then abort it, as a sender that died mid-sync would leave it."""
+    import torch
+
+    from weightsync.transports.shm import ShmSender
+    from weightsync.wire import TensorMeta
+
+    sender = ShmSender(num_slots=1)
+    try:
+        meta = TensorMeta(name=spec["name"], dtype=spec["dtype"], shape=tuple(spec["shape"]),
+                          offset=0)
+        buf = sender.buffer(0, meta.nbytes)
+        buf.view(torch.float32).copy_(torch.randn(buf.numel() // 4))
+        descriptor = {"index": 0, "nbytes": meta.nbytes, "handle": sender.handle(0),
+                      "tensors": [meta.to_dict()]}
+        ray.get(engine.begin.remote(version))
+        ray.get(engine.load_bucket.remote(descriptor))  # one tensor in, then the sender "dies"
+        ray.get(engine.abort.remote("sender failed"))
+    finally:
+        sender.close()

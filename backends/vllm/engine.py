@@ -20,8 +20,8 @@ from typing import Any
 
 from weightsync.preflight import cpu_binding, cuda_device_present, refuse_unsupported_vllm
 from weightsync.receiver import EngineSession
-from weightsync.sharing import combine_worker_shares
 from weightsync.server import LocalServer, cli_flags
+from weightsync.sharing import combine_worker_shares
 from weightsync.wire import as_plain, unwrap_all
 
 logger = logging.getLogger(__name__)

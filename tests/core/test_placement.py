@@ -115,7 +115,7 @@ def test_pieces_of_a_tensor_land_where_the_patterns_say(cuts):
         want = narrow(full).contiguous()
         param = torch.nn.Parameter(torch.zeros_like(want), requires_grad=False)
         pats = learn_placement(param, torch.int32, (6, 8),
-                               lambda t: param.data.copy_(narrow(t)))
+                               lambda t, p=param, f=narrow: p.data.copy_(f(t)))
         dst = torch.full((want.numel(),), -1, dtype=torch.int32)
         flat = full.reshape(-1)
         for a, b in zip(cuts, cuts[1:]):

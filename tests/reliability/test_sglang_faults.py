@@ -8,7 +8,7 @@ import pytest
 import ray
 import torch
 
-from tests.engine_checks import assert_engine_matches_reference, prompt_ids
+from tests.engine_checks import assert_engine_matches_reference, half_update, prompt_ids
 from weightsync import launcher
 from weightsync.dtensor import DTensorV2Source
 from weightsync.models import build_model, make_tiny_model
@@ -152,20 +152,7 @@ def test_update_aborted_midway_is_never_served_and_the_next_sync_recovers(setup,
     version = ray.get(engine.weight_version.remote())
     prints = ray.get(engine.fingerprints.remote())
     served = ray.get(engine.generate.remote(prompt_ids()))
-    spec = trainer.call("refit_info")[0]  # the token embedding
-    sender = ShmSender(num_slots=1)
-    try:
-        meta = TensorMeta(name=spec["name"], dtype=spec["dtype"], shape=tuple(spec["shape"]),
-                          offset=0)
-        buf = sender.buffer(0, meta.nbytes)
-        buf.view(torch.float32).copy_(torch.randn(buf.numel() // 4))
-        descriptor = {"index": 0, "nbytes": meta.nbytes, "handle": sender.handle(0),
-                      "tensors": [meta.to_dict()]}
-        ray.get(engine.begin.remote("half"))
-        ray.get(engine.load_bucket.remote(descriptor))  # one tensor in, then the sender "dies"
-        ray.get(engine.abort.remote("sender failed"))
-    finally:
-        sender.close()
+    half_update(engine, trainer.call("refit_info")[0])  # the token embedding
     assert ray.get(engine.weight_version.remote()) == version
     if keep_previous:
         # The overwritten embedding was put back: same weights, same answers.

@@ -14,6 +14,7 @@ from tests.engine_checks import (
 from weightsync import launcher
 from weightsync.models import make_tiny_model
 
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="gpt2", seed=0)

@@ -10,6 +10,7 @@ from tests.engine_checks import (
     assert_engine_matches_reference,
     check_repeated_syncs,
     check_sync_after_training,
+    half_update,
     prompt_ids,
 )
 from weightsync import launcher
@@ -87,11 +88,6 @@ def test_update_aborted_midway_is_rolled_back_with_keep_previous(setup, keep_pre
     """One tensor of an update is loaded, then the sender "dies": with keep_previous the engine
     puts back what it overwrote and goes on serving its previous version; without, it refuses
     to serve the mixture. Either way the next sync recovers."""
-    import torch
-
-    from weightsync.transports.shm import ShmSender
-    from weightsync.wire import TensorMeta
-
     engine, trainer, _ = setup
     trainer.call("sync", f"before-abort-{keep_previous}", verify=True)
     ray.get(engine.settle.remote(), timeout=300)
@@ -99,20 +95,10 @@ def test_update_aborted_midway_is_rolled_back_with_keep_previous(setup, keep_pre
     version = ray.get(engine.weight_version.remote())
     prints = ray.get(engine.fingerprints.remote())
     served = ray.get(engine.generate.remote(prompt_ids()))
-    spec = next(s for s in trainer.call("refit_info") if s["name"].endswith("fc1.weight"))
-    sender = ShmSender(num_slots=1)
     try:
-        meta = TensorMeta(name=spec["name"], dtype=spec["dtype"], shape=tuple(spec["shape"]),
-                          offset=0)
-        buf = sender.buffer(0, meta.nbytes)
-        buf.view(torch.float32).copy_(torch.randn(buf.numel() // 4))
-        descriptor = {"index": 0, "nbytes": meta.nbytes, "handle": sender.handle(0),
-                      "tensors": [meta.to_dict()]}
-        ray.get(engine.begin.remote("half"))
-        ray.get(engine.load_bucket.remote(descriptor))
-        ray.get(engine.abort.remote("sender failed"))
+        half_update(engine, next(s for s in trainer.call("refit_info")
+                                 if s["name"].endswith("fc1.weight")))
     finally:
-        sender.close()
         ray.get(engine.set_keep_previous.remote(False))
     assert ray.get(engine.weight_version.remote()) == version
     if keep_previous:

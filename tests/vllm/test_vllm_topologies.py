@@ -53,7 +53,7 @@ def test_one_sync_serves_both_replicas_each_tp_worker_verified(setup):
     # tensors put there: per layer qkv_proj (weight, bias), o_proj, gate_up_proj, down_proj and
     # two norms; then embed_tokens, norm and lm_head: 2 * 7 + 3 = 17 per worker.
     assert checked["tp2"]["num_checked"] == 2 * 17, checked["tp2"]
-    for name, engine in engines.items():
+    for engine in engines.values():
         assert ray.get(engine.weight_version.remote()) == "step-2"
         assert_engine_matches_reference(engine, trainer)
         ray.get(engine.settle.remote(), timeout=300)
