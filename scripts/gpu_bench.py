@@ -3,6 +3,7 @@
 Runs where CUDA exists (torch alone; no engine needed):
   python scripts/gpu_bench.py ipc   --sizes-gb 1,4,16   # CUDA IPC between two processes, one GPU
   python scripts/gpu_bench.py nccl  --sizes-gb 1,4,16   # collective transport over NCCL, two GPUs
+  python scripts/gpu_bench.py tp-ipc --sizes-gb 1,4     # two tensor-parallel workers (GPU 0, 1)
 Each run drives the real WeightSender (refit check, begin, buckets, end, fingerprint verification)
 into a ModuleWeightReceiver in another process, which copies every tensor into preallocated
 parameters the way an engine's loader does (CUDA IPC: straight from the trainer's tensors, or
@@ -36,12 +37,45 @@ def _model(num_tensors: int, numel: int, device: str) -> torch.nn.Module:
     return model
 
 
-def _receiver_main(device: int, num_tensors: int, numel: int, conn) -> None:
+def _sliced_model(num_tensors: int, rows: int, cols: int, rank: int, size: int,
+                  device: str) -> torch.nn.Module:
+    """Tensor-parallel worker `rank` of `size`: even layers keep rows (column-parallel), odd
+    ones columns (row-parallel), each parameter's loader narrowing the full tensor, as vLLM's
+    and SGLang's loaders do."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList()
+    for i in range(num_tensors):
+        dim = i % 2
+        shape = [rows, cols]
+        shape[dim] //= size
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16, device=device),
+                                          requires_grad=False)
+
+        def loader(param, tensor, dim=dim):
+            n = param.shape[dim]
+            param.data.copy_(tensor.narrow(dim, rank * n, n))
+
+        layer.weight.weight_loader = loader
+        model.layers.append(layer)
+    return model
+
+
+def _receiver_main(device: int, num_tensors: int, numel: int, conn,
+                   tp: tuple[int, int, int, int] | None = None) -> None:
+    """`tp`: (rank, size, rows, cols): a sliced worker of 2-D tensors of rows x cols."""
     torch.cuda.set_device(device)
     from weightsync.errors import error_to_wire
     from weightsync.receiver import ModuleWeightReceiver
 
-    receiver = ModuleWeightReceiver(_model(num_tensors, numel, f"cuda:{device}"), name="receiver")
+    if tp is None:
+        receiver = ModuleWeightReceiver(_model(num_tensors, numel, f"cuda:{device}"),
+                                        name="receiver")
+    else:
+        rank, size, rows, cols = tp
+        receiver = ModuleWeightReceiver(
+            _sliced_model(num_tensors, rows, cols, rank, size, f"cuda:{device}"),
+            name=f"worker{rank}", sliced=True)
     while (item := conn.recv()) is not None:
         method, args = item
         try:
@@ -97,14 +131,14 @@ class PipeEndpoint:
         return self.wait(self.submit(method, *args), timeout_s=timeout_s)
 
 
-def start_receiver(device: int, num_tensors: int, numel: int):
-    """A ModuleWeightReceiver with `num_tensors` bf16 parameters of `numel` in a spawned process
-    on GPU `device`; returns (endpoint, process)."""
+def start_receiver(device: int, num_tensors: int, numel: int, *, tp=None, name="receiver"):
+    """A ModuleWeightReceiver with `num_tensors` bf16 parameters of `numel` (with `tp`, a sliced
+    worker's) in a spawned process on GPU `device`; returns (endpoint, process)."""
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    child = ctx.Process(target=_receiver_main, args=(device, num_tensors, numel, there))
+    child = ctx.Process(target=_receiver_main, args=(device, num_tensors, numel, there, tp))
     child.start()
-    return PipeEndpoint(here, "receiver"), child
+    return PipeEndpoint(here, name), child
 
 
 def stop_receiver(endpoint, child) -> None:
@@ -198,9 +232,91 @@ def run(kind: str, size_gb: float, repeats: int, bucket_bytes: int | list[int],
     return results[0] if isinstance(bucket_bytes, int) else results
 
 
+def _timed_copy(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> float:
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_tp(size_gb: float, repeats: int, bucket_bytes: int) -> dict:
+    """One trainer (GPU 0) into two tensor-parallel workers (GPU 0 and GPU 1) over CUDA IPC:
+    each maps the trainer's buckets and keeps its slice (half the rows of even layers, half
+    the columns of odd ones). Verified per worker through the placements each learned. The
+    references: a bare copy of one worker's slice bytes GPU 0 -> GPU 0 and GPU 0 -> GPU 1.
+    (NCCL would need three GPUs: one per rank of the trainer-and-workers group.)"""
+    from weightsync.dtensor import DTensorV2Source
+    from weightsync.fingerprint import fingerprint
+    from weightsync.placement import WorkerPrints
+    from weightsync.sender import WeightSender
+    from weightsync.transports.cuda_ipc import CudaIpcSender
+
+    torch.cuda.set_device(0)
+    rows, cols = 8192, 4096  # 64 MiB of bf16 each
+    num_tensors = max(2, int(size_gb * (1 << 30)) // (rows * cols * 2))
+    nbytes = num_tensors * rows * cols * 2
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList()
+    for i in range(num_tensors):
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.empty(rows, cols, dtype=torch.bfloat16,
+                                                      device="cuda"), requires_grad=False)
+        layer.weight.data.normal_(generator=torch.Generator(device="cuda").manual_seed(i))
+        model.layers.append(layer)
+    source = DTensorV2Source(model)
+    workers = [start_receiver(device, num_tensors, 0, tp=(rank, 2, rows, cols),
+                              name=f"tp{rank}") for rank, device in enumerate((0, 1))]
+    transport = CudaIpcSender(num_slots=2, zero_copy=True)
+    sender = WeightSender(source.specs(), transport=transport, capacity_bytes=bucket_bytes,
+                          timeout_s=600)
+    for endpoint, _ in workers:
+        sender.add_engine(endpoint)
+    start = time.perf_counter()
+    sender.sync(source.tensors(), version="warmup")  # each worker learns its placements
+    first_s = time.perf_counter() - start
+    times = []
+    for i in range(repeats):
+        torch.cuda.synchronize()
+        times.append(sender.sync(source.tensors(), version=f"v{i}")["sync_s"])
+    names = [endpoint.name for endpoint, _ in workers]
+    start = time.perf_counter()
+    expected = {n: WorkerPrints(sender.engines[n].placements) for n in names}
+    sent = {}
+    for name, tensor in source.tensors():
+        sent[name] = fingerprint(tensor)
+        for prints in expected.values():
+            prints.add(name, tensor)
+    checked = sender.verify(sent, engines=names,
+                            worker_sent={n: p.result() for n, p in expected.items()})
+    verify_s = time.perf_counter() - start
+    half = nbytes // 2
+    src = torch.empty(half, dtype=torch.uint8, device="cuda:0")
+    local_s = _timed_copy(torch.empty_like(src), src, repeats)
+    peer_s = _timed_copy(torch.empty(half, dtype=torch.uint8, device="cuda:1"), src, repeats)
+    for endpoint, child in workers:
+        stop_receiver(endpoint, child)
+    transport.close()
+    sync_s = min(times)
+    return {"kind": "tp-ipc", "workers": 2, "size_gb": nbytes / (1 << 30), "nbytes": nbytes,
+            "bytes_per_worker_slice": half, "bucket_mb": bucket_bytes >> 20,
+            "num_tensors": num_tensors, "first_sync_s": first_s, "sync_s": sync_s,
+            "copy_slice_gpu0_s": local_s, "copy_slice_gpu0_to_gpu1_s": peer_s,
+            # the workers copy at once, each on its own GPU: the slower copy is the floor
+            "ratio_to_slower_copy": max(local_s, peer_s) / sync_s,
+            "ratio_to_both_copies_in_turn": (local_s + peer_s) / sync_s,
+            "verified": all(checked[n]["verified"] for n in names),
+            "num_checked": {n: checked[n]["num_checked"] for n in names},
+            "verify_s": verify_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("kind", choices=["ipc", "nccl"])
+    parser.add_argument("kind", choices=["ipc", "nccl", "tp-ipc"])
     parser.add_argument("--sizes-gb", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", default="1024", help="one or more, comma-separated")
@@ -208,6 +324,10 @@ def main() -> None:
                         help="ipc: copy every tensor into bucket buffers (the old path)")
     args = parser.parse_args()
     buckets = [int(b) << 20 for b in args.bucket_mb.split(",")]
+    if args.kind == "tp-ipc":
+        for size in args.sizes_gb.split(","):
+            print(json.dumps(run_tp(float(size), args.repeats, buckets[0])), flush=True)
+        return
     for size in args.sizes_gb.split(","):
         for result in run(args.kind, float(size), args.repeats, buckets,
                           zero_copy=not args.no_zero_copy):

@@ -47,8 +47,9 @@ def learn_placement(param: torch.Tensor, dtype: torch.dtype, shape: tuple[int, .
     `dtype` and `shape`) places elements into `param`, or None when it does not copy them
     verbatim into that one parameter. `param.data` is a zeroed scratch copy meanwhile and is
     put back afterwards, whatever happens."""
-    if param.dtype != dtype or param.device.type != "cpu":
+    if param.dtype != dtype:
         return None
+    device = param.device
     size = torch.empty((), dtype=dtype).element_size()
     signed = _SIGNED.get(size)
     if signed is None:
@@ -60,7 +61,7 @@ def learn_placement(param: torch.Tensor, dtype: torch.dtype, shape: tuple[int, .
     live = param.data
     scratch = torch.zeros_like(live)
     flat = scratch.reshape(-1).view(signed)
-    index = torch.arange(numel, dtype=torch.int64)
+    index = torch.arange(numel, dtype=torch.int64, device=device)
     found: torch.Tensor | None = None
     where: torch.Tensor | None = None
     try:
@@ -83,7 +84,8 @@ def learn_placement(param: torch.Tensor, dtype: torch.dtype, shape: tuple[int, .
                 return None
             # Verbatim? Random bits through the loader must sit exactly where the map says.
             raw = torch.randint(-(1 << 7), 1 << 7, (numel * size,), dtype=torch.int8,
-                                generator=torch.Generator().manual_seed(1))
+                                device=device,
+                                generator=torch.Generator(device=device).manual_seed(1))
             scratch.zero_()
             load_one(raw.view(dtype).view(shape))
             source = raw.view(signed)
@@ -94,7 +96,7 @@ def learn_placement(param: torch.Tensor, dtype: torch.dtype, shape: tuple[int, .
                 return None  # it also wrote elsewhere
     finally:
         param.data = live
-    return patterns(where, found)
+    return patterns(where.cpu(), found.cpu())
 
 
 def patterns(dst: torch.Tensor, src: torch.Tensor) -> list[Pattern]:

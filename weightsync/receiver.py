@@ -200,7 +200,10 @@ class ModuleWeightReceiver(WeightReceiver):
     the core tests and the GPU transport benchmarks).
     """
 
-    def __init__(self, model: nn.Module, *, name: str = "module") -> None:
+    def __init__(self, model: nn.Module, *, name: str = "module", sliced: bool = False) -> None:
+        """`sliced`: the parameters' loaders keep a slice of each tensor (a tensor-parallel
+        worker's): the receiver learns its placements and reports them at `end`."""
+        self.sliced = sliced
         params = dict(model.named_parameters())
 
         def load_fn(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -238,6 +241,8 @@ class ModuleWeightReceiver(WeightReceiver):
             raise RuntimeError("load_bucket outside an update session; call begin first")
         views = self.receiver.receive(bucket)
         self.receiver.load(views)
+        if self.sliced:
+            self.receiver.learn_placements(views)
         del views
         self.receiver.release(bucket)
         return {"num_tensors": len(bucket.tensors), "nbytes": bucket.nbytes,
@@ -250,6 +255,8 @@ class ModuleWeightReceiver(WeightReceiver):
             self.receiver.end_direct()
         self._session = None
         self._version = version
+        if self.sliced:
+            return {"weight_version": version, "placements": [self.receiver.placements]}
         return {"weight_version": version}
 
     def abort(self, reason: str) -> None:
@@ -257,6 +264,9 @@ class ModuleWeightReceiver(WeightReceiver):
 
     def fingerprints(self) -> dict[str, list[int]]:
         return self.receiver.fingerprints()
+
+    def worker_fingerprints(self) -> list[dict[str, list[int]]]:
+        return [self.receiver.fingerprints()]
 
     def weight_version(self) -> str | None:
         return self._version

@@ -122,3 +122,70 @@ def test_pieces_of_a_tensor_land_where_the_patterns_say(cuts):
             for d_view, s_view in placed_pieces(dst, flat[a:b].clone(), a, pats):
                 d_view.copy_(s_view)
         assert torch.equal(dst.view_as(want), want)
+
+
+def sliced_model(full: torch.nn.Module, rank: int, size: int) -> torch.nn.Module:
+    """A tensor-parallel worker's copy of `full`: every 2-D weight cut along dim 0 (even layers)
+    or dim 1 (odd ones), each parameter's loader keeping this rank's slice."""
+    model = torch.nn.Module()
+    for i, (name, p) in enumerate(full.named_parameters()):
+        dim = i % 2 if p.dim() == 2 else 0
+        shape = list(p.shape)
+        shape[dim] //= size
+        param = torch.nn.Parameter(torch.zeros(shape, dtype=p.dtype), requires_grad=False)
+
+        def loader(param, tensor, dim=dim):
+            n = param.shape[dim]
+            param.data.copy_(tensor.narrow(dim, rank * n, n))
+
+        param.weight_loader = loader
+        model.register_parameter(name, param)
+    return model
+
+
+def test_two_sliced_workers_are_each_verified_against_what_they_hold():
+    """The reference receiver with slicing loaders stands for two TP workers (the GPU script's
+    tensor-parallel mode runs the same over CUDA IPC): each learns its placements during the
+    first sync, and the sender checks each against the trainer's elements it holds."""
+    from weightsync.dtensor import DTensorV2Source
+    from weightsync.endpoint import LocalEndpoint
+    from weightsync.placement import WorkerPrints
+    from weightsync.receiver import ModuleWeightReceiver
+    from weightsync.sender import WeightSender
+    from weightsync.transports.shm import ShmSender
+
+    torch.manual_seed(0)
+    full = torch.nn.Module()
+    for i in range(4):
+        full.register_parameter(f"w{i}", torch.nn.Parameter(torch.randn(8, 6)))
+    source = DTensorV2Source(full)
+    workers = [ModuleWeightReceiver(sliced_model(full, r, 2), name=f"w{r}", sliced=True)
+               for r in range(2)]
+    sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=1 << 10)
+    try:
+        for r, worker in enumerate(workers):
+            sender.add_engine(LocalEndpoint(worker, name=f"tp{r}"))
+        report = sender.sync(source.tensors(), version="v1", verify=True)
+        assert report["verify"]["tp0"]["pending"]  # needs the tensors again, with placements
+
+        def check():
+            expected = {n: WorkerPrints(sender.engines[n].placements) for n in ("tp0", "tp1")}
+            sent = {}
+            for name, tensor in source.tensors():
+                sent[name] = fingerprint(tensor)
+                for prints in expected.values():
+                    prints.add(name, tensor)
+            return sender.verify(sent, engines=["tp0", "tp1"],
+                                 worker_sent={n: p.result() for n, p in expected.items()})
+
+        checked = check()
+        assert checked["tp0"]["verified"] and checked["tp1"]["verified"], checked
+        assert checked["tp0"]["num_checked"] == checked["tp1"]["num_checked"] == 4
+        assert torch.equal(workers[1].receiver.model.w1, full.w1.detach()[:, 3:])
+        with torch.no_grad():
+            workers[1].receiver.model.w2.add_(1)
+        checked = check()
+        assert checked["tp0"]["verified"] and not checked["tp1"]["verified"]
+        assert checked["tp1"]["mismatched"] == ["worker 0: w2"]
+    finally:
+        sender.close()
