@@ -10,7 +10,12 @@ import time
 import pytest
 import ray
 
-from tests.engine_checks import assert_engine_matches_reference, training_batch
+from tests.engine_checks import (
+    assert_engine_matches_reference,
+    half_update,
+    prompt_ids,
+    training_batch,
+)
 from weightsync import launcher
 from weightsync.models import make_tiny_model
 
@@ -21,7 +26,8 @@ ENGINE = "backends.vllm.engine.VllmEngineActor"
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("qwen2")), arch="qwen2", seed=0)
     launcher.init_ray(num_cpus=2)
-    tp2 = launcher.launch(ENGINE, model, tensor_parallel_size=2)
+    # The TP engine keeps its previous weights during an update, to put them back on failure.
+    tp2 = launcher.launch(ENGINE, model, tensor_parallel_size=2, keep_previous=True)
     tp1 = launcher.launch(ENGINE, model)
     # Each trainer rank in a bundle of its own (on a GPU cluster: {"GPU": 1}).
     ranks = launcher.place(2, {"CPU": 0.5})
@@ -78,6 +84,21 @@ def test_repeated_syncs_take_the_one_copy_path_into_every_worker(setup):
         for engine in engines.values():
             assert ray.get(engine.weight_version.remote()) == f"round-{round_}"
             assert_engine_matches_reference(engine, trainer)
+
+
+def test_an_update_aborted_midway_into_a_tp_engine_is_rolled_back_in_every_worker(setup):
+    """One row-parallel tensor reaches both workers (each keeps its columns), then the sender
+    "dies": each worker puts back what it overwrote; the engine serves its previous version."""
+    engines, trainer, *_ = setup
+    tp2 = engines["tp2"]
+    version = ray.get(tp2.weight_version.remote())
+    prints = ray.get(tp2.worker_fingerprints.remote())
+    served = ray.get(tp2.generate.remote(prompt_ids()))
+    half_update(tp2, next(s for s in trainer.call("refit_info")
+                          if s["name"].endswith("layers.0.mlp.down_proj.weight")))
+    assert ray.get(tp2.weight_version.remote()) == version
+    assert ray.get(tp2.worker_fingerprints.remote()) == prints
+    assert ray.get(tp2.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
 
 
 def test_verification_names_the_worker_and_parameter_that_differ(setup):
