@@ -101,6 +101,21 @@ def test_an_update_aborted_midway_into_a_tp_engine_is_rolled_back_in_every_worke
     assert ray.get(tp2.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
 
 
+def test_a_one_copy_update_aborted_without_keep_previous_is_not_served(setup):
+    """Once an engine accepted a one-copy update the trainer may have written into its
+    parameters: aborted without keep_previous, it refuses to serve until a sync completes."""
+    engines, trainer, *_ = setup
+    tp1 = engines["tp1"]
+    assert ray.get(tp1.begin.remote("direct-half", True)) == {"direct": True}
+    ray.get(tp1.abort.remote("sender failed"))
+    with pytest.raises(Exception, match=r"does not serve: update 'direct-half' was aborted "
+                                        r"after the trainer began writing"):
+        ray.get(tp1.generate.remote(prompt_ids()))
+    report = trainer.call("sync", "after-direct-abort", verify=True)
+    assert report["engines"]["tp1"]["path"] == "direct" and report["verify"]["tp1"]["verified"]
+    assert_engine_matches_reference(tp1, trainer)
+
+
 def test_verification_names_the_worker_and_parameter_that_differ(setup):
     """The engine reloads its starting checkpoint behind the trainer's back: each worker's
     slices then differ from the trainer's weights, and the report says which."""
