@@ -44,6 +44,36 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+def _bench_model(size: str) -> tuple[str, str]:
+    """(a scratch folder in /dev/shm, the bf16 OPT checkpoint of `size` saved inside it)."""
+    from weightsync.models import make_tiny_model
+
+    work = tempfile.mkdtemp(prefix=f"wsbench-{size}-", dir="/dev/shm")
+    return work, make_tiny_model(os.path.join(work, "model"), arch="opt", size=size, seed=0,
+                                 dtype="bfloat16")
+
+
+def _bench_trainer(model: str, args: argparse.Namespace) -> Any:
+    """The bench's 2-rank trainer (`BenchWorker`, in the sglang env) over `model`."""
+    from weightsync import launcher
+
+    launcher.register_actor("weightsync.bench_worker.BenchWorker", "sglang")
+    return launcher.TrainerGroup("weightsync.bench_worker.BenchWorker", env="sglang",
+                                 model_path=model, dtype="bfloat16",
+                                 bucket_bytes=args.bucket_mb << 20, timeout_s=300)
+
+
+def _tear_down(engines: dict[str, Any], trainer: Any, work: str) -> None:
+    import ray
+
+    for engine in engines.values():
+        ray.get(engine.shutdown.remote(), timeout=120)
+        ray.kill(engine.handle)
+    trainer.call("shutdown")
+    trainer.kill()
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def _bench_topology(size: str, args: argparse.Namespace) -> dict[str, Any]:
     """`--replicas` vLLM engines of `--tp` workers each, one sync into all of them: the sync
     time, the bytes the trainer's ranks wrote into every worker's parameters (one-copy path)
@@ -51,18 +81,13 @@ def _bench_topology(size: str, args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     from weightsync import launcher
-    from weightsync.models import make_tiny_model, model_bytes
+    from weightsync.models import model_bytes
 
-    work = tempfile.mkdtemp(prefix=f"wsbench-{size}-", dir="/dev/shm")
-    model = make_tiny_model(os.path.join(work, "model"), arch="opt", size=size, seed=0,
-                            dtype="bfloat16")
+    work, model = _bench_model(size)
     engines = {f"vllm-{i}": launcher.launch("backends.vllm.engine.VllmEngineActor", model,
                                             dtype="bfloat16", tensor_parallel_size=args.tp)
                for i in range(args.replicas)}
-    launcher.register_actor("weightsync.bench_worker.BenchWorker", "sglang")
-    trainer = launcher.TrainerGroup("weightsync.bench_worker.BenchWorker", env="sglang",
-                                    model_path=model, dtype="bfloat16",
-                                    bucket_bytes=args.bucket_mb << 20, timeout_s=300)
+    trainer = _bench_trainer(model, args)
     trainer.call("connect", engines)
     trainer.call("sync")  # by buckets; the engines then share their parameters
     trainer.call("sync")  # the ranks map the shared parameters
@@ -80,12 +105,7 @@ def _bench_topology(size: str, args: argparse.Namespace) -> dict[str, Any]:
               "memcpy_s": trainer.call("bench_memcpy", max(written, 1)),
               "verified": all(v["verified"] for k, v in checked["verify"].items()
                               if k != "verify_s")}
-    for engine in engines.values():
-        ray.get(engine.shutdown.remote(), timeout=120)
-        ray.kill(engine.handle)
-    trainer.call("shutdown")
-    trainer.kill()
-    shutil.rmtree(work, ignore_errors=True)
+    _tear_down(engines, trainer, work)
     return result
 
 
@@ -127,11 +147,9 @@ def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict
     import ray
 
     from weightsync import launcher
-    from weightsync.models import make_tiny_model, model_bytes
+    from weightsync.models import model_bytes
 
-    work = tempfile.mkdtemp(prefix=f"wsbench-{size}-", dir="/dev/shm")
-    model = make_tiny_model(os.path.join(work, "model"), arch="opt", size=size, seed=0,
-                            dtype="bfloat16")
+    work, model = _bench_model(size)
     nbytes = model_bytes("opt", size, dtype="bfloat16")
     actors = {
         "sglang": lambda: launcher.launch("backends.sglang.engine.SglEngineActor", model,
@@ -141,10 +159,7 @@ def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict
                                         dtype="bfloat16"),
     }
     handles = {name: actors[name]() for name in engines}
-    launcher.register_actor("weightsync.bench_worker.BenchWorker", "sglang")
-    trainer = launcher.TrainerGroup("weightsync.bench_worker.BenchWorker", env="sglang",
-                                    model_path=model, dtype="bfloat16",
-                                    bucket_bytes=args.bucket_mb << 20, timeout_s=300)
+    trainer = _bench_trainer(model, args)
     trainer.call("connect", handles)
     r = max(1, args.repeats)
     result: dict[str, Any] = {"size": size, "nbytes": nbytes}
@@ -197,12 +212,7 @@ def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict
             "native_s": native,
         }
         log.info("%s %s: sync %.3f s, native %s", size, name, plain, native)
-    for handle in handles.values():
-        ray.get(handle.shutdown.remote(), timeout=120)
-        ray.kill(handle.handle)
-    trainer.call("shutdown")
-    trainer.kill()
-    shutil.rmtree(work, ignore_errors=True)
+    _tear_down(handles, trainer, work)
     return result
 
 

@@ -278,8 +278,8 @@ class WeightSender:
             bad, checked = [], 0
             for rank, (placements, want, got) in enumerate(
                     zip(state.placements, worker_sent[name], prints)):
-                expected = {p: fp for p, fp in want.items()
-                            if p in placed_params(state.param_of, placements)}
+                placed = placed_params(state.param_of, placements)
+                expected = {p: fp for p, fp in want.items() if p in placed}
                 bad += [f"worker {rank}: {p}" for p in _mismatched(expected, got)]
                 checked += len(expected)
             out[name] = {"verified": not bad and checked > 0, "mismatched": bad,

@@ -222,21 +222,21 @@ class TrainerSync:
         """Compare each engine's parameters with the model's current weights, without syncing:
         {engine: {"verified", "mismatched", "num_checked"}, "verify_s"} on rank 0. A
         tensor-parallel engine is checked worker by worker against the slices it holds."""
-        names: list[str] = []
-        if self.rank == 0:
-            if self.sender is None or not self.sender.engines:
-                raise ValueError("verify before connect: call connect({name: engine}) first")
-            names = list(self.sender.engines) if engines is None else list(engines)
+        connected = self.sender is not None and bool(self.sender.engines)
+        names = [] if self.rank != 0 or not connected else \
+            list(self.sender.engines) if engines is None else list(engines)
         workers = {n: WorkerPrints(self.sender.engines[n].placements) for n in names
                    if self.sender.engines[n].placements is not None}
         sent = {}
         for name, tensor in self.source.tensors():  # every rank takes part in each gather
-            if self.rank == 0:
+            if self.rank == 0 and connected:
                 sent[name] = fingerprint(tensor)
                 for prints in workers.values():
                     prints.add(name, tensor)
         if self.rank != 0:
             return {"rank": self.rank}
+        if not connected:
+            raise ValueError("verify before connect: call connect({name: engine}) first")
         return as_plain(self.sender.verify(
             sent, engines=names, worker_sent={n: w.result() for n, w in workers.items()}))
 

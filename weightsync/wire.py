@@ -218,8 +218,3 @@ def unwrap_all(replies: list[dict[str, Any]]) -> list[Any]:
                 exc.add_note(f"from engine worker {i} of {len(replies)}")
             raise exc
     return [reply["result"] for reply in replies]
-
-
-def unwrap_replies(replies: list[dict[str, Any]]) -> Any:
-    """The first reply's result (`unwrap_all` for the rules)."""
-    return unwrap_all(replies)[0]

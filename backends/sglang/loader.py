@@ -51,16 +51,16 @@ def _tp() -> tuple[int, int]:
 
 
 def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
-    """One control call in one TP scheduler (each gets the same message); every reply carries
-    its `tp_rank`, and at TP > 1 the scheduler learns and reports its placements (the elements
-    of each tensor it holds; weightsync/placement.py)."""
+    """One control call in one TP scheduler (each gets the same message; `weightsync_load`
+    adds the scheduler's `tp_rank` to every reply). At TP > 1 the scheduler learns and reports
+    its placements (the elements of each tensor it holds; weightsync/placement.py)."""
     from weightsync.wire import BucketDescriptor, specs_from_dicts
 
     receiver = _receiver(model)
     op = message["op"]
-    rank, size = _tp()
+    size = _tp()[1]
     if op == "check":
-        return {**receiver.check_refit(specs_from_dicts(message["specs"])), "tp_rank": rank}
+        return receiver.check_refit(specs_from_dicts(message["specs"]))
     if op == "load":
         start = time.perf_counter()
         bucket = BucketDescriptor.from_dict(message["descriptor"])
@@ -71,21 +71,20 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
         del views
         receiver.release(bucket)
         return {"num_tensors": len(bucket.tensors), "nbytes": bucket.nbytes,
-                "seconds": time.perf_counter() - start, "tp_rank": rank}
+                "seconds": time.perf_counter() - start}
     if op == "share":
-        return {**receiver.share(receiver.placements if size > 1 else None), "tp_rank": rank}
+        return receiver.share(receiver.placements if size > 1 else None)
     if op == "begin_direct":
-        return {"why": receiver.begin_direct(keep_previous=bool(message.get("keep_previous"))),
-                "tp_rank": rank}
+        return {"why": receiver.begin_direct(keep_previous=bool(message.get("keep_previous")))}
     if op == "commit":
         if message.get("direct"):
             receiver.end_direct()
         receiver.drop_previous()
-        return {"tp_rank": rank, "placements": receiver.placements if size > 1 else None}
+        return {"placements": receiver.placements if size > 1 else None}
     if op == "rollback":
-        return {"restored": receiver.restore_previous(), "tp_rank": rank}
+        return {"restored": receiver.restore_previous()}
     if op == "fingerprints":
-        return {"fingerprints": receiver.fingerprints(), "tp_rank": rank}
+        return {"fingerprints": receiver.fingerprints()}
     raise ValueError(f"unknown weightsync op {op!r}")
 
 
@@ -94,7 +93,7 @@ def weightsync_load(model: Any, named_tensors: list) -> None:
     try:
         message = json.loads(named_tensors[0][0])
         reply_dir = message["reply"]
-        reply = ok_reply(_run(model, message))
+        reply = ok_reply({**_run(model, message), "tp_rank": _tp()[0]})
     except BaseException as exc:  # noqa: BLE001 - an escaping exception kills the engine
         reply = error_reply(exc)
     if reply_dir is None:

@@ -196,11 +196,11 @@ class VllmEngineActor(EngineSession):
 
     def fingerprints(self) -> dict[str, list[int]]:
         """Worker 0's parameters (all of them at TP=1); `worker_fingerprints` for each."""
-        return self._rpc("weightsync_fingerprints")
+        return as_plain(self._rpc("weightsync_fingerprints"))
 
     def worker_fingerprints(self) -> list[dict[str, list[int]]]:
         """Each worker's parameters, in TP-rank order: at TP > 1 each holds its slices."""
-        return self._rpc_all("weightsync_fingerprints")
+        return as_plain(self._rpc_all("weightsync_fingerprints"))
 
     def share_params(self) -> dict:
         """At TP > 1, {"shared": [each worker's shared parameters]} or none of them."""

@@ -15,7 +15,7 @@ from weightsync.errors import (
     error_from_wire,
     error_to_wire,
 )
-from weightsync.wire import error_reply, ok_reply, unwrap_replies
+from weightsync.wire import error_reply, ok_reply, unwrap_all
 
 
 def _over_the_wire(exc: BaseException) -> dict:
@@ -30,7 +30,7 @@ def test_the_callers_bad_input_crosses_as_itself():
     for exc in (BucketRejected("bucket 3: bad layout"), ValueError("tensor 'w': shape"),
                 TypeError("not a dict")):
         with pytest.raises(type(exc), match=str(exc)) as info:
-            unwrap_replies([_over_the_wire(exc)])
+            unwrap_all([_over_the_wire(exc)])
         assert type(info.value) is type(exc)
         assert crosses_as_itself(exc)
 
@@ -39,14 +39,14 @@ def test_a_subclass_crosses_as_the_table_class_it_derives_from():
     reply = _over_the_wire(json.JSONDecodeError("bad json", "{", 0))
     assert reply["type"] == "ValueError"
     with pytest.raises(ValueError, match="bad json"):
-        unwrap_replies([reply])
+        unwrap_all([reply])
 
 
 def test_a_failed_peer_crosses_as_runtime_error():
     for exc in (NotShared("parameters moved"), KeyError("w"), RuntimeError("boom")):
         assert not crosses_as_itself(exc)
         with pytest.raises(RuntimeError) as info:
-            unwrap_replies([_over_the_wire(exc)])
+            unwrap_all([_over_the_wire(exc)])
         assert type(info.value) is RuntimeError
 
 
@@ -57,7 +57,8 @@ def test_a_named_peer_is_named_with_the_error_it_raised():
     assert str(error_from_wire(error)) == "parameters moved"
 
 
-def test_the_first_failed_reply_is_raised_and_otherwise_the_first_result_returned():
-    assert unwrap_replies([ok_reply({"a": 1}), ok_reply({"a": 2})]) == {"a": 1}
-    with pytest.raises(ValueError, match="second"):
-        unwrap_replies([ok_reply(1), _over_the_wire(ValueError("second"))])
+def test_the_first_failed_reply_is_raised_and_otherwise_every_result_returned():
+    assert unwrap_all([ok_reply({"a": 1}), ok_reply({"a": 2})]) == [{"a": 1}, {"a": 2}]
+    with pytest.raises(ValueError, match="second") as info:
+        unwrap_all([ok_reply(1), _over_the_wire(ValueError("second"))])
+    assert "from engine worker 1 of 2" in info.value.__notes__
