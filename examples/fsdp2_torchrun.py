@@ -49,7 +49,7 @@ def main() -> int:
     engines = {}
     if rank == 0:
         weightsync.init_ray(num_cpus=2)
-        engines["vllm"] = weightsync.launch("backends.vllm.engine.VllmEngineActor", model_path)
+        engines["vllm"] = weightsync.launch("weightsync.backends.vllm.engine.VllmEngineActor", model_path)
     sync.connect(engines)  # rank 0 checks refit info with the engine; others take part only
 
     batch = torch.tensor([make_tokenizer()(TEXT).input_ids] * 2)

@@ -71,7 +71,7 @@ def main() -> int:
 
     model_path = make_tiny_model(tempfile.mkdtemp(prefix="ws-example-"), arch="opt")
     weightsync.init_ray(num_cpus=2)
-    engine = weightsync.launch("backends.vllm.engine.VllmEngineActor", model_path)
+    engine = weightsync.launch("weightsync.backends.vllm.engine.VllmEngineActor", model_path)
     with socket.socket() as s:  # the trainer group's rendezvous port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

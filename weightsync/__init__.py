@@ -4,12 +4,17 @@ The public API, imported lazily (the CLI starts without torch):
   trainer side:  TrainerSync, SyncOptions, init_trainer_group, DTensorV2Source
   engines:       init_ray, launch, register_actor, TrainerGroup (Ray actors in their own envs)
   building your own: WeightSender, WeightReceiver, ModuleWeightReceiver, Endpoint, RayEndpoint
-The core needs only torch (and ray where it launches actors); engines live in `backends/`.
+The core needs only torch (and ray where it launches actors). The engine backends import as
+`weightsync.backends`: a wheel installs them there, a source checkout keeps them in `backends/`
+at the top of the repository (mapped below).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -42,6 +47,23 @@ if TYPE_CHECKING:
     from weightsync.receiver import ModuleWeightReceiver, WeightReceiver
     from weightsync.sender import WeightSender
     from weightsync.trainer import SyncOptions, TrainerSync
+
+
+def _map_checkout_backends() -> None:
+    """In a source checkout, make <repo>/backends importable as `weightsync.backends` (the
+    wheel puts the same folder at weightsync/backends, where the import system finds it)."""
+    here = Path(__file__).resolve().parent
+    folder = here.parent / "backends"
+    if (here / "backends").is_dir() or not (folder / "__init__.py").is_file():
+        return
+    spec = importlib.util.spec_from_file_location(
+        f"{__name__}.backends", folder / "__init__.py", submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+
+_map_checkout_backends()
 
 
 def __getattr__(name: str) -> Any:

@@ -84,7 +84,7 @@ def _bench_topology(size: str, args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.models import model_bytes
 
     work, model = _bench_model(size)
-    engines = {f"vllm-{i}": launcher.launch("backends.vllm.engine.VllmEngineActor", model,
+    engines = {f"vllm-{i}": launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model,
                                             dtype="bfloat16", tensor_parallel_size=args.tp)
                for i in range(args.replicas)}
     trainer = _bench_trainer(model, args)
@@ -152,10 +152,10 @@ def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict
     work, model = _bench_model(size)
     nbytes = model_bytes("opt", size, dtype="bfloat16")
     actors = {
-        "sglang": lambda: launcher.launch("backends.sglang.engine.SglEngineActor", model,
+        "sglang": lambda: launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model,
                                           dtype="bfloat16",
                                           engine_args={"mem_fraction_static": 0.3}),
-        "vllm": lambda: launcher.launch("backends.vllm.engine.VllmEngineActor", model,
+        "vllm": lambda: launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model,
                                         dtype="bfloat16"),
     }
     handles = {name: actors[name]() for name in engines}

@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     batch = [tok(TEXT * 3).input_ids[:96]] * 2
     launcher.init_ray(num_cpus=2, log_to_driver=False)
     actors = {
-        "sglang": lambda: launcher.launch("backends.sglang.engine.SglEngineActor", model),
-        "vllm": lambda: launcher.launch("backends.vllm.engine.VllmEngineActor", model),
+        "sglang": lambda: launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model),
+        "vllm": lambda: launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model),
     }
     handles = {name: actors[name]() for name in engines}
     trainer = launcher.TrainerGroup("weightsync.worker.DTensorV2WeightSyncWorker",

@@ -1,9 +1,19 @@
-"""The env registry: one uv project per environment under envs/<name>/, and how to build them.
+"""The env registry: one uv project per environment, and how to build them.
 
-Each environment has its own pyproject.toml and committed uv.lock, so an engine's pins (torch,
-transformers, its compiled kernels) never leak into another environment. A venv lives at
-envs/<name>/.venv; a stamp inside it records the lock it was built from, which makes a rebuild of
-an up-to-date env a no-op, and a marker left while building exposes an interrupted build.
+Each environment has its own pyproject.toml and committed uv.lock (envs/<name>/ in the
+repository), so an engine's pins (torch, transformers, its compiled kernels) never leak into
+another environment. A stamp inside each venv records the lock it was built from, which makes a
+rebuild of an up-to-date env a no-op, and a marker left while building exposes an interrupted
+build.
+
+Where envs live:
+- source checkout: the venv is envs/<name>/.venv, beside its definition; the env installs this
+  checkout's weightsync editable (the definition's `path = "../.."` source).
+- installed wheel: the definitions ship inside the package (weightsync/env_definitions/<name>/);
+  each env is built in $WEIGHTSYNC_HOME/envs/<name>/ (default ~/.local/share/weightsync, or
+  $XDG_DATA_HOME/weightsync), from the shipped lock with weightsync itself left out, and then
+  sees the driver's installed weightsync package through a .pth file, so both sides always run
+  the same weightsync code.
 """
 
 from __future__ import annotations
@@ -22,8 +32,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-ENVS_DIR = REPO_ROOT / "envs"
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent  # the checkout (or, when installed, the site-packages folder)
+_SHIPPED = PACKAGE_DIR / "env_definitions"
+INSTALLED = _SHIPPED.is_dir()  # running from a wheel, not from a source checkout
 _STAMP = ".weightsync-stamp"
 _BUILDING = ".venv.building"  # beside the venv: uv refuses a venv folder that is not a venv yet
 
@@ -72,9 +84,25 @@ def default_vllm_env() -> str:
     return "vllm" if has_gpu() else "vllm-cpu"
 
 
-def env_dir(name: str) -> Path:
+def home() -> Path:
+    """Where envs are built: the checkout's envs/ folder, or $WEIGHTSYNC_HOME/envs when
+    weightsync runs from an installed wheel."""
+    if not INSTALLED:
+        return REPO_ROOT / "envs"
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(os.environ.get("WEIGHTSYNC_HOME") or Path(data) / "weightsync") / "envs"
+
+
+def definition_dir(name: str) -> Path:
+    """The folder with the env's pyproject.toml and uv.lock."""
     get(name)
-    return ENVS_DIR / name
+    return _SHIPPED / name if INSTALLED else REPO_ROOT / "envs" / name
+
+
+def env_dir(name: str) -> Path:
+    """The folder the env is built in (its venv is `.venv` inside)."""
+    get(name)
+    return home() / name
 
 
 def venv_dir(name: str) -> Path:
@@ -95,9 +123,13 @@ def site_packages(name: str) -> Path:
 
 
 def lock_hash(name: str) -> str:
+    """Names what a built env must match: its definition (and, when installed, the package
+    folder the env links to)."""
     digest = hashlib.sha256()
     for fname in ("pyproject.toml", "uv.lock"):
-        digest.update((env_dir(name) / fname).read_bytes())
+        digest.update((definition_dir(name) / fname).read_bytes())
+    if INSTALLED:
+        digest.update(str(PACKAGE_DIR).encode())
     return digest.hexdigest()
 
 
@@ -121,7 +153,7 @@ def state(name: str) -> str:
 
 def pins(name: str) -> dict[str, str]:
     """Versions the lock pins for the engine, torch, ray, transformers; and Python."""
-    lock = tomllib.loads((env_dir(name) / "uv.lock").read_text())
+    lock = tomllib.loads((definition_dir(name) / "uv.lock").read_text())
     wanted = {get(name).engine, "torch", "ray", "transformers"}
     out = {p["name"]: p["version"] for p in lock.get("package", []) if p["name"] in wanted}
     out["python"] = lock.get("requires-python", "?")
@@ -153,7 +185,10 @@ def _uv_env() -> dict[str, str]:
 
 
 def check_lock(name: str) -> tuple[bool, str]:
-    """Is envs/<name>/uv.lock current with its pyproject.toml?"""
+    """Is envs/<name>/uv.lock current with its pyproject.toml? (A wheel ships its locks as
+    they were built; there is no checkout to check them against.)"""
+    if INSTALLED:
+        return True, "shipped with the installed package"
     result = subprocess.run([*uv_command(), "lock", "--check"], cwd=env_dir(name),
                             capture_output=True, text=True, env=_uv_env())
     if result.returncode == 0:
@@ -178,20 +213,40 @@ def build(name: str, *, quiet: bool = False) -> dict[str, object]:
     if current == "partial":
         logger.warning("env %s: an earlier build was interrupted; rebuilding from scratch", name)
         shutil.rmtree(venv, ignore_errors=True)
+    env_dir(name).mkdir(parents=True, exist_ok=True)
     building_marker(name).write_text(str(os.getpid()))
     cmd = [*uv_command(), "sync", "--locked", "--no-install-project"]
+    if INSTALLED:
+        # The shipped lock names weightsync by the checkout's path; install everything else and
+        # link the driver's installed package instead (below).
+        for fname in ("pyproject.toml", "uv.lock"):
+            shutil.copyfile(definition_dir(name) / fname, env_dir(name) / fname)
+        cmd = [*uv_command(), "sync", "--frozen", "--no-install-project",
+               "--no-install-package", "weightsync"]
     if quiet:
         cmd.append("--quiet")
     logger.info("env %s: %s", name, " ".join(cmd))
     result = subprocess.run(cmd, cwd=env_dir(name), env=_uv_env(),
                             stdout=subprocess.DEVNULL if quiet else None)
     if result.returncode != 0:
-        raise RuntimeError(f"env {name!r}: `uv sync --locked` failed (exit {result.returncode}); "
-                           f"see the output above")
+        raise RuntimeError(f"env {name!r}: `uv {' '.join(cmd[cmd.index('sync'):])}` failed "
+                           f"(exit {result.returncode}); see the output above")
+    if INSTALLED:
+        _link_package(name)
     (venv / _STAMP).write_text(lock_hash(name))
     building_marker(name).unlink()
     action = "rebuilt" if current in ("partial", "stale") else "built"
     return {"env": name, "action": action, "seconds": time.perf_counter() - start}
+
+
+def _link_package(name: str) -> None:
+    """Make the driver's installed weightsync importable in the env: a folder holding only a
+    link to the package, named by a .pth file in the env's site-packages."""
+    linked = env_dir(name) / "package"
+    shutil.rmtree(linked, ignore_errors=True)
+    linked.mkdir()
+    (linked / "weightsync").symlink_to(PACKAGE_DIR, target_is_directory=True)
+    (site_packages(name) / "_weightsync_package.pth").write_text(f"{linked}\n")
 
 
 _SMOKE = r"""

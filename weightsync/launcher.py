@@ -32,10 +32,10 @@ logger = logging.getLogger(__name__)
 ACTORS: dict[str, str] = {
     "weightsync.launcher.EnvProbe": "driver",
     "weightsync.worker.DTensorV2WeightSyncWorker": "driver",
-    "backends.sglang.worker.SglDTensorV2WeightSyncWorker": "sglang",
-    "backends.sglang.engine.SglEngineActor": "sglang",
-    "backends.vllm.worker.VllmDTensorV2WeightSyncWorker": "*vllm",
-    "backends.vllm.engine.VllmEngineActor": "*vllm",
+    "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker": "sglang",
+    "weightsync.backends.sglang.engine.SglEngineActor": "sglang",
+    "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker": "*vllm",
+    "weightsync.backends.vllm.engine.VllmEngineActor": "*vllm",
 }
 
 
@@ -43,8 +43,8 @@ ACTORS: dict[str, str] = {
 # refuse what is known not to start (weightsync/preflight.py) at once, instead of after the
 # engine's minute of start-up. The actor checks again in its own process.
 PREFLIGHT: dict[str, Callable[[tuple, dict], None]] = {
-    "backends.sglang.engine.SglEngineActor": preflight.sglang_launch_check,
-    "backends.vllm.engine.VllmEngineActor": preflight.vllm_launch_check,
+    "weightsync.backends.sglang.engine.SglEngineActor": preflight.sglang_launch_check,
+    "weightsync.backends.vllm.engine.VllmEngineActor": preflight.vllm_launch_check,
 }
 
 
@@ -251,14 +251,16 @@ def _round(resources: dict[str, float]) -> dict[str, float]:
 
 
 # ---- env builds on other nodes --------------------------------------------------------------
-# What a node needs to build any env: the code and every lock.
+# What a node needs to build any env: the code and every lock (from a checkout), or the
+# installed package, which holds the env definitions.
 _PROJECT_FILES = ("pyproject.toml", "uv.lock", "README.md", "weightsync", "backends", "envs")
+_INSTALLED_FILES = ("weightsync",)
 _node_pythons: dict[tuple[str, str], dict[str, Any]] = {}
 
 
 def _project_files() -> list[Path]:
     out: list[Path] = []
-    for top in _PROJECT_FILES:
+    for top in _INSTALLED_FILES if envs.INSTALLED else _PROJECT_FILES:
         path = envs.REPO_ROOT / top
         out += [path] if path.is_file() else sorted(
             p for p in path.rglob("*") if p.is_file() and ".venv" not in p.parts

@@ -31,7 +31,7 @@ def node_dir() -> Path:
 def unpack(archive: bytes, key: str) -> Path:
     """The project at node_dir()/key, unpacked once (concurrent tasks race safely)."""
     root = node_dir() / key
-    if (root / "pyproject.toml").exists():
+    if root.is_dir():  # os.replace below makes it appear whole
         return root
     staging = root.with_name(f"{key}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)

@@ -79,7 +79,7 @@ def refuse_unsupported_sglang(model_path: str, *, engine_args: dict[str, Any] | 
             f"sglang on CPU cannot run tp_size={tp_size} (model {model_path!r}): SGLang 0.5's "
             f"tensor-parallel group needs a CUDA device even with device='cpu' (NCCL: \"Expected "
             f"a cuda device, but got: cpu\"). Use tp_size=1, or vLLM for tensor parallelism on "
-            f"CPU (backends.vllm.engine.VllmEngineActor, tensor_parallel_size), or run SGLang "
+            f"CPU (weightsync.backends.vllm.engine.VllmEngineActor, tensor_parallel_size), or run SGLang "
             f"on a CUDA GPU")
     config = read_config(model_path)
     if config is None:
@@ -93,7 +93,7 @@ def refuse_unsupported_sglang(model_path: str, *, engine_args: dict[str, Any] | 
             f"vLLM's kernel (vllm._custom_ops), which the sglang env does not have; its own CPU "
             f"kernels (SGLANG_USE_CPU_ENGINE=1) need a CPU build of sgl-kernel, which is not on "
             f"the package index. Serve this model with vLLM on CPU "
-            f"(backends.vllm.engine.VllmEngineActor), or run SGLang on a CUDA GPU")
+            f"(weightsync.backends.vllm.engine.VllmEngineActor), or run SGLang on a CUDA GPU")
 
 
 def cuda_device_present() -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from backends.sglang.loader import LOADER
+from weightsync.backends.sglang.loader import LOADER
 from weightsync.preflight import refuse_unsupported_sglang
 from weightsync.receiver import EngineSession
 from weightsync.server import LocalServer, cli_flags

@@ -26,7 +26,7 @@ from weightsync.wire import as_plain, unwrap_all
 
 logger = logging.getLogger(__name__)
 
-EXTENSION = "backends.vllm.extension.WeightsyncWorkerExtension"
+EXTENSION = "weightsync.backends.vllm.extension.WeightsyncWorkerExtension"
 
 
 

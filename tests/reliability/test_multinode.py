@@ -38,14 +38,14 @@ def test_an_engine_on_another_node_is_built_there_and_kept_in_step(tmp_path, mon
         assert built["python"].startswith(str(other_dir))
         assert not built["python"].startswith(str(envs.REPO_ROOT))
 
-        engine = launcher.launch("backends.sglang.engine.SglEngineActor", model,
+        engine = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model,
                                  node_id=other.node_id)
         where = ray.get(engine.handle.where.remote(), timeout=600)
         assert where["node_id"] == other.node_id
         assert where["python"] == built["python"]
 
         # The trainer stays on the driver's node; bytes cross nodes over gloo (no shared memory).
-        trainer = launcher.TrainerGroup("backends.sglang.worker.SglDTensorV2WeightSyncWorker",
+        trainer = launcher.TrainerGroup("weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
                                         model_path=model, bucket_bytes=1 << 20, seed=0,
                                         transport="gloo", node_id=head_id,
                                         collective_host=ray.util.get_node_ip_address())

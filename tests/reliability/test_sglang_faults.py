@@ -16,7 +16,7 @@ from weightsync.transports.shm import ShmSender, list_segments
 from weightsync.wire import TensorMeta
 
 NAME = "sglang"
-WORKER = "backends.sglang.worker.SglDTensorV2WeightSyncWorker"
+WORKER = "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker"
 IDLE_TIMEOUT_S = 10.0  # the engine's: an update silent this long is aborted
 SYNC_TIMEOUT_S = 20.0  # the paused trainer's: bounds every engine call and sync collective
 PAUSE_S = 8.0  # shorter than both, so that only the kill fails the sync
@@ -27,7 +27,7 @@ LONG_RUN_SYNCS = 200
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="opt", seed=0)
     launcher.init_ray(num_cpus=2)
-    engine = launcher.launch("backends.sglang.engine.SglEngineActor", model,
+    engine = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model,
                              idle_timeout_s=IDLE_TIMEOUT_S)
     trainer = launcher.TrainerGroup(WORKER, model_path=model, bucket_bytes=1 << 20, seed=0,
                                     timeout_s=30)

@@ -22,12 +22,12 @@ ARCH = "opt"
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch=ARCH, seed=0)
     launcher.init_ray(num_cpus=2)
-    engine = launcher.launch("backends.sglang.engine.SglEngineActor", model, mode="engine")
-    trainer = launcher.TrainerGroup("backends.sglang.worker.SglDTensorV2WeightSyncWorker",
+    engine = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model, mode="engine")
+    trainer = launcher.TrainerGroup("weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
                                     model_path=model, bucket_bytes=1 << 20, seed=0)
     trainer.call("connect", {"sglang": engine})
     # A second replica, started once the first is up, connected to the same trainer later.
-    replica = launcher.launch("backends.sglang.engine.SglEngineActor", model, mode="engine")
+    replica = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model, mode="engine")
     trainer.call("connect", {"sglang-2": replica})
     yield engine, trainer, replica
     for e in (engine, replica):

@@ -20,8 +20,8 @@ def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="gpt2", seed=0)
     launcher.init_ray(num_cpus=2)
     # No api_key given: the actor makes one up (vllm's server test passes its own).
-    engine = launcher.launch("backends.sglang.engine.SglEngineActor", model, mode="http")
-    trainer = launcher.TrainerGroup("backends.sglang.worker.SglDTensorV2WeightSyncWorker",
+    engine = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model, mode="http")
+    trainer = launcher.TrainerGroup("weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
                                     model_path=model, bucket_bytes=1 << 20, seed=0,
                                     transport="gloo")
     trainer.call("connect", {"sglang-http": engine})

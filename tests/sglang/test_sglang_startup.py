@@ -13,7 +13,7 @@ import ray
 from weightsync import envs, launcher
 from weightsync.models import make_tiny_model
 
-SGL = "backends.sglang.engine.SglEngineActor"
+SGL = "weightsync.backends.sglang.engine.SglEngineActor"
 
 
 @pytest.fixture(scope="module")

@@ -245,7 +245,7 @@ def moe_engine(moe):
     model, _ = moe
     start = time.perf_counter()
     launcher.init_ray(num_cpus=2)
-    engine = launcher.launch("backends.vllm.engine.VllmEngineActor", model)
+    engine = launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model)
     ray.get(engine.weight_version.remote())
     print(f"vLLM engine on the tiny Qwen3-MoE started: {time.perf_counter() - start:.1f} s")
     yield engine

@@ -21,8 +21,8 @@ from weightsync.models import make_tiny_model
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="opt", seed=0)
     launcher.init_ray(num_cpus=2)
-    engine = launcher.launch("backends.vllm.engine.VllmEngineActor", model)
-    trainer = launcher.TrainerGroup("backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+    engine = launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model)
+    trainer = launcher.TrainerGroup("weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
                                     model_path=model, bucket_bytes=1 << 20, seed=0)
     trainer.call("connect", {"vllm": engine})
     yield engine, trainer, model

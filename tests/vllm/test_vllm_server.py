@@ -21,9 +21,9 @@ API_KEY = "test-key-123"
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="gpt2", seed=0)
     launcher.init_ray(num_cpus=2)
-    engine = launcher.launch("backends.vllm.engine.VllmEngineActor", model, mode="http",
+    engine = launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model, mode="http",
                              api_key=API_KEY)
-    trainer = launcher.TrainerGroup("backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+    trainer = launcher.TrainerGroup("weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
                                     model_path=model, bucket_bytes=1 << 20, seed=0,
                                     transport="gloo")
     trainer.call("connect", {"vllm-http": engine})

@@ -19,7 +19,7 @@ from tests.engine_checks import (
 from weightsync import launcher
 from weightsync.models import make_tiny_model
 
-ENGINE = "backends.vllm.engine.VllmEngineActor"
+ENGINE = "weightsync.backends.vllm.engine.VllmEngineActor"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def setup(tmp_path_factory):
     tp1 = launcher.launch(ENGINE, model)
     # Each trainer rank in a bundle of its own (on a GPU cluster: {"GPU": 1}).
     ranks = launcher.place(2, {"CPU": 0.5})
-    trainer = launcher.TrainerGroup("backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+    trainer = launcher.TrainerGroup("weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
                                     model_path=model, bucket_bytes=1 << 20, seed=0,
                                     placements=ranks)
     assert [ray.get(r.handle.where.remote())["placement_group"] for r in trainer.ranks] == \
@@ -147,7 +147,7 @@ def test_a_collective_transport_reaches_every_worker_of_every_engine(setup):
     """Over gloo the broadcast group is rank 0 plus every engine worker process (here 2 + 1):
     each TP worker joins it and loads its own slices of the full tensors it receives."""
     engines, _, model, _ = setup
-    other = launcher.TrainerGroup("backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+    other = launcher.TrainerGroup("weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
                                   world_size=1, model_path=model, bucket_bytes=1 << 20,
                                   seed=1, transport="gloo")
     try:
