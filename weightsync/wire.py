@@ -35,6 +35,7 @@ _DTYPES: dict[str, torch.dtype] = {
     if dtype is not None
 }
 _NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+_SIZES: dict[str, int] = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
 
 # Offsets inside a bucket are multiples of this, so every view is aligned for any dtype and for
 # vectorised copies.
@@ -62,7 +63,9 @@ def dtype_to_str(dtype: torch.dtype) -> str:
 
 
 def element_size(dtype: str) -> int:
-    return torch.empty((), dtype=dtype_from_str(dtype)).element_size()
+    """Bytes per element of the dtype spelled `dtype` (a table lookup: it runs per tensor)."""
+    size = _SIZES.get(dtype)
+    return size if size is not None else dtype_from_str(dtype).itemsize
 
 
 def align(nbytes: int, alignment: int = ALIGNMENT_BYTES) -> int:
@@ -76,20 +79,16 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[int, ...]
+    numel: int = field(init=False, repr=False, compare=False)  # computed once: read per sync
+    nbytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         dtype_from_str(self.dtype)
         if any(not isinstance(d, int) or d < 0 for d in self.shape):
             raise ValueError(f"tensor {self.name!r}: shape {self.shape} must be non-negative ints")
         object.__setattr__(self, "shape", tuple(self.shape))
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * element_size(self.dtype)
+        object.__setattr__(self, "numel", math.prod(self.shape))
+        object.__setattr__(self, "nbytes", self.numel * element_size(self.dtype))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
@@ -112,10 +111,10 @@ class TensorMeta:
     dtype: str
     shape: tuple[int, ...]
     offset: int
+    nbytes: int = field(init=False, repr=False, compare=False)  # computed once: read per sync
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * element_size(self.dtype)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", math.prod(self.shape) * element_size(self.dtype))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
