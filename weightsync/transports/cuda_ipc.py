@@ -32,7 +32,7 @@ import torch
 from weightsync.bucket import BucketPlan, tensor_view, write_tensor
 from weightsync.errors import BucketRejected
 from weightsync.transports import ReceiverTransport, SenderTransport
-from weightsync.wire import BucketDescriptor, dtype_from_str
+from weightsync.wire import BucketDescriptor, dtype_from_str, element_size
 
 _uids = itertools.count()
 
@@ -175,7 +175,8 @@ class CudaIpcReceiver(ReceiverTransport):
         self.max_open = max_open
         self.max_storages = max_storages
         self._open: dict[str, torch.Tensor] = {}  # bucket buffers by key
-        self._storages: dict[str, list[Any]] = {}  # key -> [storage, last sync used]
+        # key -> [storage, last sync used, {(offset, strides, shape, dtype): view}]
+        self._storages: dict[str, list[Any]] = {}
         self._sync = 0
 
     def _device(self, handle: dict[str, Any]) -> int:
@@ -209,17 +210,33 @@ class CudaIpcReceiver(ReceiverTransport):
                                  f"exported in this bucket's handle")
         return int(export["size_bytes"])
 
-    def _storage(self, key: str, handle: dict[str, Any]) -> torch.UntypedStorage:
+    def _storage(self, key: str, handle: dict[str, Any]) -> list[Any]:
+        """The open storage's entry [storage, last sync used, {view signature: view}]."""
         entry = self._storages.get(key)
         if entry is None:
             entry = self._storages[key] = [_open(handle["storages"][key], self._device(handle)),
-                                           self._sync]
+                                           self._sync, {}]
         entry[1] = self._sync
-        return entry[0]
+        return entry
+
+    def _check_view(self, index: int, meta: Any, key: str, offset: int, stride: list[int],
+                    handle: dict[str, Any]) -> None:
+        if len(stride) != len(meta.shape) or offset < 0 or any(s < 0 for s in stride):
+            raise BucketRejected(f"bucket {index}: tensor {meta.name!r}: bad offset {offset} / "
+                                 f"strides {stride} for shape {meta.shape}")
+        span = 0 if math.prod(meta.shape) == 0 else \
+            1 + sum((n - 1) * s for n, s in zip(meta.shape, stride))
+        nbytes = self._storage_nbytes(key, handle)
+        if (offset + span) * element_size(meta.dtype) > nbytes:
+            raise BucketRejected(
+                f"bucket {index}: tensor {meta.name!r} spans elements [{offset}, "
+                f"{offset + span}) of {meta.dtype}, beyond its storage's {nbytes} bytes")
 
     def receive_tensors(self, descriptor: BucketDescriptor) -> list[tuple[str, torch.Tensor]]:
         """The bucket's tensors: views of the trainer's storages where it passed them in place,
-        views of the bucket buffer for the rest."""
+        views of the bucket buffer for the rest. A view is made (and checked against its
+        storage's size) once, and reused while its storage stays open: later syncs of the same
+        tensors pay a dictionary lookup per tensor."""
         handle = descriptor.handle
         views = handle.get("views")
         if views is None:
@@ -241,36 +258,34 @@ class CudaIpcReceiver(ReceiverTransport):
                 raise BucketRejected(f"bucket {descriptor.index}: packed tensors but no buffer")
             data = self._buffer(handle["buffer"], descriptor.nbytes)
             descriptor.validate(data.numel())
-        places = []  # every view is checked before any storage is opened
+        places: list[Any] = []  # every new view is checked before any storage is opened
         for meta, view in zip(descriptor.tensors, views):
             if view is None:
                 places.append(None)
                 continue
-            key, offset, stride = str(view[0]), int(view[1]), [int(s) for s in view[2]]
-            dtype = dtype_from_str(meta.dtype)
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            if len(stride) != len(meta.shape) or offset < 0 or any(s < 0 for s in stride):
-                raise BucketRejected(f"bucket {descriptor.index}: tensor {meta.name!r}: bad "
-                                     f"offset {offset} / strides {stride} for shape {meta.shape}")
-            span = 0 if math.prod(meta.shape) == 0 else \
-                1 + sum((n - 1) * s for n, s in zip(meta.shape, stride))
-            nbytes = self._storage_nbytes(key, handle)
-            if (offset + span) * itemsize > nbytes:
-                raise BucketRejected(
-                    f"bucket {descriptor.index}: tensor {meta.name!r} spans elements "
-                    f"[{offset}, {offset + span}) of {meta.dtype}, beyond its storage's "
-                    f"{nbytes} bytes")
-            places.append((key, offset, stride, dtype))
+            key, offset, stride = str(view[0]), int(view[1]), view[2]
+            signature = (offset, tuple(stride), meta.shape, meta.dtype)
+            entry = self._storages.get(key)
+            made = entry[2].get(signature) if entry is not None else None
+            if made is None:
+                stride = [int(s) for s in stride]
+                self._check_view(descriptor.index, meta, key, offset, stride, handle)
+            else:
+                entry[1] = self._sync
+            places.append((key, signature, made))
         out = []
         for meta, place in zip(descriptor.tensors, places):
             if place is None:
                 out.append((meta.name, tensor_view(data, meta)))
                 continue
-            key, offset, stride, dtype = place
-            storage = self._storage(key, handle)
-            tensor = torch.empty(0, dtype=dtype, device=storage.device).set_(
-                storage, offset, meta.shape, stride)
-            out.append((meta.name, tensor))
+            key, signature, made = place
+            if made is None:
+                storage, _, made_here = self._storage(key, handle)
+                offset, stride, shape, dtype = signature
+                made = made_here[signature] = torch.empty(
+                    0, dtype=dtype_from_str(dtype), device=storage.device).set_(
+                        storage, offset, shape, stride)
+            out.append((meta.name, made))
         while len(self._storages) > self.max_storages:
             self._storages.pop(next(iter(self._storages)))
         return out

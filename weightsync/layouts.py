@@ -1,0 +1,89 @@
+"""Checkpoint layouts for benchmarks: the names and shapes of real models' tensors, no values.
+
+Per-tensor costs decide a sync's rate on real checkpoints (many small norms and biases, thousands
+of per-expert matrices), so benchmarks run these layouts as well as uniform large tensors:
+- "llama8b": Llama-3-8B (32 layers, GQA 32/8 heads, untied head): 291 tensors, 16.1 GB in bf16.
+- "qwen3-30b-a3b": Qwen3-30B-A3B (48 layers, 128 experts of 768, q/k norms): 18867 tensors,
+  61.1 GB in bf16; `num_layers` cuts it (24 layers: 9435 tensors).
+- "uniform": `num_tensors` square-ish tensors of `tensor_bytes` each.
+"""
+
+from __future__ import annotations
+
+import math
+
+Layout = list[tuple[str, tuple[int, ...]]]
+
+LAYOUTS = ("uniform", "llama8b", "qwen3-30b-a3b")
+
+
+def _dense_layer(i: int, *, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int) -> Layout:
+    p = f"model.layers.{i}"
+    return [
+        (f"{p}.input_layernorm.weight", (hidden,)),
+        (f"{p}.self_attn.q_proj.weight", (heads * head_dim, hidden)),
+        (f"{p}.self_attn.k_proj.weight", (kv_heads * head_dim, hidden)),
+        (f"{p}.self_attn.v_proj.weight", (kv_heads * head_dim, hidden)),
+        (f"{p}.self_attn.o_proj.weight", (hidden, heads * head_dim)),
+        (f"{p}.post_attention_layernorm.weight", (hidden,)),
+        (f"{p}.mlp.gate_proj.weight", (intermediate, hidden)),
+        (f"{p}.mlp.up_proj.weight", (intermediate, hidden)),
+        (f"{p}.mlp.down_proj.weight", (hidden, intermediate)),
+    ]
+
+
+def llama8b(num_layers: int = 32) -> Layout:
+    hidden, vocab = 4096, 128256
+    out: Layout = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(num_layers):
+        out += _dense_layer(i, hidden=hidden, heads=32, kv_heads=8, head_dim=128,
+                            intermediate=14336)
+    return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+
+def qwen3_30b_a3b(num_layers: int = 48) -> Layout:
+    hidden, vocab, heads, kv_heads, head_dim = 2048, 151936, 32, 4, 128
+    experts, moe_intermediate = 128, 768
+    out: Layout = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(num_layers):
+        p = f"model.layers.{i}"
+        out += [
+            (f"{p}.input_layernorm.weight", (hidden,)),
+            (f"{p}.self_attn.q_proj.weight", (heads * head_dim, hidden)),
+            (f"{p}.self_attn.k_proj.weight", (kv_heads * head_dim, hidden)),
+            (f"{p}.self_attn.v_proj.weight", (kv_heads * head_dim, hidden)),
+            (f"{p}.self_attn.o_proj.weight", (hidden, heads * head_dim)),
+            (f"{p}.self_attn.q_norm.weight", (head_dim,)),
+            (f"{p}.self_attn.k_norm.weight", (head_dim,)),
+            (f"{p}.post_attention_layernorm.weight", (hidden,)),
+            (f"{p}.mlp.gate.weight", (experts, hidden)),
+        ]
+        for e in range(experts):
+            q = f"{p}.mlp.experts.{e}"
+            out += [(f"{q}.gate_proj.weight", (moe_intermediate, hidden)),
+                    (f"{q}.up_proj.weight", (moe_intermediate, hidden)),
+                    (f"{q}.down_proj.weight", (hidden, moe_intermediate))]
+    return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+
+def uniform(num_tensors: int, tensor_bytes: int, element_bytes: int = 2) -> Layout:
+    numel = max(1, tensor_bytes // element_bytes)
+    cols = 1 << max(0, (numel.bit_length() - 1) // 2)
+    return [(f"layers.{i}.weight", (math.ceil(numel / cols), cols)) for i in range(num_tensors)]
+
+
+def layout(name: str, *, num_layers: int | None = None, num_tensors: int = 64,
+           tensor_bytes: int = 256 << 20) -> Layout:
+    """The layout called `name` (one of LAYOUTS)."""
+    if name == "llama8b":
+        return llama8b(32 if num_layers is None else num_layers)
+    if name == "qwen3-30b-a3b":
+        return qwen3_30b_a3b(48 if num_layers is None else num_layers)
+    if name == "uniform":
+        return uniform(num_tensors, tensor_bytes)
+    raise ValueError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUTS)}")
+
+
+def nbytes(shapes: Layout, element_bytes: int = 2) -> int:
+    return sum(math.prod(shape) for _, shape in shapes) * element_bytes
