@@ -46,21 +46,41 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
     """(sum of the 16-bit words, sum of their squares), each mod 2**64."""
     if tensor.numel() == 0:
         return (0, 0)
+    if tensor.device.type != "cpu":
+        return fingerprints([tensor])[0]
     words = _words(tensor)
     s1 = s2 = 0
-    if words.device.type == "cpu":
-        scratch = torch.empty(min(words.numel(), _CPU_CHUNK_WORDS), dtype=torch.float64)
-        for chunk in words.split(_CPU_CHUNK_WORDS):
-            wide = scratch[: chunk.numel()]
-            wide.copy_(chunk)
-            s1 += int(wide.sum())
-            s2 += int(torch.dot(wide, wide))
-    else:
-        for chunk in words.split(_GPU_CHUNK_WORDS):
-            wide = chunk.to(torch.int64)
-            s1 += int(wide.sum())
-            s2 += int(wide.mul_(wide).sum())
+    scratch = torch.empty(min(words.numel(), _CPU_CHUNK_WORDS), dtype=torch.float64)
+    for chunk in words.split(_CPU_CHUNK_WORDS):
+        wide = scratch[: chunk.numel()]
+        wide.copy_(chunk)
+        s1 += int(wide.sum())
+        s2 += int(torch.dot(wide, wide))
     return (s1 & MASK, s2 & MASK)
+
+
+def fingerprints(tensors: list[torch.Tensor]) -> list[Fingerprint]:
+    """`fingerprint` of each tensor. GPU tensors are reduced on their device without a host
+    round trip per tensor (integer sums, wrapping like the results: exact, whatever the
+    reduction order) and read back together at the end."""
+    out: list[Fingerprint | None] = [None] * len(tensors)
+    pending: dict[torch.device, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for i, tensor in enumerate(tensors):
+        if tensor.numel() == 0 or tensor.device.type == "cpu":
+            out[i] = fingerprint(tensor)
+            continue
+        s1 = s2 = None
+        for chunk in _words(tensor).split(_GPU_CHUNK_WORDS):
+            wide = chunk.to(torch.int32)  # a square of a 16-bit word fits in 31 bits
+            c1 = chunk.sum(dtype=torch.int64)
+            c2 = wide.mul_(wide).sum(dtype=torch.int64)
+            s1, s2 = (c1, c2) if s1 is None else (s1 + c1, s2 + c2)
+        pending.setdefault(tensor.device, []).append((i, s1, s2))
+    for items in pending.values():
+        sums = torch.stack([torch.stack([s1, s2]) for _, s1, s2 in items]).tolist()
+        for (i, _, _), (s1, s2) in zip(items, sums):
+            out[i] = (s1 & MASK, s2 & MASK)
+    return out  # type: ignore[return-value]
 
 
 def combine(prints: list[Fingerprint]) -> Fingerprint:
@@ -99,5 +119,6 @@ def model_fingerprints(model: nn.Module,
     """Engine side: {parameter name: [s1, s2]} of every parameter some trainer tensor lands in
     (`param_of`: trainer tensor -> engine parameters), as plain data."""
     covered = {p for targets in param_of.values() for p in targets}
-    return {name: list(fingerprint(p.data)) for name, p in model.named_parameters()
-            if name in covered}
+    named = [(name, p.data) for name, p in model.named_parameters() if name in covered]
+    prints = fingerprints([t for _, t in named])
+    return {name: list(fp) for (name, _), fp in zip(named, prints)}

@@ -11,6 +11,7 @@ of per-expert matrices), so benchmarks run these layouts as well as uniform larg
 from __future__ import annotations
 
 import math
+from typing import Any
 
 Layout = list[tuple[str, tuple[int, ...]]]
 
@@ -87,3 +88,27 @@ def layout(name: str, *, num_layers: int | None = None, num_tensors: int = 64,
 
 def nbytes(shapes: Layout, element_bytes: int = 2) -> int:
     return sum(math.prod(shape) for _, shape in shapes) * element_bytes
+
+
+def build_module(shapes: Layout, *, device: str = "cpu", fill: bool = False,
+                 seed: int = 0) -> Any:
+    """An `nn.Module` whose parameters have exactly these names and shapes (bf16, no grad):
+    zeros, or with `fill` random normal values from `seed`."""
+    import torch
+
+    root = torch.nn.Module()
+    generator = torch.Generator(device=device).manual_seed(seed) if fill else None
+    for name, shape in shapes:
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            child = module._modules.get(part)
+            if child is None:
+                child = torch.nn.Module()
+                module.add_module(part, child)
+            module = child
+        tensor = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        if fill:
+            tensor.normal_(generator=generator)
+        module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
+    return root

@@ -40,3 +40,19 @@ def test_fingerprint_is_exact_against_integer_sums(dtype):
     wide = [int(v) for v in ints.tolist()]
     mask = (1 << 64) - 1
     assert fingerprint(x) == (sum(wide) & mask, sum(v * v for v in wide) & mask)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fingerprints_equal_the_cpu_ones_exactly():
+    from weightsync.fingerprint import _GPU_CHUNK_WORDS, fingerprints
+
+    gen = torch.Generator().manual_seed(0)
+    cpu = [torch.randn(1000, generator=gen).to(torch.bfloat16),
+           torch.randn(33, 7, generator=gen),  # float32: two words per element
+           torch.randint(-128, 127, (999,), dtype=torch.int8, generator=gen),
+           torch.zeros(0, dtype=torch.bfloat16),
+           torch.full((4096,), -3.0e38),  # large words: sums of squares wrap past 2**63
+           torch.randn(_GPU_CHUNK_WORDS + 5, generator=gen).to(torch.bfloat16)]  # two chunks
+    got = fingerprints([t.cuda() for t in cpu])
+    assert got == [fingerprint(t) for t in cpu]
+    assert fingerprint(cpu[1].cuda()) == fingerprint(cpu[1])
