@@ -186,10 +186,10 @@ def run(kind: str, size_gb: float, repeats: int, bucket_bytes: int | list[int],
         for i in range(repeats):
             torch.cuda.synchronize()
             report = sender.sync(source.tensors(), version=f"v{i}")
-            times.append(report["sync_s"])
-            load_s.append(report["engines"][endpoint.name]["load_s"])
+            times.append(report.sync_s)
+            load_s.append(report.engines[endpoint.name].load_s)
         verified = sender.sync(source.tensors(), version="verify",
-                               verify=True)["verify"][endpoint.name]["verified"]
+                               verify=True).verify[endpoint.name]["verified"]
         results.append({"kind": kind, "size_gb": nbytes / (1 << 30), "nbytes": nbytes,
                         "bucket_mb": bucket >> 20, "zero_copy": zero_copy if kind == "ipc"
                         else None, "sync_s": min(times), "sync_gbps": nbytes / min(times) / 1e9,
@@ -282,7 +282,7 @@ def run_tp(size_gb: float, repeats: int, bucket_bytes: int) -> dict:
     times = []
     for i in range(repeats):
         torch.cuda.synchronize()
-        times.append(sender.sync(source.tensors(), version=f"v{i}")["sync_s"])
+        times.append(sender.sync(source.tensors(), version=f"v{i}").sync_s)
     names = [endpoint.name for endpoint, _ in workers]
     start = time.perf_counter()
     expected = {n: WorkerPrints(sender.engines[n].placements) for n in names}

@@ -26,6 +26,8 @@ import sys
 import tempfile
 from typing import Any
 
+from weightsync.protocol import SettleReport
+
 log = logging.getLogger("weightsync.bench")
 
 
@@ -180,7 +182,7 @@ def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict
         for _ in range(r):
             ray.get(handle.settle.remote())  # as after a training step: background work done
             syncs.append(trainer.call("sync", engines=[name]))
-        background = ray.get(handle.settle.remote()).get("background_s")
+        background = SettleReport.from_dict(ray.get(handle.settle.remote())).background_s
         best = min(syncs, key=lambda s: s["sync_s"])
         plain = best["sync_s"]
         times = [best["engines"][name]["session_s"]]

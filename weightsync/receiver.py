@@ -1,6 +1,7 @@
 """The receiving side: what an engine offers the trainer, and its engine-independent parts.
 
-`WeightReceiver` is the interface an engine actor offers the trainer (plain data in and out);
+`WeightReceiver` is the interface an engine actor offers the trainer (plain data in and out: each
+answer is one of weightsync/protocol.py's classes, as its `to_dict()`);
 `EngineSession` holds the update-session rules every engine actor follows around its own hooks.
 `ModelReceiver` is what runs next to the engine's model (in its worker process), put together
 from one part per job, each in its own module:
@@ -18,11 +19,20 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from weightsync.errors import BucketRejected
 from weightsync.fingerprint import model_fingerprints
 from weightsync.loading import BucketLoader
+from weightsync.protocol import (
+    BeginAnswer,
+    EndReport,
+    LoadReport,
+    RefitAnswer,
+    SettleReport,
+    ShareAnswer,
+)
 from weightsync.refit import RefitCheck, copy_loader
 from weightsync.rollback import PreviousWeights
 from weightsync.sharing import ParameterSharing
@@ -47,31 +57,34 @@ class WeightReceiver(ABC):
          then `end(version)`; `abort(reason)` instead of `end` when the sender failed.
       3. `fingerprints()` whenever the trainer verifies, usually right after `end`.
     `weight_version()` may be called at any time.
+    These methods are where answers go on the wire: each builds its weightsync/protocol.py
+    answer and returns its `to_dict()`.
     """
 
     @abstractmethod
     def check_refit(self, specs: list[dict]) -> dict:
-        """Validate the trainer's tensors against the engine's parameters.
+        """Validate the trainer's tensors against the engine's parameters: a `RefitAnswer`.
 
-        Returns {"param_of": {trainer name: [engine parameter names]}, "num_params": int}.
         Raises ValueError naming the first tensor whose name, shape or dtype the engine rejects.
         """
 
     @abstractmethod
-    def begin(self, version: str, direct: bool = False) -> dict | None:
-        """Open an update session (the engine stops taking new requests until `end`).
+    def begin(self, version: str, direct: bool = False) -> dict:
+        """Open an update session (the engine stops taking new requests until `end`): a
+        `BeginAnswer`.
 
         With `direct` the trainer will write into the shared parameters (weightsync/direct.py)
-        instead of sending buckets; returns {"direct": True}, or {"direct": False, "why": ...}
-        without opening anything when the parameters are not (or no longer) shared."""
+        instead of sending buckets; the answer says `direct=False` and why, without opening
+        anything, when the parameters are not (or no longer) shared."""
 
     @abstractmethod
     def load_bucket(self, descriptor: dict) -> dict:
-        """Load one bucket's tensors; returns {"num_tensors", "nbytes", "seconds"}."""
+        """Load one bucket's tensors: a `LoadReport`."""
 
     @abstractmethod
     def end(self, version: str) -> dict:
-        """Finish: post-process the weights, reset the prefix cache, adopt `version`."""
+        """Finish: post-process the weights, reset the prefix cache, adopt `version`: an
+        `EndReport`."""
 
     @abstractmethod
     def abort(self, reason: str) -> None:
@@ -87,14 +100,14 @@ class WeightReceiver(ABC):
 
     def settle(self, timeout_s: float = 120.0) -> dict:
         """Wait for work the engine finishes in the background after an update (none by
-        default); reports {"background_s": seconds it took} where there is some."""
-        return {}
+        default): a `SettleReport`."""
+        return SettleReport().to_dict()
 
     def share_params(self) -> dict:
-        """Move the parameters into shared memory for the one-copy path, after a first sync;
-        {"shared": {"segment", "nbytes", "offsets"} or None, "why": str, "retry": bool}."""
-        return {"shared": None, "why": f"{type(self).__name__} has no one-copy path",
-                "retry": False}
+        """Move the parameters into shared memory for the one-copy path, after a first sync:
+        a `ShareAnswer`."""
+        return ShareAnswer(shared=None,
+                           why=f"{type(self).__name__} has no one-copy path").to_dict()
 
 
 class ModelReceiver:
@@ -125,7 +138,7 @@ class ModelReceiver:
         """Trainer tensor name -> the engine parameters it lands in."""
         return self.refit.param_of
 
-    def check_refit(self, specs: list[TensorSpec]) -> dict[str, Any]:
+    def check_refit(self, specs: list[TensorSpec]) -> RefitAnswer:
         return self.refit.check(specs)
 
     def receive(self, descriptor: BucketDescriptor) -> list[tuple[str, torch.Tensor]]:
@@ -168,7 +181,7 @@ class ModelReceiver:
             else:
                 self.placements[name] = [targets[0], pats]
 
-    def share(self, placements: dict[str, Any] | None = None) -> dict[str, Any]:
+    def share(self, placements: dict[str, Any] | None = None) -> ShareAnswer:
         return self.sharing.share(placements)
 
     def begin_direct(self, *, keep_previous: bool) -> str | None:
@@ -219,7 +232,7 @@ class ModuleWeightReceiver(WeightReceiver):
         self._direct = False
 
     def check_refit(self, specs: list[dict]) -> dict:
-        return self.receiver.check_refit(specs_from_dicts(specs))
+        return self.receiver.check_refit(specs_from_dicts(specs)).to_dict()
 
     def begin(self, version: str, direct: bool = False) -> dict:
         if self._session is not None:
@@ -227,12 +240,12 @@ class ModuleWeightReceiver(WeightReceiver):
         if direct:
             why = self.receiver.begin_direct(keep_previous=False)
             if why is not None:
-                return {"direct": False, "why": why}
+                return BeginAnswer(direct=False, why=why).to_dict()
         self._session, self._direct = version, direct
-        return {"direct": direct}
+        return BeginAnswer(direct=direct).to_dict()
 
     def share_params(self) -> dict:
-        return self.receiver.share()
+        return self.receiver.share().to_dict()
 
     def load_bucket(self, descriptor: dict) -> dict:
         start = time.perf_counter()
@@ -245,8 +258,8 @@ class ModuleWeightReceiver(WeightReceiver):
             self.receiver.learn_placements(views)
         del views
         self.receiver.release(bucket)
-        return {"num_tensors": len(bucket.tensors), "nbytes": bucket.nbytes,
-                "seconds": time.perf_counter() - start}
+        return LoadReport(num_tensors=len(bucket.tensors), nbytes=bucket.nbytes,
+                          seconds=time.perf_counter() - start).to_dict()
 
     def end(self, version: str) -> dict:
         if self._session != version:
@@ -255,9 +268,8 @@ class ModuleWeightReceiver(WeightReceiver):
             self.receiver.end_direct()
         self._session = None
         self._version = version
-        if self.sliced:
-            return {"weight_version": version, "placements": [self.receiver.placements]}
-        return {"weight_version": version}
+        placements = [self.receiver.placements] if self.sliced else None
+        return EndReport(weight_version=version, placements=placements).to_dict()
 
     def abort(self, reason: str) -> None:
         self._session = None
@@ -281,9 +293,10 @@ class EngineSession(WeightReceiver):
     nothing waits on a sender that is gone. An update aborted once weights may be mixed leaves
     the engine refusing requests (`check_serving`) until a later sync completes, unless the
     engine kept and put back its previous weights (`keep_previous=True`): then it goes on
-    serving the previous version. Subclasses implement `_engine_begin`, `_engine_load`, `_engine_end`
-    (returns extra report fields) and `_engine_abort` (returns whether weights may now be mixed:
-    true once a bucket was loaded, unless the engine put its previous weights back).
+    serving the previous version. Subclasses implement `_engine_begin`, `_engine_load`,
+    `_engine_end` (its report; the session adds the timings) and `_engine_abort` (returns
+    whether weights may now be mixed: true once a bucket was loaded, unless the engine put its
+    previous weights back). The public methods own these rules and put the answers on the wire.
     """
 
     engine_name = "engine"
@@ -306,10 +319,10 @@ class EngineSession(WeightReceiver):
         write into the parameters (then nothing is left open), or None."""
 
     @abstractmethod
-    def _engine_load(self, descriptor: dict) -> dict: ...
+    def _engine_load(self, descriptor: dict) -> LoadReport: ...
 
     @abstractmethod
-    def _engine_end(self, version: str) -> dict: ...
+    def _engine_end(self, version: str) -> EndReport: ...
 
     @abstractmethod
     def _engine_abort(self, reason: str) -> bool: ...
@@ -322,11 +335,11 @@ class EngineSession(WeightReceiver):
         self._begin_t = self._last_call = time.perf_counter()
         why = self._engine_begin(direct)
         if why is not None:
-            return {"direct": False, "why": why}
+            return BeginAnswer(direct=False, why=why).to_dict()
         self._open, self._direct = version, direct
         if direct:
             self._loaded = 1  # the trainer writes into the parameters from now on
-        return {"direct": direct}
+        return BeginAnswer(direct=direct).to_dict()
 
     def load_bucket(self, descriptor: dict) -> dict:
         if self._open is None:
@@ -343,17 +356,17 @@ class EngineSession(WeightReceiver):
         finally:
             self._last_call = time.perf_counter()
         self._loaded += 1
-        return result
+        return result.to_dict()
 
     def end(self, version: str) -> dict:
         if self._open != version:
             raise RuntimeError(f"{self.engine_name}: end({version!r}) but the open update is "
                                f"{self._open!r}")
         start = time.perf_counter()
-        extra = self._engine_end(version)
+        report = self._engine_end(version)
         self._open, self._broken, self._version = None, None, version
-        return {"weight_version": version, "end_s": time.perf_counter() - start,
-                "session_s": time.perf_counter() - self._begin_t, **extra}
+        return replace(report, end_s=time.perf_counter() - start,
+                       session_s=time.perf_counter() - self._begin_t).to_dict()
 
     def abort(self, reason: str) -> None:
         if self._open is not None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from weightsync.protocol import RefitAnswer
 from weightsync.wire import TensorSpec, dtype_from_str, dtype_to_str
 
 if TYPE_CHECKING:
@@ -104,9 +105,9 @@ class RefitCheck:
             state["current"] = name
             yield name, tensor
 
-    def check(self, specs: list[TensorSpec]) -> dict[str, Any]:
+    def check(self, specs: list[TensorSpec]) -> RefitAnswer:
         """Dry-run the engine's loader on empty tensors of the trainer's specs; see module doc.
-        Returns {"param_of", "num_params"}; raises ValueError naming the first misfit."""
+        Raises ValueError naming the first misfit."""
         if not specs:
             raise ValueError(f"{self.name}: the trainer offers no tensors (an empty model?)")
         params = dict(self.model.named_parameters())
@@ -160,7 +161,7 @@ class RefitCheck:
             )
         self.accepted = by_name
         self.param_of = hits
-        return {"param_of": hits, "num_params": len(params)}
+        return RefitAnswer(param_of=hits, num_params=len(params))
 
     def accept(self, specs: list[TensorSpec]) -> None:
         """Accept `specs` checked without a dry run (`check_against_checkpoint`); `param_of`

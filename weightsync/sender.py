@@ -6,6 +6,7 @@ One sync, for every engine at once:
 With two slots the trainer gathers and packs bucket i+1 while the engines load bucket i; a slot
 is reused only after every engine has finished loading what it held. Any failure aborts the
 session on every engine (they keep their previous version tag) and is raised, naming the engine.
+Every engine's answer becomes its weightsync/protocol.py class where it arrives (`_wait_all`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,6 +30,15 @@ from weightsync.bucket import (
 from weightsync.endpoint import Endpoint
 from weightsync.fingerprint import Fingerprint, expected_fingerprints, fingerprint
 from weightsync.placement import placed_params
+from weightsync.protocol import (
+    BeginAnswer,
+    EndReport,
+    EngineSyncReport,
+    LoadReport,
+    RefitAnswer,
+    SyncReport,
+    from_wire,
+)
 from weightsync.transports import SenderTransport
 from weightsync.wire import TensorSpec, specs_to_dicts
 
@@ -66,35 +76,45 @@ class WeightSender:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
-    def add_engine(self, endpoint: Endpoint, *, timeout_s: float | None = None) -> dict[str, Any]:
+    def add_engine(self, endpoint: Endpoint, *, timeout_s: float | None = None) -> RefitAnswer:
         """Check refit info with the engine (nothing is written) and remember it.
 
         `timeout_s` bounds this first call, which also waits for an engine still starting."""
         if endpoint.name in self.engines:
             raise ValueError(f"engine {endpoint.name!r} is registered already")
-        answer = endpoint.call("check_refit", specs_to_dicts(self.specs),
-                               timeout_s=timeout_s or self.timeout_s)
-        self.engines[endpoint.name] = EngineState(endpoint=endpoint, param_of=answer["param_of"])
+        answer = from_wire("check_refit", endpoint.call(
+            "check_refit", specs_to_dicts(self.specs), timeout_s=timeout_s or self.timeout_s))
+        self.engines[endpoint.name] = EngineState(endpoint=endpoint, param_of=answer.param_of)
         return answer
 
-    def _wait_all(self, tickets: list[tuple[str, Any]],
-                  load_s: dict[str, float] | None = None) -> list[Any]:
-        results = []
-        for name, ticket in tickets:
-            result = self.engines[name].endpoint.wait(ticket, timeout_s=self.timeout_s)
-            if load_s is not None and isinstance(result, dict):
-                load_s[name] = load_s.get(name, 0.0) + float(result.get("seconds", 0.0))
-            results.append(result)
-        return results
+    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """`method(*args)` on engine `name`; its answer as `_wait_all` gives it."""
+        return self._wait_all([self._submit(name, method, *args)], timeout_s=timeout_s)[0]
+
+    def _submit(self, name: str, method: str, *args: Any) -> tuple[str, str, Any]:
+        return name, method, self.engines[name].endpoint.submit(method, *args)
+
+    def _wait_all(self, calls: list[tuple[str, str, Any]], *,
+                  timeout_s: float | None = None) -> list[Any]:
+        """The answers to `_submit`'s calls, in order, each turned into its
+        weightsync/protocol.py class as it comes off the wire."""
+        return [from_wire(method, self.engines[name].endpoint.wait(
+                    ticket, timeout_s=timeout_s or self.timeout_s))
+                for name, method, ticket in calls]
+
+    def _wait_loads(self, calls: list[tuple[str, str, Any]], load_s: dict[str, float]) -> None:
+        """Wait for `load_bucket` calls, adding each engine's loading seconds to `load_s`."""
+        reports: list[LoadReport] = self._wait_all(calls)
+        for (name, _, _), report in zip(calls, reports):
+            load_s[name] = load_s.get(name, 0.0) + report.seconds
 
     def _broadcast(self, method: str, *args: Any, names: list[str]) -> list[Any]:
-        tickets = [(n, self.engines[n].endpoint.submit(method, *args)) for n in names]
-        return self._wait_all(tickets)
+        return self._wait_all([self._submit(n, method, *args) for n in names])
 
     def sync(self, tensors: Iterator[tuple[str, torch.Tensor]] | None, *, version: str,
              engines: list[str] | None = None, verify: bool = False,
              write_bucket: Callable[[BucketPlan, int, torch.Tensor], None] | None = None,
-             ) -> dict[str, Any]:
+             ) -> SyncReport:
         """Send every tensor of `tensors` (in refit-info order) to `engines` (default: all).
 
         Instead of `tensors`, `write_bucket(plan, slot, buffer)` may fill each bucket itself
@@ -109,7 +129,7 @@ class WeightSender:
         # Transports that can pass the tensors themselves (CUDA IPC) take them in `attach`.
         attach = self.transport.attach if (self.transport.takes_tensors
                                            and write_bucket is None) else None
-        in_flight: dict[int, list[tuple[str, Any]]] = {}
+        in_flight: dict[int, list[tuple[str, str, Any]]] = {}
         sent: dict[str, Fingerprint] = {}
         load_s: dict[str, float] = {}
         start = time.perf_counter()
@@ -118,7 +138,7 @@ class WeightSender:
 
             def wait_slot(plan: BucketPlan) -> int:
                 slot = plan.index % num_slots
-                self._wait_all(in_flight.pop(slot, []), load_s)
+                self._wait_loads(in_flight.pop(slot, []), load_s)
                 return slot
 
             def get_buffer(plan: BucketPlan) -> torch.Tensor:
@@ -134,43 +154,38 @@ class WeightSender:
             for plan in filled:
                 slot = plan.index % num_slots
                 descriptor = plan.descriptor(self.transport.handle(slot)).to_dict()
-                in_flight[slot] = [
-                    (n, self.engines[n].endpoint.submit("load_bucket", descriptor)) for n in names
-                ]
+                in_flight[slot] = [self._submit(n, "load_bucket", descriptor) for n in names]
                 self.transport.send(slot, plan.nbytes)
                 if verify and attach is None:
                     buffer = self.transport.buffer(slot, plan.nbytes)
                     for meta in plan.tensors:
                         sent[meta.name] = fingerprint(tensor_view(buffer, meta))
             for slot in list(in_flight):
-                self._wait_all(in_flight.pop(slot), load_s)
-            ends = self._broadcast("end", version, names=names)
+                self._wait_loads(in_flight.pop(slot), load_s)
+            ends: list[EndReport] = self._broadcast("end", version, names=names)
             for name, end in zip(names, ends):
                 # Engines that learn the tensor -> parameter map while loading report it here.
-                if isinstance(end, dict) and "param_of" in end:
-                    self.engines[name].param_of = end.pop("param_of")
-                if isinstance(end, dict) and "placements" in end:
-                    self.engines[name].placements = end.pop("placements")
+                if end.param_of is not None:
+                    self.engines[name].param_of = end.param_of
+                if end.placements is not None:
+                    self.engines[name].placements = end.placements
         except BaseException as exc:
             self._abort(names, f"{type(exc).__name__}: {exc}")
             raise
         sync_s = time.perf_counter() - start
         self.num_syncs += 1
-        report: dict[str, Any] = {
-            "version": version, "nbytes": self.nbytes, "num_buckets": len(self.plans),
-            "sync_s": sync_s, "gbps": self.nbytes / sync_s / 1e9 if sync_s > 0 else 0.0,
-            "path": "buckets",
-            "engines": {n: {"status": "ok", "path": "buckets", "load_s": load_s.get(n, 0.0),
-                            **(e or {})}
-                        for n, e in zip(names, ends)},
-        }
+        report = SyncReport(
+            version=version, path="buckets", nbytes=self.nbytes, num_buckets=len(self.plans),
+            sync_s=sync_s,
+            engines={n: EngineSyncReport.of(e, path="buckets", load_s=load_s.get(n, 0.0))
+                     for n, e in zip(names, ends)})
         if verify:
-            report["verify"] = self.verify(sent, engines=names)
+            report = replace(report, verify=self.verify(sent, engines=names))
         return report
 
     def sync_direct(self, write: Callable[[list[str], list[str]], dict[str, Any] | None], *,
                     version: str, engines: list[str], verify: bool = False,
-                    ) -> tuple[dict[str, Any] | None, list[str]]:
+                    ) -> tuple[SyncReport | None, list[str]]:
         """The one-copy path (weightsync/direct.py) into engines whose parameters are shared.
 
         begin(version, direct=True) on each; then `write(direct, fallback)` has every trainer
@@ -186,14 +201,13 @@ class WeightSender:
         failure: BaseException | None = None
         phases: dict[str, float] = {}
         try:
-            answers = self._broadcast("begin", version, True, names=engines)
+            answers: list[BeginAnswer] = self._broadcast("begin", version, True, names=engines)
             phases["begin"] = time.perf_counter() - start
             for name, answer in zip(engines, answers):
-                if isinstance(answer, dict) and answer.get("direct"):
+                if answer.direct:
                     direct.append(name)
                 else:
-                    why = answer.get("why") if isinstance(answer, dict) else answer
-                    logger.info("engine %r takes buckets this sync: %s", name, why)
+                    logger.info("engine %r takes buckets this sync: %s", name, answer.why)
         except BaseException as exc:
             failure, direct = exc, []
             self._abort(engines, f"{type(exc).__name__}: {exc}")
@@ -212,7 +226,8 @@ class WeightSender:
                 if bad:
                     raise RuntimeError(f"verification failed, update {version!r} aborted: "
                                        f"bytes differ from the trainer's in {bad}")
-            ends = self._broadcast("end", version, names=direct) if direct else []
+            ends: list[EndReport] = (self._broadcast("end", version, names=direct) if direct
+                                     else [])
         except BaseException as exc:
             if failure is None:
                 self._abort(direct, f"{type(exc).__name__}: {exc}")
@@ -224,15 +239,10 @@ class WeightSender:
         if checked is not None:  # the sync proper ends where checking began
             sync_s -= checked["verify_s"]
         phases["end"] = sync_s - written_s
-        report: dict[str, Any] = {
-            "version": version, "nbytes": self.nbytes, "num_buckets": 0, "path": "direct",
-            "phases_s": phases, "bytes_written": int(written.get("bytes", 0)),
-            "sync_s": sync_s, "gbps": self.nbytes / sync_s / 1e9 if sync_s > 0 else 0.0,
-            "engines": {n: {"status": "ok", "path": "direct", **(e or {})}
-                        for n, e in zip(direct, ends)},
-        }
-        if checked is not None:
-            report["verify"] = checked
+        report = SyncReport(
+            version=version, path="direct", nbytes=self.nbytes, num_buckets=0, sync_s=sync_s,
+            phases_s=phases, bytes_written=int(written.get("bytes", 0)), verify=checked,
+            engines={n: EngineSyncReport.of(e, path="direct") for n, e in zip(direct, ends)})
         return report, fallback
 
     def verify_direct(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
@@ -266,8 +276,8 @@ class WeightSender:
             else:
                 out[name] = {"verified": None, "pending": True, "mismatched": [],
                              "num_checked": 0}
-        tickets = [(n, self.engines[n].endpoint.submit(method)) for n, method in asked]
-        for (name, method), prints in zip(asked, self._wait_all(tickets)):
+        calls = [self._submit(n, method) for n, method in asked]
+        for (name, method), prints in zip(asked, self._wait_all(calls)):
             state = self.engines[name]
             if method == "fingerprints":
                 expected = expected_fingerprints(state.param_of, sent)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.direct import SharedParameters, probe_destinations
 from weightsync.errors import NotShared
+from weightsync.protocol import ShareAnswer
 
 if TYPE_CHECKING:
     from torch import nn
@@ -32,25 +33,24 @@ class ParameterSharing:
         self.name = name
         self.shared: SharedParameters | None = None
 
-    def share(self, placements: dict[str, Any] | None = None) -> dict[str, Any]:
+    def share(self, placements: dict[str, Any] | None = None) -> ShareAnswer:
         """Move the parameters into shared memory for the trainer to write; once, after a first
         sync by buckets (the loader must have shown where every tensor goes). `placements`
         (weightsync/placement.py), from a tensor-parallel worker: which elements of each tensor
-        it holds and where; the trainer then writes each tensor through its patterns.
-        Returns {"shared": plain description or None, "why": reason when None, "retry": bool}."""
+        it holds and where; the trainer then writes each tensor through its patterns."""
         if self.shared is not None:
             try:
                 self.shared.check()
-                return {"shared": self.shared.describe(), "why": None, "retry": False}
+                return ShareAnswer(shared=self.shared.describe())
             except NotShared:
                 self.shared.close()
                 self.shared = None
         accepted, param_of = self.refit.accepted, self.refit.param_of
         unknown = sorted(set(accepted) - set(param_of))
         if not accepted or unknown:
-            return {"shared": None, "retry": True,
-                    "why": f"{self.name}: where {len(unknown)} tensor(s) land is not known yet "
-                           f"(sync by buckets first)"}
+            return ShareAnswer(shared=None, retry=True,
+                               why=f"{self.name}: where {len(unknown)} tensor(s) land is not "
+                                   f"known yet (sync by buckets first)")
         params = dict(self.model.named_parameters())
         if placements is None:
             destinations = probe_destinations(
@@ -60,13 +60,13 @@ class ParameterSharing:
             destinations = {name: (pname, 0) for name, (pname, _) in placements.items()}
         indirect = sorted(set(accepted) - set(destinations))
         if indirect:
-            return {"shared": None, "retry": False,
-                    "why": f"{self.name}: the loader does not copy {len(indirect)} tensor(s) "
-                           f"verbatim into one parameter, e.g. {indirect[:3]}"}
+            return ShareAnswer(shared=None,
+                               why=f"{self.name}: the loader does not copy {len(indirect)} "
+                                   f"tensor(s) verbatim into one parameter, e.g. {indirect[:3]}")
         self.shared = SharedParameters(params, destinations, placements=placements)
         logger.info("%s: %d parameters moved into shared segment %s (%d bytes)", self.name,
                     len(self.shared.params), self.shared.segment.name, self.shared.segment.nbytes)
-        return {"shared": self.shared.describe(), "why": None, "retry": False}
+        return ShareAnswer(shared=self.shared.describe())
 
     def begin(self) -> str | None:
         """Before the trainer writes: None if the parameters are where it will write, else
@@ -95,14 +95,14 @@ class ParameterSharing:
             self.shared.close()
 
 
-def combine_worker_shares(answers: list[dict[str, Any]]) -> dict[str, Any]:
+def combine_worker_shares(answers: list[ShareAnswer]) -> ShareAnswer:
     """One engine's `share_params` answer from its workers' `ParameterSharing.share` answers:
-    one worker's as it is; several as {"shared": [each worker's]} when every worker shared its
+    one worker's as it is; several as `shared=[each worker's]` when every worker shared its
     parameters, else the first reason why not (the trainer writes into all workers or none)."""
     if len(answers) == 1:
         return answers[0]
-    missing = [a for a in answers if not a["shared"]]
+    missing = [a for a in answers if not a.shared]
     if missing:
-        return {"shared": None, "why": missing[0]["why"],
-                "retry": any(a["retry"] for a in missing)}
-    return {"shared": [a["shared"] for a in answers], "why": None, "retry": False}
+        return ShareAnswer(shared=None, why=missing[0].why,
+                           retry=any(a.retry for a in missing))
+    return ShareAnswer(shared=[a.shared for a in answers])

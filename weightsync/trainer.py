@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from weightsync.bucket import DEFAULT_BUCKET_BYTES
@@ -29,6 +29,7 @@ from weightsync.dtensor import DTensorV2Source
 from weightsync.endpoint import Endpoint, RayEndpoint
 from weightsync.fingerprint import fingerprint
 from weightsync.placement import WorkerPrints
+from weightsync.protocol import ShareAnswer, SyncReport
 from weightsync.sender import DEFAULT_TIMEOUT_S, WeightSender
 from weightsync.shard_writes import (
     BeforeWrite,
@@ -166,18 +167,18 @@ class TrainerSync:
         for name, engine in engines.items():
             endpoint = engine if isinstance(engine, Endpoint) else RayEndpoint(engine, name=name)
             answer = self.sender.add_engine(endpoint, timeout_s=opts.connect_timeout_s)
-            answers[name] = {"num_params": answer["num_params"],
-                             "num_receivers": answer.get("num_receivers", 1)}
+            answers[name] = {"num_params": answer.num_params,
+                             "num_receivers": answer.num_receivers}
             if opts.keep_previous:
-                self._keep_previous(name, endpoint)
+                self._keep_previous(name)
         if self.sender.transport is None and answers:
             self.sender.transport = self._make_transport(
                 sum(a["num_receivers"] for a in answers.values()))
         return as_plain(answers)
 
-    def _keep_previous(self, name: str, endpoint: Endpoint) -> None:
+    def _keep_previous(self, name: str) -> None:
         try:
-            endpoint.call("set_keep_previous", True, timeout_s=self.options.timeout_s)
+            self.sender.call(name, "set_keep_previous", True)
         except (AttributeError, RuntimeError) as exc:
             self.log.info("keep_previous off for engine %r: it cannot keep its previous "
                           "weights (%s)", name, str(exc).splitlines()[0][:200])
@@ -191,8 +192,10 @@ class TrainerSync:
     def sync(self, version: str | None = None, *, verify: bool | None = None,
              engines: list[str] | None = None) -> dict[str, Any]:
         """Deliver the model's current weights to `engines` (default: all connected) as
-        `version` (default "v<n>"). A plain-data report on rank 0, {"rank": r} elsewhere.
-        Raises on rank 0's error on every rank; a failed engine keeps its previous version."""
+        `version` (default "v<n>"). On rank 0 a `SyncReport` as plain data (its `to_dict()`:
+        {"version", "path", "nbytes", "sync_s", "gbps", "engines": {name: {...}}, ...}),
+        {"rank": r} elsewhere. Raises on rank 0's error on every rank; a failed engine keeps
+        its previous version."""
         self._num_syncs += 1
         version = version or f"v{self._num_syncs}"
         verify = self.options.verify if verify is None else verify
@@ -207,16 +210,16 @@ class TrainerSync:
         bucket_report = None
         if buckets:
             bucket_report = self._sync_buckets(version, buckets, verify=verify)
-            if self.rank == 0:
-                self._share(buckets, bucket_report)
+            if bucket_report is not None:
+                bucket_report = self._share(buckets, bucket_report)
         report = _merge(direct_report, bucket_report) if self.rank == 0 else None
         if verify:
-            self._verify_pending(report)
+            report = self._verify_pending(report)
         if self.rank != 0:
             return {"rank": self.rank}
-        self.log.info("sync %s: %.3f s, %.2f GB/s (%s)", version, report["sync_s"],
-                      report["gbps"], report["path"])
-        return as_plain(report)
+        self.log.info("sync %s: %.3f s, %.2f GB/s (%s)", version, report.sync_s, report.gbps,
+                      report.path)
+        return as_plain(report.to_dict())
 
     def verify(self, engines: list[str] | None = None) -> dict[str, Any]:
         """Compare each engine's parameters with the model's current weights, without syncing:
@@ -240,21 +243,23 @@ class TrainerSync:
         return as_plain(self.sender.verify(
             sent, engines=names, worker_sent={n: w.result() for n, w in workers.items()}))
 
-    def _verify_pending(self, report: dict[str, Any] | None) -> None:
+    def _verify_pending(self, report: SyncReport | None) -> SyncReport | None:
         """After a verified sync: engines whose workers hold slices were left "pending" (their
-        expected fingerprints need the tensors again); verify those now, on every rank."""
+        expected fingerprints need the tensors again); verify those now, on every rank. Rank 0's
+        report with their results."""
         pending = None
         if self.rank == 0:
-            checked = (report or {}).get("verify", {})
+            checked = report.verify or {}
             pending = sorted(n for n, v in checked.items()
                              if isinstance(v, dict) and v.get("pending"))
         pending = self.group.broadcast(pending)
         if not pending:
-            return
+            return report
         again = self.verify(engines=pending)
-        if self.rank == 0:
-            report["verify"].update({n: again[n] for n in pending})
-            report["verify"]["verify_s"] += again["verify_s"]
+        if self.rank != 0:
+            return report
+        return replace(report, verify={**report.verify, **{n: again[n] for n in pending},
+                                       "verify_s": report.verify["verify_s"] + again["verify_s"]})
 
     def close(self) -> None:
         """Free the transport, the mapped segments and the sync group (all ranks)."""
@@ -278,7 +283,7 @@ class TrainerSync:
                 "buckets": [n for n in names if n not in self._shared]}
 
     def _sync_buckets(self, version: str, names: list[str], *,
-                      verify: bool) -> dict[str, Any] | None:
+                      verify: bool) -> SyncReport | None:
         if self.shard_writes:
             if self.rank != 0:
                 self.buckets.follow()
@@ -292,31 +297,33 @@ class TrainerSync:
             return None
         return self.sender.sync(tensors, version=version, engines=names, verify=verify)
 
-    def _share(self, names: list[str], report: dict[str, Any] | None) -> None:
-        """Rank 0, after a sync by buckets: engines that can, share their parameters."""
-        if not self.one_copy or report is None:
-            return
+    def _share(self, names: list[str], report: SyncReport) -> SyncReport:
+        """Rank 0, after a sync by buckets: engines that can, share their parameters; the
+        report with how long that took each."""
+        if not self.one_copy:
+            return report
+        engines = dict(report.engines)
         for name in names:
             if name in self._shared or name in self._no_share:
                 continue
             start = time.perf_counter()
             try:
-                answer = self.sender.engines[name].endpoint.call(
-                    "share_params", timeout_s=self.options.timeout_s)
+                answer: ShareAnswer = self.sender.call(name, "share_params")
             except Exception as exc:  # an engine without the path, or one that failed
-                answer = {"shared": None, "why": f"{type(exc).__name__}: {exc}", "retry": False}
-            if answer.get("shared"):
-                self._shared[name] = answer["shared"]
-                report["engines"][name]["share_s"] = time.perf_counter() - start
+                answer = ShareAnswer(shared=None, why=f"{type(exc).__name__}: {exc}")
+            if answer.shared:
+                self._shared[name] = answer.shared
+                engines[name] = replace(engines[name], share_s=time.perf_counter() - start)
                 self.log.info("engine %r shares its parameters (%.2f s): the next syncs write "
-                              "into them", name, time.perf_counter() - start)
-            elif not answer.get("retry"):
-                self._no_share[name] = answer.get("why") or "unknown"
+                              "into them", name, engines[name].share_s)
+            elif not answer.retry:
+                self._no_share[name] = answer.why or "unknown"
                 self.log.info("one_copy off for engine %r, it keeps taking buckets: %s", name,
-                              answer.get("why"))
+                              answer.why)
+        return replace(report, engines=engines)
 
     def _sync_one_copy(self, version: str, names: list[str], *,
-                       verify: bool) -> tuple[dict[str, Any] | None, list[str]]:
+                       verify: bool) -> tuple[SyncReport | None, list[str]]:
         """Every rank writes its own shards into the engines' shared parameters. Returns rank
         0's report and the engines to sync by buckets instead."""
         if self.rank != 0:
@@ -339,22 +346,22 @@ class TrainerSync:
         report, fallback = self.sender.sync_direct(write, version=version, engines=names,
                                                    verify=verify)
         if report is not None:
-            report["phases_s"]["rank_write"] = self.writer.rank_write_s
+            report = replace(report, phases_s={**report.phases_s,
+                                               "rank_write": self.writer.rank_write_s})
         return report, fallback
 
 
-def _merge(direct: dict[str, Any] | None, buckets: dict[str, Any] | None) -> dict[str, Any]:
+def _merge(direct: SyncReport | None, buckets: SyncReport | None) -> SyncReport:
     """One report for a sync whose engines took different paths."""
     if direct is None or buckets is None:
         report = direct or buckets
         if report is None:
             raise RuntimeError("a sync produced no report: no engine took either path")
         return report
-    report = {**buckets, "path": "mixed", "engines": {**direct["engines"], **buckets["engines"]},
-              "sync_s": direct["sync_s"] + buckets["sync_s"]}
-    report["gbps"] = report["nbytes"] / report["sync_s"] / 1e9
-    if "verify" in direct or "verify" in buckets:
-        report["verify"] = {**direct.get("verify", {}), **buckets.get("verify", {})}
-        report["verify"]["verify_s"] = (direct.get("verify", {}).get("verify_s", 0.0)
-                                        + buckets.get("verify", {}).get("verify_s", 0.0))
-    return report
+    verify = None
+    if direct.verify is not None or buckets.verify is not None:
+        verify = {**(direct.verify or {}), **(buckets.verify or {}),
+                  "verify_s": ((direct.verify or {}).get("verify_s", 0.0)
+                               + (buckets.verify or {}).get("verify_s", 0.0))}
+    return replace(buckets, path="mixed", engines={**direct.engines, **buckets.engines},
+                   sync_s=direct.sync_s + buckets.sync_s, verify=verify)

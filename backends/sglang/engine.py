@@ -21,12 +21,14 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from weightsync.backends.sglang.loader import LOADER
 from weightsync.preflight import refuse_unsupported_sglang
+from weightsync.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer
 from weightsync.receiver import EngineSession
 from weightsync.server import LocalServer, cli_flags
 from weightsync.sharing import combine_worker_shares
@@ -283,9 +285,8 @@ class SglEngineActor(EngineSession):
     def check_refit(self, specs: list[dict]) -> dict:
         """Every TP scheduler checks; `num_receivers`: how many a sync reaches."""
         answers = self._read_only_all("check", specs=specs)
-        return as_plain({"param_of": answers[0]["param_of"],
-                         "num_params": answers[0]["num_params"],
-                         "num_receivers": len(answers), "tp_size": self.tp_size})
+        first = RefitAnswer.from_dict(answers[0])
+        return replace(first, num_receivers=len(answers), tp_size=self.tp_size).to_dict()
 
     def _engine_begin(self, direct: bool) -> str | None:
         self._session("begin")
@@ -298,18 +299,18 @@ class SglEngineActor(EngineSession):
                 return "; ".join(whys)
         return None
 
-    def _engine_load(self, descriptor: dict) -> dict:
-        return as_plain(self._control("load", descriptor=descriptor,
-                                      keep_previous=self.keep_previous))
+    def _engine_load(self, descriptor: dict) -> LoadReport:
+        return LoadReport.from_dict(self._control("load", descriptor=descriptor,
+                                                  keep_previous=self.keep_previous))
 
-    def _engine_end(self, version: str) -> dict:
+    def _engine_end(self, version: str) -> EndReport:
         # The version rides on a last, empty control call, so SGLang's own tag moves too.
         commits = self._control_all("commit", weight_version=version, direct=self._direct)
         self._session("end")
-        report = {"cache_flushed": self.client.flush_cache()}
-        if self.tp_size > 1:  # each scheduler holds slices: where, for verification
-            report["placements"] = [c["placements"] for c in commits]
-        return report
+        # At TP > 1 each scheduler holds slices: where, for verification.
+        placements = [c["placements"] for c in commits] if self.tp_size > 1 else None
+        return EndReport(weight_version=version, cache_flushed=self.client.flush_cache(),
+                         placements=placements)
 
     def set_keep_previous(self, on: bool) -> None:
         """Turn keeping (and restoring) the previous weights on or off for later updates."""
@@ -335,9 +336,8 @@ class SglEngineActor(EngineSession):
         return [r["fingerprints"] for r in self._read_only_all("fingerprints")]
 
     def share_params(self) -> dict:
-        answers = [{k: v for k, v in a.items() if k != "tp_rank"}
-                   for a in self._read_only_all("share")]
-        return as_plain(combine_worker_shares(answers))
+        answers = [ShareAnswer.from_dict(a) for a in self._read_only_all("share")]
+        return as_plain(combine_worker_shares(answers).to_dict())
 
 
     # ---- serving -------------------------------------------------------------------------

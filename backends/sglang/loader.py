@@ -54,13 +54,14 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
     """One control call in one TP scheduler (each gets the same message; `weightsync_load`
     adds the scheduler's `tp_rank` to every reply). At TP > 1 the scheduler learns and reports
     its placements (the elements of each tensor it holds; weightsync/placement.py)."""
+    from weightsync.protocol import LoadReport
     from weightsync.wire import BucketDescriptor, specs_from_dicts
 
     receiver = _receiver(model)
     op = message["op"]
     size = _tp()[1]
     if op == "check":
-        return receiver.check_refit(specs_from_dicts(message["specs"]))
+        return receiver.check_refit(specs_from_dicts(message["specs"])).to_dict()
     if op == "load":
         start = time.perf_counter()
         bucket = BucketDescriptor.from_dict(message["descriptor"])
@@ -70,10 +71,10 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
             receiver.learn_placements(views)
         del views
         receiver.release(bucket)
-        return {"num_tensors": len(bucket.tensors), "nbytes": bucket.nbytes,
-                "seconds": time.perf_counter() - start}
+        return LoadReport(num_tensors=len(bucket.tensors), nbytes=bucket.nbytes,
+                          seconds=time.perf_counter() - start).to_dict()
     if op == "share":
-        return receiver.share(receiver.placements if size > 1 else None)
+        return receiver.share(receiver.placements if size > 1 else None).to_dict()
     if op == "begin_direct":
         return {"why": receiver.begin_direct(keep_previous=bool(message.get("keep_previous")))}
     if op == "commit":

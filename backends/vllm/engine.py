@@ -16,9 +16,11 @@ import os
 import secrets
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from weightsync.preflight import cpu_binding, cuda_device_present, refuse_unsupported_vllm
+from weightsync.protocol import EndReport, LoadReport, RefitAnswer, SettleReport, ShareAnswer
 from weightsync.receiver import EngineSession
 from weightsync.server import LocalServer, cli_flags
 from weightsync.sharing import combine_worker_shares
@@ -156,9 +158,8 @@ class VllmEngineActor(EngineSession):
         """Every worker checks; `num_receivers`: the worker processes a sync reaches (each
         joins a collective transport's group)."""
         results = self._rpc_all("weightsync_check", specs)
-        return as_plain({"param_of": results[0]["param_of"],
-                         "num_params": results[0]["num_params"],
-                         "num_receivers": len(results), "tp_size": self.tp_size})
+        first = RefitAnswer.from_dict(results[0])
+        return replace(first, num_receivers=len(results), tp_size=self.tp_size).to_dict()
 
     def _engine_begin(self, direct: bool) -> str | None:
         whys = [r["why"] for r in self._rpc_all("weightsync_begin", direct, self.keep_previous)
@@ -171,17 +172,17 @@ class VllmEngineActor(EngineSession):
             raise RuntimeError(f"vllm: cannot change keep_previous during update {self._open!r}")
         self.keep_previous = bool(on)
 
-    def _engine_load(self, descriptor: dict) -> dict:
-        return as_plain(self._rpc("weightsync_load", descriptor))
+    def _engine_load(self, descriptor: dict) -> LoadReport:
+        return LoadReport.from_dict(self._rpc("weightsync_load", descriptor))
 
-    def _engine_end(self, version: str) -> dict:
+    def _engine_end(self, version: str) -> EndReport:
         results = self._rpc_all("weightsync_end")
         flushed = self.client.reset_prefix_cache()
         self.client.set_version(version)
-        report = {"cache_flushed": flushed, "param_of": results[0]["param_of"]}
-        if self.tp_size > 1:  # each worker holds slices: where, for verification
-            report["placements"] = [r["placements"] for r in results]
-        return as_plain(report)
+        # At TP > 1 each worker holds slices: where, for verification.
+        placements = [r["placements"] for r in results] if self.tp_size > 1 else None
+        return EndReport(weight_version=version, cache_flushed=flushed,
+                         param_of=results[0]["param_of"], placements=as_plain(placements))
 
     def _engine_abort(self, reason: str) -> bool:
         # Loading is in place: weights are mixed once a bucket was loaded, unless every worker
@@ -204,14 +205,15 @@ class VllmEngineActor(EngineSession):
 
     def share_params(self) -> dict:
         """At TP > 1, {"shared": [each worker's shared parameters]} or none of them."""
-        return as_plain(combine_worker_shares(self._rpc_all("weightsync_share")))
+        answers = [ShareAnswer.from_dict(a) for a in self._rpc_all("weightsync_share")]
+        return as_plain(combine_worker_shares(answers).to_dict())
 
     def settle(self, timeout_s: float = 120.0) -> dict:
         """On CPU the packed GEMMs are rebuilt in the background after an update."""
         result = self._rpc("weightsync_repacked", timeout_s)
         if result["error"]:
             raise RuntimeError(f"vllm: re-packing GEMM weights failed: {result['error']}")
-        return {"background_s": result["repack_s"]}
+        return SettleReport(background_s=result["repack_s"]).to_dict()
 
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 8) -> dict[str, Any]:

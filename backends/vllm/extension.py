@@ -170,6 +170,7 @@ class WeightsyncWorkerExtension:
 
     @_guard
     def weightsync_check(self, specs: list[dict]) -> dict[str, Any]:
+        from weightsync.protocol import RefitAnswer
         from weightsync.refit import check_against_checkpoint
         from weightsync.wire import dtype_to_str, specs_from_dicts
 
@@ -179,9 +180,8 @@ class WeightsyncWorkerExtension:
         check_against_checkpoint(parsed, config.model, engine_dtype=dtype_to_str(config.dtype),
                                  name="vllm")
         receiver.refit.accept(parsed)
-        rank, size = self._ws_tp()
-        return {"param_of": receiver.param_of, "num_params": len(receiver.refit.accepted),
-                "tp_rank": rank, "tp_size": size}
+        return RefitAnswer(param_of=receiver.param_of, num_params=len(receiver.refit.accepted),
+                           tp_size=self._ws_tp()[1]).to_dict()
 
     @_guard
     def weightsync_begin(self, direct: bool = False, keep_previous: bool = False,
@@ -221,7 +221,7 @@ class WeightsyncWorkerExtension:
         # At TP > 1 the trainer writes each worker's slices through their placements.
         placements = state["receiver"].placements if self._ws_tp()[1] > 1 else None
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            return state["receiver"].share(placements)
+            return state["receiver"].share(placements).to_dict()
 
 
     def _ws_gemms(self) -> dict[str, list[_Gemm]]:
@@ -271,6 +271,7 @@ class WeightsyncWorkerExtension:
         import torch
         from vllm.config import set_current_vllm_config
 
+        from weightsync.protocol import LoadReport
         from weightsync.wire import BucketDescriptor
 
         state = self._ws_state()
@@ -300,8 +301,8 @@ class WeightsyncWorkerExtension:
         self._ws_mark_stale(touched)
         del views, known
         receiver.release(bucket)
-        return {"num_tensors": len(bucket.tensors), "nbytes": bucket.nbytes,
-                "seconds": time.perf_counter() - start}
+        return LoadReport(num_tensors=len(bucket.tensors), nbytes=bucket.nbytes,
+                          seconds=time.perf_counter() - start).to_dict()
 
     def _ws_learn_placement(self, name: str, tensor: Any) -> None:
         """At TP > 1: where this worker's loader puts the elements of `name`."""

@@ -128,7 +128,7 @@ def test_direct_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_abo
     sender.add_engine(LocalEndpoint(receiver, name="mod"))
     targets: dict[str, DirectTarget] = {}
     try:
-        assert sender.sync(iter(trainer.items()), version="v1", verify=True)["verify"]["mod"][
+        assert sender.sync(iter(trainer.items()), version="v1", verify=True).verify["mod"][
             "verified"]
         shared = receiver.share_params()["shared"]
         targets["mod"] = DirectTarget(shared)
@@ -149,8 +149,8 @@ def test_direct_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_abo
             return {"pieces": pieces, "mismatched": bad}
 
         report, fallback = sender.sync_direct(write, version="v2", engines=["mod"], verify=True)
-        assert fallback == [] and report["engines"]["mod"]["path"] == "direct"
-        assert report["verify"]["mod"]["verified"], report["verify"]
+        assert fallback == [] and report.engines["mod"].path == "direct"
+        assert report.verify["mod"]["verified"], report.verify
         got = dict(receiver.receiver.model.named_parameters())
         assert all(torch.equal(got[n], t) for n, t in trainer.items())
         assert receiver.weight_version() == "v2"

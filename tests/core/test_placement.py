@@ -166,7 +166,7 @@ def test_two_sliced_workers_are_each_verified_against_what_they_hold():
         for r, worker in enumerate(workers):
             sender.add_engine(LocalEndpoint(worker, name=f"tp{r}"))
         report = sender.sync(source.tensors(), version="v1", verify=True)
-        assert report["verify"]["tp0"]["pending"]  # needs the tensors again, with placements
+        assert report.verify["tp0"]["pending"]  # needs the tensors again, with placements
 
         def check():
             expected = {n: WorkerPrints(sender.engines[n].placements) for n in ("tp0", "tp1")}

@@ -29,8 +29,8 @@ def test_sync_makes_engine_weights_equal_and_verifies():
         report = sender.sync(source.tensors(), version="v1", verify=True)
     finally:
         sender.close()
-    assert report["num_buckets"] > 3
-    assert report["verify"]["ref"]["verified"], report["verify"]
+    assert report.num_buckets > 3
+    assert report.verify["ref"]["verified"], report.verify
     assert receiver.weight_version() == "v1"
     want = trainer.state_dict()
     for name, tensor in engine_model.state_dict().items():

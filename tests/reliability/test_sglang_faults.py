@@ -136,7 +136,7 @@ def test_non_contiguous_trainer_tensors_arrive_intact(setup):
         sender.add_engine(RayEndpoint(engine, name=NAME))
         for version, tensors in (("contiguous", values), ("strided", strided)):
             report = sender.sync(iter(tensors.items()), version=version, verify=True)
-            assert report["verify"][NAME]["verified"], report["verify"]
+            assert report.verify[NAME]["verified"], report.verify
             answers.append(ray.get(engine.generate.remote(prompt_ids())))
     finally:
         sender.close()

@@ -1,0 +1,106 @@
+"""The typed answers above the wire (weightsync/protocol.py): what crosses stays plain data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weightsync.protocol import (
+    BeginAnswer,
+    EndReport,
+    EngineSyncReport,
+    LoadReport,
+    RefitAnswer,
+    SettleReport,
+    ShareAnswer,
+    SyncReport,
+    from_wire,
+)
+
+ANSWERS = [
+    RefitAnswer(param_of={"w": ["w"], "qkv.q": ["qkv"]}, num_params=2, num_receivers=2,
+                tp_size=2),
+    RefitAnswer(param_of={}, num_params=7),
+    BeginAnswer(direct=True),
+    BeginAnswer(direct=False, why="vllm: parameters are not shared"),
+    ShareAnswer(shared={"segment": "weightsync-1-abc", "nbytes": 4096, "offsets": {"w": 0}}),
+    ShareAnswer(shared=[{"segment": "a"}, {"segment": "b"}]),
+    ShareAnswer(shared=None, why="not known yet", retry=True),
+    LoadReport(num_tensors=3, nbytes=1024, seconds=0.25),
+    EndReport(weight_version="v1"),
+    EndReport(weight_version="v2", end_s=0.1, session_s=0.5, cache_flushed=True,
+              param_of={"w": ["w"]}, placements=[{"w": ["w", [[0, 4, 1]]]}, None]),
+    SettleReport(),
+    SettleReport(background_s=1.5),
+    SyncReport(version="v3", path="mixed", nbytes=10**9, num_buckets=4, sync_s=0.5,
+               engines={"a": EngineSyncReport(path="buckets", weight_version="v3", load_s=0.2,
+                                              end_s=0.01, session_s=0.4, cache_flushed=True,
+                                              share_s=0.3),
+                        "b": EngineSyncReport(path="direct", weight_version="v3")},
+               phases_s={"begin": 0.1, "rank_write": [0.1, 0.2]}, bytes_written=2 * 10**9,
+               verify={"a": {"verified": True, "mismatched": [], "num_checked": 3},
+                       "verify_s": 0.05}),
+    SyncReport(version="v1", path="buckets", nbytes=64, num_buckets=1, sync_s=0.0),
+]
+
+
+@pytest.mark.parametrize("answer", ANSWERS, ids=lambda a: type(a).__name__)
+def test_answer_survives_to_dict_json_and_from_dict(answer):
+    wired = json.loads(json.dumps(answer.to_dict()))
+    assert type(answer).from_dict(wired) == answer
+
+
+def test_to_dict_carries_the_keys_the_wire_always_carried():
+    assert BeginAnswer(direct=True).to_dict() == {"direct": True}
+    assert BeginAnswer(direct=False, why="x").to_dict() == {"direct": False, "why": "x"}
+    assert ShareAnswer(shared=None, why="x").to_dict() == {"shared": None, "why": "x",
+                                                           "retry": False}
+    assert LoadReport(num_tensors=1, nbytes=2, seconds=0.5).to_dict() == {
+        "num_tensors": 1, "nbytes": 2, "seconds": 0.5}
+    assert EndReport(weight_version="v", end_s=1.0, session_s=2.0).to_dict() == {
+        "weight_version": "v", "end_s": 1.0, "session_s": 2.0}
+    assert SettleReport().to_dict() == {}
+    assert SettleReport(background_s=3.0).to_dict() == {"background_s": 3.0}
+
+
+def test_sync_report_as_plain_data_has_the_keys_users_index():
+    report = SyncReport(version="v1", path="buckets", nbytes=2 * 10**9, num_buckets=2,
+                        sync_s=2.0, engines={"e": EngineSyncReport(path="buckets", load_s=1.0)})
+    assert report.to_dict() == {
+        "version": "v1", "path": "buckets", "nbytes": 2 * 10**9, "num_buckets": 2,
+        "sync_s": 2.0, "gbps": 1.0,
+        "engines": {"e": {"status": "ok", "path": "buckets", "load_s": 1.0}}}
+
+
+def test_from_dict_fills_absent_optional_fields_and_ignores_unknown_keys():
+    answer = RefitAnswer.from_dict({"param_of": {"w": ["w"]}, "num_params": 1, "tp_rank": 0})
+    assert (answer.num_receivers, answer.tp_size) == (1, 1)
+    assert ShareAnswer.from_dict({"shared": None}) == ShareAnswer(shared=None)
+    assert EndReport.from_dict({"weight_version": "v"}).cache_flushed is None
+
+
+@pytest.mark.parametrize("cls, d, missing", [
+    (RefitAnswer, {"param_of": {}}, "num_params"),
+    (BeginAnswer, {"why": "x"}, "direct"),
+    (ShareAnswer, {"why": "x", "retry": True}, "shared"),
+    (LoadReport, {"num_tensors": 1, "seconds": 0.1}, "nbytes"),
+    (EndReport, {"end_s": 0.1}, "weight_version"),
+    (EngineSyncReport, {"status": "ok"}, "path"),
+    (SyncReport, {"version": "v", "path": "buckets", "nbytes": 1, "num_buckets": 1},
+     "sync_s"),
+])
+def test_from_dict_without_a_required_field_names_it(cls, d, missing):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: required field '{missing}' missing"):
+        cls.from_dict(d)
+
+
+def test_from_dict_of_something_else_than_a_dict_says_what_it_got():
+    with pytest.raises(ValueError, match="LoadReport: expected a dict, got NoneType"):
+        LoadReport.from_dict(None)
+
+
+def test_from_wire_types_the_answers_of_the_receiver_methods_only():
+    assert from_wire("begin", {"direct": True}) == BeginAnswer(direct=True)
+    prints = {"w": [1, 2]}
+    assert from_wire("fingerprints", prints) is prints
