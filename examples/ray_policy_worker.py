@@ -13,7 +13,6 @@ every sync was verified and the engine then serves the last version.
 from __future__ import annotations
 
 import argparse
-import socket
 import tempfile
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 
 import weightsync
 from weightsync.models import make_tiny_model, make_tokenizer  # a tiny checkpoint, no downloads
+from weightsync.rendezvous import host_store
 
 
 class PolicyWorker:
@@ -32,8 +32,8 @@ class PolicyWorker:
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
 
-        weightsync.init_trainer_group(rank=rank, world_size=world_size,
-                                      master_addr="127.0.0.1", master_port=master_port)
+        weightsync.init_trainer_group(rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                                      master_port=master_port, rank0_hosts_store=False)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         mesh = init_device_mesh("cpu", (world_size,))
         for layer in self.model.model.decoder.layers:
@@ -72,11 +72,9 @@ def main() -> int:
     model_path = make_tiny_model(tempfile.mkdtemp(prefix="ws-example-"), arch="opt")
     weightsync.init_ray(num_cpus=2)
     engine = weightsync.launch("weightsync.backends.vllm.engine.VllmEngineActor", model_path)
-    with socket.socket() as s:  # the trainer group's rendezvous port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = host_store("127.0.0.1")  # the trainer group's rendezvous, on a port of its own
     workers = [ray.remote(PolicyWorker).options(num_cpus=0).remote(
-        rank=r, world_size=args.world_size, master_port=port, model_path=model_path)
+        rank=r, world_size=args.world_size, master_port=store.port, model_path=model_path)
         for r in range(args.world_size)]
 
     def on_all(method: str, *call_args: Any) -> Any:  # every rank at once; rank 0's answer

@@ -120,18 +120,36 @@ class DTensorV2Source:
 
 
 def init_trainer_group(*, rank: int, world_size: int, master_addr: str, master_port: int,
-                       timeout_s: float = 300.0) -> str:
-    """Join the trainer's process group (gloo on CPU, NCCL on GPU); returns the device type."""
+                       timeout_s: float = 300.0, rank0_hosts_store: bool = True) -> str:
+    """Join the trainer's process group (gloo on CPU, NCCL on GPU); returns the device type.
+
+    The group meets at a TCPStore on (`master_addr`, `master_port`). With `rank0_hosts_store`,
+    rank 0 hosts it there; otherwise it already runs (the driver's `TrainerGroup` hosts it, on a
+    port the kernel chose: `weightsync.rendezvous.host_store`) and every rank joins it. Either
+    way the store listens on `master_addr` only, and this process's gloo groups on the
+    interface that reaches it (GLOO_SOCKET_IFNAME, unless set)."""
     import datetime
 
     import torch.distributed as dist
 
+    from weightsync.rendezvous import host_store, use_gloo_interface_for
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
+        if rank0_hosts_store and master_port == 0:
+            raise ValueError("master_port=0 with rank0_hosts_store=True: the other ranks cannot "
+                             "learn the port; host the store first (weightsync.rendezvous."
+                             "host_store) and pass its port with rank0_hosts_store=False")
+        use_gloo_interface_for(master_addr)
+        if rank == 0 and rank0_hosts_store:
+            store = host_store(master_addr, port=master_port, timeout_s=timeout_s,
+                               world_size=world_size)
+        else:
+            store = dist.TCPStore(master_addr, master_port, world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
         dist.init_process_group(
-            "nccl" if device == "cuda" else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            "nccl" if device == "cuda" else "gloo", store=store, rank=rank,
+            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
         )
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -361,22 +361,23 @@ class TrainerGroup:
 
     def __init__(self, qualname: str, *, world_size: int = 2, env: str | None = None,
                  call_timeout_s: float = 1200.0, placements: list[Placement] | None = None,
-                 **kwargs: Any) -> None:
+                 master_addr: str = "127.0.0.1", **kwargs: Any) -> None:
         """`placements`: one bundle per rank (`place(world_size, {...})`), which the rank holds
-        while it lives."""
-        import socket
+        while it lives. `master_addr`: where the group's store listens (this process hosts it,
+        on a port the kernel picks); give this node's address when ranks run on other nodes.
+        The class takes `rank`, `world_size`, `master_addr`, `master_port` and
+        `rank0_hosts_store=False` (for `weightsync.dtensor.init_trainer_group`)."""
+        from weightsync.rendezvous import host_store
 
         if placements is not None and len(placements) != world_size:
             raise ValueError(f"{len(placements)} placements for world_size={world_size}: give "
                              f"one per rank")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         self.timeout_s = call_timeout_s
+        self.store = host_store(master_addr, timeout_s=call_timeout_s)
         self.ranks = [
-            launch(qualname, env=env, rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                   master_port=port, placement=placements[rank] if placements else None,
-                   **kwargs)
+            launch(qualname, env=env, rank=rank, world_size=world_size, master_addr=master_addr,
+                   master_port=self.store.port, rank0_hosts_store=False,
+                   placement=placements[rank] if placements else None, **kwargs)
             for rank in range(world_size)
         ]
 
@@ -391,3 +392,4 @@ class TrainerGroup:
 
         for r in self.ranks:
             ray.kill(r.handle)
+        self.store = None

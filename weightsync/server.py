@@ -2,6 +2,12 @@
 
 Used by both engine actors for their `mode="http"` delivery. The server binds 127.0.0.1 on a free
 port; every request carries the API key as a bearer token when one is set.
+
+The port is found by binding a socket to port 0 and closing it, then handed to the server: the
+engines' servers take a port number, not a socket, and derive other ports from it (SGLang), so
+they cannot be started on port 0 and asked which port they got. Another process can take the
+port in between; a server that exits at start while its port is in use is started again on a
+new port, up to `_START_ATTEMPTS` times.
 """
 
 from __future__ import annotations
@@ -15,6 +21,23 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
+
+_START_ATTEMPTS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
 
 
 def cli_flags(args: dict[str, Any]) -> list[str]:
@@ -35,26 +58,39 @@ class LocalServer:
 
     def __init__(self, command: list[str], *, name: str, api_key: str | None = None,
                  env: dict[str, str] | None = None, startup_timeout_s: float = 600.0) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         self.name = name
-        self.base = f"http://127.0.0.1:{port}"
         self.api_key = api_key
-        self.proc = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)],
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            port = _free_port()
+            self.base = f"http://127.0.0.1:{port}"
+            self.proc = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)],
+                                         env={**os.environ, **(env or {})},
+                                         start_new_session=True)
+            if self._wait_healthy(startup_timeout_s):
+                return
+            try:  # what it started goes with it, and frees the port if it was the holder
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if not _port_in_use(port) or attempt == _START_ATTEMPTS:
+                raise RuntimeError(f"{name} server exited with {self.proc.returncode} at start "
+                                   f"(port {port}, attempt {attempt} of {_START_ATTEMPTS})")
+
+    def _wait_healthy(self, startup_timeout_s: float) -> bool:
+        """True once /health answers 200; False if the server exited first."""
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} server exited with {self.proc.returncode} at start")
+                return False
             try:
                 if self.request("GET", "/health", timeout=5)[0] == 200:
-                    return
+                    return True
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 self.shutdown()
-                raise RuntimeError(f"{name} server not healthy after {startup_timeout_s:.0f} s")
+                raise RuntimeError(f"{self.name} server not healthy after "
+                                   f"{startup_timeout_s:.0f} s")
             time.sleep(1)
 
     def request(self, method: str, path: str, body: Any = None,

@@ -35,7 +35,8 @@ class DTensorV2WeightSyncWorker:
     engine_env: str | None = None
 
     def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int,
-                 model_path: str, dtype: str = "float32", lr: float = 1e-3, seed: int = 0,
+                 model_path: str, rank0_hosts_store: bool = True, dtype: str = "float32",
+                 lr: float = 1e-3, seed: int = 0,
                  model_builder: Literal["transformers", "nemo_automodel"] = "transformers",
                  test_pause: tuple[str, int, float] | None = None,
                  **sync_options: Any) -> None:
@@ -43,7 +44,8 @@ class DTensorV2WeightSyncWorker:
         torch.manual_seed(seed)
         self.rank = rank
         self.device = init_trainer_group(rank=rank, world_size=world_size,
-                                         master_addr=master_addr, master_port=master_port)
+                                         master_addr=master_addr, master_port=master_port,
+                                         rank0_hosts_store=rank0_hosts_store)
         self.model_path = model_path
         if model_builder == "transformers":
             from transformers import AutoModelForCausalLM

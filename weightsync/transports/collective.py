@@ -6,8 +6,9 @@ default process groups and needs no `init_process_group` on either side. Receive
 1..N from a counter in the store as they join; the group forms on the first bucket, when the
 sender broadcasts and every receiver waits in `receive`. Every wait has a timeout.
 
-The store's port is opened on `host` (loopback by default); pass the host's address for engines
-on other machines.
+The store listens on `host` only (loopback by default; pass the host's address for engines on
+other machines), on a port the kernel picks while the store holds it (weightsync/rendezvous.py);
+the handles carry it. The gloo group's devices listen on the address that reaches `host`.
 
 With NCCL the copies overlap the broadcasts. Each side runs its broadcasts from a side stream:
 the sender packs bucket i+1 into one slot while bucket i goes out of the other (a slot is packed
@@ -24,29 +25,27 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from weightsync.bucket import BucketPlan, write_tensor
+from weightsync.rendezvous import gloo_device, host_store
 from weightsync.transports import ReceiverTransport, SenderTransport
 
 logger = logging.getLogger(__name__)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _make_group(backend: str, store: Any, rank: int, world_size: int,
-                timeout: datetime.timedelta) -> Any:
+                timeout: datetime.timedelta, host: str) -> Any:
+    """`host`: the store's; a gloo device listens on the local address that reaches it."""
     prefixed = dist.PrefixStore(f"weightsync/{backend}", store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [gloo_device(host)]
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -87,11 +86,11 @@ class CollectiveSender(SenderTransport):
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
         self.host = host
-        self.port = port or _free_port(host)
         self.world_size = 1 + num_receivers
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, self.port, self.world_size, is_master=True,
-                                   timeout=self.timeout, wait_for_workers=False)
+        self.store = host_store(host, port=port or 0, timeout_s=timeout_s,
+                                world_size=self.world_size)
+        self.port = self.store.port
         self.group: Any = None
         self._slots: list[torch.Tensor | None] = [None] * num_slots
         self._sent: list[Any] = [None] * num_slots  # NCCL: event after the slot's broadcast
@@ -133,7 +132,8 @@ class CollectiveSender(SenderTransport):
         if self.group is None:
             logger.info("forming %s group of %d on %s:%d", self.backend, self.world_size,
                         self.host, self.port)
-            self.group = _make_group(self.backend, self.store, 0, self.world_size, self.timeout)
+            self.group = _make_group(self.backend, self.store, 0, self.world_size, self.timeout,
+                                     self.host)
         direct = self._direct[slot]
         if direct is not None:
             data = direct.reshape(-1).view(torch.uint8)[:nbytes]
@@ -194,7 +194,7 @@ class CollectiveReceiver(ReceiverTransport):
                 raise RuntimeError(f"collective group at {key[0]}:{key[1]} is full "
                                    f"(world size {handle['world_size']})")
             group = _make_group(handle["backend"], store, rank, int(handle["world_size"]),
-                                timeout)
+                                timeout, key[0])
             self._stores[key] = store
             self._groups[key] = group
         return group
