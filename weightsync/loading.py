@@ -4,31 +4,47 @@ Each bucket is checked against what the refit check accepted before any byte is 
 is `BucketRejected`: nothing was written), mapped as views through its transport, and handed to
 the engine's own loader, so fused QKV, transposed Conv1D and tied heads stay the engine's
 business.
+
+Plain copies in one call: a tensor that lands in exactly one parameter of its own shape and
+dtype, which the engine loads with a loader known to copy it whole (`copy_loader`, or what the
+backend lists in `plain_loaders`) and no loader of the parameter's own, is copied together with
+the bucket's other such tensors below 4 MiB in one `torch._foreach_copy_` (a few fused kernels on
+a GPU), larger ones each in one `copy_`, not one loader call each. The rest go through the engine's loader as before.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from weightsync.errors import BucketRejected
+from weightsync.refit import copy_loader
 from weightsync.transports import ReceiverTransport, make_receiver
 
 if TYPE_CHECKING:
-    import torch
-
     from weightsync.refit import LoadFn, RefitCheck
     from weightsync.wire import BucketDescriptor
+
+# Plain copies at least this large go alone: a single copy runs at the copy engine's rate, which
+# a fused multi-tensor kernel does not reach (measured on an H200: docs/benchmarks.md).
+_ONE_COPY_BYTES = 4 << 20
 
 
 class BucketLoader:
     """Receives one model replica's buckets through their transports (one receiving transport
     per kind, kept open across syncs) and loads them through the engine's loader."""
 
-    def __init__(self, refit: RefitCheck, *, load_fn: LoadFn, name: str = "engine") -> None:
+    def __init__(self, refit: RefitCheck, *, load_fn: LoadFn, name: str = "engine",
+                 plain_loaders: Iterable[Any] = ()) -> None:
         self.refit = refit
         self.load_fn = load_fn
         self.name = name
         self._transports: dict[str, ReceiverTransport] = {}
+        self._plain_loaders = (copy_loader, *plain_loaders)
+        self._params: dict[str, torch.nn.Parameter] | None = None
+        self._plain: dict[str, torch.nn.Parameter | None] = {}  # tensor -> parameter
 
     def transport(self, kind: str) -> ReceiverTransport:
         """The receiving transport for handles of `kind`, made on first use."""
@@ -60,8 +76,43 @@ class BucketLoader:
         return self.transport(descriptor.handle["kind"]).receive_tensors(descriptor)
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Through the engine's loaders, into the live parameters."""
-        self.load_fn(iter(named_tensors))
+        """Into the live parameters: plain copies together, the rest through the engine's
+        loaders (module doc)."""
+        dsts, srcs, rest = [], [], []
+        for name, tensor in named_tensors:
+            param = self._plain_target(name, tensor)
+            if param is None:
+                rest.append((name, tensor))
+            elif tensor.numel() * tensor.element_size() >= _ONE_COPY_BYTES:
+                param.data.copy_(tensor)
+            else:
+                dsts.append(param.data)
+                srcs.append(tensor)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        if rest:
+            self.load_fn(iter(rest))
+
+    def _plain_target(self, name: str, tensor: torch.Tensor) -> torch.nn.Parameter | None:
+        """The parameter `tensor` is copied into whole by a plain loader, or None. Which
+        parameter and loader is decided once per name, after the refit check (or the first
+        load) mapped it; shape, dtype and device are checked on every call."""
+        param = self._plain.get(name, False)
+        if param is False:
+            targets = self.refit.param_of.get(name)
+            if targets is None:  # not mapped yet (an engine that learns it while loading)
+                return None
+            if self._params is None:
+                self._params = dict(self.refit.model.named_parameters())
+            param = self._params.get(targets[0]) if len(targets) == 1 else None
+            if param is not None and vars(param).get(
+                    "weight_loader", self.refit.default_loader) not in self._plain_loaders:
+                param = None
+            self._plain[name] = param
+        if param is None or param.shape != tensor.shape or param.dtype != tensor.dtype \
+                or param.device != tensor.device:
+            return None
+        return param
 
     def release(self, descriptor: BucketDescriptor) -> None:
         """The bucket is loaded: its transport may hand the bytes back to the sender."""
