@@ -47,7 +47,8 @@ def fingerprint(tensor: torch.Tensor) -> Fingerprint:
     if tensor.numel() == 0:
         return (0, 0)
     if tensor.device.type != "cpu":
-        return fingerprints([tensor])[0]
+        s1, s2 = _device_sums(tensor).tolist()
+        return (s1 & MASK, s2 & MASK)
     words = _words(tensor)
     s1 = s2 = 0
     scratch = torch.empty(min(words.numel(), _CPU_CHUNK_WORDS), dtype=torch.float64)
@@ -69,18 +70,23 @@ def fingerprints(tensors: list[torch.Tensor]) -> list[Fingerprint]:
         if tensor.numel() == 0 or tensor.device.type == "cpu":
             out[i] = fingerprint(tensor)
             continue
-        s1 = s2 = None
-        for chunk in _words(tensor).split(_GPU_CHUNK_WORDS):
-            wide = chunk.to(torch.int32)  # a square of a 16-bit word fits in 31 bits
-            c1 = chunk.sum(dtype=torch.int64)
-            c2 = wide.mul_(wide).sum(dtype=torch.int64)
-            s1, s2 = (c1, c2) if s1 is None else (s1 + c1, s2 + c2)
-        pending.setdefault(tensor.device, []).append((i, s1, s2))
+        pending.setdefault(tensor.device, []).append((i, _device_sums(tensor)))
     for items in pending.values():
-        sums = torch.stack([torch.stack([s1, s2]) for _, s1, s2 in items]).tolist()
-        for (i, _, _), (s1, s2) in zip(items, sums):
+        sums = torch.stack([pair for _, pair in items]).tolist()
+        for (i, _), (s1, s2) in zip(items, sums):
             out[i] = (s1 & MASK, s2 & MASK)
     return out  # type: ignore[return-value]
+
+
+def _device_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """[sum of the words, sum of their squares] as an int64 tensor on the tensor's device
+    (wrapping mod 2**64, as the results do)."""
+    total = None
+    for chunk in _words(tensor).split(_GPU_CHUNK_WORDS):
+        wide = chunk.to(torch.int32)  # a square of a 16-bit word fits in 31 bits
+        pair = torch.stack([chunk.sum(dtype=torch.int64), wide.mul_(wide).sum(dtype=torch.int64)])
+        total = pair if total is None else total + pair
+    return total
 
 
 def combine(prints: list[Fingerprint]) -> Fingerprint:
