@@ -1,5 +1,9 @@
 """`weightsync demo`: one trainer group keeps an SGLang and a vLLM engine in step, in one Ray job.
 
+`--task grpo` (the default) is an RL loop (weightsync/grpo.py): both engines sample rollouts, the
+trainer learns from their rewards, every step ends in a verified sync. `--task sft` trains one
+sentence by supervised steps and compares greedy continuations with the trainer's reference.
+
 Who runs where: the driver and the 2 trainer ranks (DTensorV2WeightSyncWorker, FSDP2 over gloo)
 run in the root environment, which has neither engine; the SGLang engine actor runs in env
 "sglang", the vLLM engine actor in "vllm-cpu" (or "vllm" on a GPU machine). What crosses between
@@ -22,15 +26,27 @@ from rich.table import Table
 from rich.text import Text
 
 TEXT = "weightsync keeps every engine in step with the trainer. "
+GRPO_LR = 1e-3
+# The README's bound on a step's mean |sampler - learner log-prob| (float32 engines and trainer),
+# set from measured runs (README, "GRPO"): about 20x the worst step seen, and far below what one
+# step of stale weights gives (tenths of a nat).
+MISMATCH_BOUND = {"opt": 1e-5, "qwen2": 1e-5}
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("demo", help="train a tiny model and keep SGLang and vLLM in step")
-    p.add_argument("--steps", type=int, default=30, help="training steps, each followed by a sync")
+    p = sub.add_parser("demo", help="GRPO on a tiny model with SGLang and vLLM kept in step")
+    p.add_argument("--task", choices=("grpo", "sft"), default="grpo",
+                   help="grpo: engines sample, the trainer learns from rewards (default); sft: "
+                        "supervised steps on one sentence, greedy continuations compared")
+    p.add_argument("--steps", type=int, help="steps, each followed by a sync (grpo 24, sft 30)")
     p.add_argument("--engines", default="sglang,vllm", help="comma-separated: sglang, vllm")
+    p.add_argument("--arch", default="opt", help="opt (both engines) or qwen2 (vLLM only)")
     p.add_argument("--model-size", default="tiny", help="tiny, small, base or medium")
+    p.add_argument("--group-size", type=int, default=8, help="grpo: samples per prompt")
+    p.add_argument("--seed", type=int, default=0, help="grpo: model and sampling seed")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    p.add_argument("--plot", metavar="FILE.png", help="draw loss and sync times over steps")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw over steps: grpo reward, mismatch, seconds; sft loss, sync times")
     p.set_defaults(run=run)
 
 
@@ -41,22 +57,26 @@ def _continuation(tokens: list[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.task == "grpo":
+        return _run_grpo(args)
+    return _run_sft(args)
+
+
+def _run_sft(args: argparse.Namespace) -> int:
     import ray
 
     from weightsync import envs, launcher
     from weightsync.models import make_tiny_model, make_tokenizer
 
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    bad = [e for e in engines if e not in ("sglang", "vllm")]
-    if bad or not engines:
-        raise ValueError(f"--engines {args.engines!r}: expected a list of sglang, vllm")
+    engines = _engine_names(args.engines)
+    args.steps = 30 if args.steps is None else args.steps
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps}: must be at least 1")
     log = logging.getLogger("weightsync.demo")
     for name in engines:
         env = "sglang" if name == "sglang" else envs.default_vllm_env()
         log.info("env %s: %s", env, envs.build(env)["action"])
-    model = make_tiny_model(tempfile.mkdtemp(prefix="weightsync-demo-"), arch="opt",
+    model = make_tiny_model(tempfile.mkdtemp(prefix="weightsync-demo-"), arch=args.arch,
                             size=args.model_size, seed=0)
     tok = make_tokenizer()
     prompt = tok("weightsync keeps").input_ids
@@ -119,6 +139,137 @@ def run(args: argparse.Namespace) -> int:
     ray.shutdown()
     time.sleep(0.1)
     return 0 if ok else 1
+
+
+def _engine_names(spec: str) -> list[str]:
+    engines = [e.strip() for e in spec.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ("sglang", "vllm")]
+    if bad or not engines:
+        raise ValueError(f"--engines {spec!r}: expected a list of sglang, vllm")
+    return engines
+
+
+def _run_grpo(args: argparse.Namespace) -> int:
+    from weightsync import envs, launcher
+    from weightsync.grpo import GrpoConfig, GrpoLoop, Verdict
+    from weightsync.models import make_tiny_model, make_tokenizer
+
+    engines = _engine_names(args.engines)
+    if args.arch not in ("opt", "qwen2"):
+        raise ValueError(f"--arch {args.arch!r}: expected opt or qwen2")
+    if args.arch != "opt" and "sglang" in engines:
+        raise ValueError(f"--arch {args.arch}: SGLang cannot run rope models on a CPU; use "
+                         f"--engines vllm")
+    # Bad options (steps, group size, sampling) fail here, before any engine starts.
+    config = GrpoConfig(steps=24 if args.steps is None else args.steps,
+                        group_size=args.group_size, seed=args.seed)
+    log = logging.getLogger("weightsync.demo")
+    for name in engines:
+        env = "sglang" if name == "sglang" else envs.default_vllm_env()
+        log.info("env %s: %s", env, envs.build(env)["action"])
+    model = make_tiny_model(tempfile.mkdtemp(prefix="weightsync-grpo-"), arch=args.arch,
+                            size=args.model_size, seed=args.seed)
+    tok = make_tokenizer()
+    launcher.init_ray(num_cpus=2, log_to_driver=False)
+    classes = {"sglang": "weightsync.backends.sglang.engine.SglEngineActor",
+               "vllm": "weightsync.backends.vllm.engine.VllmEngineActor"}
+    handles = {name: launcher.launch(classes[name], model) for name in engines}
+    trainer = launcher.TrainerGroup("weightsync.worker.DTensorV2WeightSyncWorker",
+                                    model_path=model, lr=GRPO_LR, seed=args.seed)
+    _wait_for_engines(handles)
+    trainer.call("connect", handles)
+    loop = GrpoLoop(trainer, handles, config, encode=lambda text: tok(text).input_ids,
+                    decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    started = time.perf_counter()
+    first = loop.start()
+    table = Table("step", *[c for n in engines for c in (f"{n} reward", "|dlogp|", "KL",
+                                                         "version", "ok")],
+                  "rollout s", "train s", "sync s", f"sample ({engines[0]})")
+    console = Console()
+    live = Live(table, console=console, auto_refresh=False)
+    if not args.json:
+        live.start()
+    steps: list[dict[str, Any]] = []
+    for step in range(1, config.steps + 1):
+        row = loop.step(step)
+        steps.append(row)
+        es = row["engines"]
+        table.add_row(str(step), *[c for e in es.values() for c in (
+            f"{e['reward']:.3f}", f"{e['mean_abs']:.1e}", f"{e['kl']:.1e}",
+            ",".join(e["versions"]), "yes" if e["verified"] and e["on_version"] else "NO")],
+            f"{row['rollout_s']:.2f}", f"{row['train_s']:.2f}", f"{row['sync_s']:.2f}",
+            repr(es[engines[0]]["sample"][:16]))
+        live.refresh()
+    loop_s = time.perf_counter() - started
+    if not args.json:
+        live.stop()
+        console.line()
+    verdict = Verdict(max_mean_abs=MISMATCH_BOUND[args.arch]).judge(
+        steps, start_verified=first["verified"])
+    summary = {"ok": verdict.ok, "failures": verdict.failures, "arch": args.arch,
+               "engines": engines, "loop_s": loop_s, "mismatch_bound": verdict.max_mean_abs,
+               "first_sync": first, "steps": steps}
+    if args.json:
+        json.dump(summary, sys.stdout, indent=1)
+        print()
+    else:
+        for name in engines:
+            rewards = [s["engines"][name]["reward"] for s in steps]
+            worst = max(s["engines"][name]["mean_abs"] for s in steps)
+            print(f"{name}: mean reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; worst mean "
+                  f"|dlogp| {worst:.1e} (bound {verdict.max_mean_abs:.0e})")
+        print(f"{config.steps} steps in {loop_s:.1f} s (rollout {_total(steps, 'rollout_s'):.1f}"
+              f" s, train {_total(steps, 'train_s'):.1f} s, sync {_total(steps, 'sync_s'):.1f} s)")
+        print("every sync verified, every rollout came from the version just synced, the reward "
+              "rose and the mismatch stayed in bound" if verdict.ok else
+              "FAILED: " + "; ".join(verdict.failures))
+    if args.plot:
+        _plot_grpo(steps, args.plot, bound=verdict.max_mean_abs)
+    _shutdown(handles)
+    return 0 if verdict.ok else 1
+
+
+def _total(steps: list[dict[str, Any]], key: str) -> float:
+    return sum(s[key] for s in steps)
+
+
+def _shutdown(handles: dict[str, Any]) -> None:
+    import ray
+
+    for handle in handles.values():
+        try:
+            ray.get(handle.shutdown.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            pass
+    ray.shutdown()
+    time.sleep(0.1)
+
+
+def _plot_grpo(steps: list[dict[str, Any]], path: str, *, bound: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_reward, ax_gap, ax_time) = plt.subplots(1, 3, figsize=(14, 4))
+    xs = [s["step"] for s in steps]
+    for name in steps[0]["engines"]:
+        ax_reward.plot(xs, [s["engines"][name]["reward"] for s in steps], marker="o", label=name)
+        ax_gap.plot(xs, [s["engines"][name]["mean_abs"] for s in steps], marker="o",
+                    label=f"{name} mean |dlogp|")
+        ax_gap.plot(xs, [max(s["engines"][name]["kl"], 1e-12) for s in steps], marker="x",
+                    linestyle=":", label=f"{name} KL (k3)")
+    ax_gap.axhline(bound, color="red", linestyle="--", label="bound (mean |dlogp|)")
+    ax_gap.set_yscale("log")
+    for key in ("rollout_s", "train_s", "sync_s"):
+        ax_time.plot(xs, [s[key] for s in steps], marker="o", label=key.removesuffix("_s"))
+    ax_reward.set(xlabel="step", ylabel="mean reward", title="reward per engine")
+    ax_gap.set(xlabel="step", ylabel="nats per token", title="sampler vs learner log-probs")
+    ax_time.set(xlabel="step", ylabel="seconds", title="time per step")
+    for ax in (ax_reward, ax_gap, ax_time):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def _wait_for_engines(handles: dict[str, Any]) -> None:

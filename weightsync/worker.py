@@ -89,6 +89,14 @@ class DTensorV2WeightSyncWorker:
         self.model.eval()
         return float(loss.detach())
 
+    def grpo_step(self, rollouts: list[dict[str, Any]], **options: Any) -> dict[str, Any]:
+        """Clipped policy-gradient updates on sampled rollouts (all ranks, same list); returns
+        the learner's float32 log-probabilities of the sampled tokens before the update
+        (`weightsync.grpo.policy_step`)."""
+        from weightsync.grpo import policy_step
+
+        return policy_step(self.model, self.optimizer, rollouts, **options)
+
     def full_state(self) -> dict[str, torch.Tensor]:
         return dict(self.weights.source.tensors())
 

@@ -30,6 +30,7 @@ from weightsync.backends.sglang.loader import LOADER
 from weightsync.preflight import refuse_unsupported_sglang
 from weightsync.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer
 from weightsync.receiver import EngineSession
+from weightsync.sampling import SamplingOptions
 from weightsync.server import LocalServer, cli_flags
 from weightsync.sharing import combine_worker_shares
 from weightsync.wire import as_plain, unwrap_all
@@ -341,10 +342,19 @@ class SglEngineActor(EngineSession):
 
 
     # ---- serving -------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 8) -> dict[str, Any]:
+    def generate(self, prompts: list[list[int]], **sampling: Any) -> dict[str, Any]:
+        """{"tokens", "logprobs", "weight_version"}: `n` samples per prompt, grouped by prompt
+        (keywords: `weightsync.sampling.SamplingOptions`). Log-probabilities are SGLang's: of
+        logits / temperature, before top-p."""
+        options = SamplingOptions(**sampling)
         self.check_serving()
-        sampling = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
-        outs = self.client.generate(prompts, sampling)
+        # One request per sample (not SGLang's `n`): the order of rows is ours, and each sample
+        # has its own seed.
+        params = [{"temperature": options.temperature, "top_p": options.top_p,
+                   "max_new_tokens": options.max_new_tokens, "ignore_eos": True,
+                   **({} if options.seed is None else {"sampling_seed": options.seed + j})}
+                  for _ in prompts for j in range(options.n)]
+        outs = self.client.generate([p for p in prompts for _ in range(options.n)], params)
         tokens, logprobs = [], []
         for out in outs:
             pairs = out["meta_info"]["output_token_logprobs"]

@@ -22,6 +22,7 @@ from typing import Any
 from weightsync.preflight import cpu_binding, cuda_device_present, refuse_unsupported_vllm
 from weightsync.protocol import EndReport, LoadReport, RefitAnswer, SettleReport, ShareAnswer
 from weightsync.receiver import EngineSession
+from weightsync.sampling import SamplingOptions
 from weightsync.server import LocalServer, cli_flags
 from weightsync.sharing import combine_worker_shares
 from weightsync.wire import as_plain, unwrap_all
@@ -48,20 +49,22 @@ class _InProcess:
         if hasattr(self.llm, "update_weight_version"):
             self.llm.update_weight_version(version)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list, list]:
+    def generate(self, prompts: list[list[int]], options: SamplingOptions) -> tuple[list, list]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logprobs=1,
-                                ignore_eos=True)
+        params = SamplingParams(temperature=options.temperature, top_p=options.top_p,
+                                n=options.n, seed=options.seed,
+                                max_tokens=options.max_new_tokens, logprobs=1, ignore_eos=True)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                  use_tqdm=False)
         tokens, logprobs = [], []
         for out in outs:
-            ids = list(out.outputs[0].token_ids)
-            tokens.append(ids)
-            logprobs.append([float(step[t].logprob) for step, t in
-                             zip(out.outputs[0].logprobs, ids)])
+            for sample in sorted(out.outputs, key=lambda o: o.index):
+                ids = list(sample.token_ids)
+                tokens.append(ids)
+                logprobs.append([float(step[t].logprob) for step, t in
+                                 zip(sample.logprobs, ids)])
         return tokens, logprobs
 
     def shutdown(self) -> None:
@@ -94,10 +97,11 @@ class _Http:
     def set_version(self, version: str) -> None:
         self._request("POST", "/update_weight_version", {"new_version": version})
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list, list]:
+    def generate(self, prompts: list[list[int]], options: SamplingOptions) -> tuple[list, list]:
         status, out = self._request("POST", "/v1/completions", {
-            "model": self.model, "prompt": prompts, "max_tokens": max_new_tokens,
-            "temperature": 0.0, "logprobs": 1, "ignore_eos": True,
+            "model": self.model, "prompt": prompts, "max_tokens": options.max_new_tokens,
+            "temperature": options.temperature, "top_p": options.top_p, "n": options.n,
+            "seed": options.seed, "logprobs": 1, "ignore_eos": True,
             "return_tokens_as_token_ids": True})
         if status != 200:
             raise RuntimeError(f"vllm server /v1/completions answered {status}: {out}")
@@ -216,9 +220,13 @@ class VllmEngineActor(EngineSession):
         return SettleReport(background_s=result["repack_s"]).to_dict()
 
     # ---- serving -------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 8) -> dict[str, Any]:
+    def generate(self, prompts: list[list[int]], **sampling: Any) -> dict[str, Any]:
+        """{"tokens", "logprobs", "weight_version"}: `n` samples per prompt, grouped by prompt
+        (keywords: `weightsync.sampling.SamplingOptions`). Log-probabilities are vLLM's default
+        (raw logits: before temperature and top-p)."""
+        options = SamplingOptions(**sampling)
         self.check_serving()
-        tokens, logprobs = self.client.generate(prompts, max_new_tokens)
+        tokens, logprobs = self.client.generate(prompts, options)
         return {"tokens": tokens, "logprobs": logprobs, "weight_version": self._version}
 
     def native_reload(self, checkpoint_dir: str) -> float:
