@@ -208,7 +208,7 @@ def _run_grpo(args: argparse.Namespace) -> int:
         steps, start_verified=first["verified"])
     summary = {"ok": verdict.ok, "failures": verdict.failures, "arch": args.arch,
                "engines": engines, "loop_s": loop_s, "mismatch_bound": verdict.max_mean_abs,
-               "first_sync": first, "steps": steps}
+               "first_sync": first, "phases": _phases(steps), "steps": steps}
     if args.json:
         json.dump(summary, sys.stdout, indent=1)
         print()
@@ -218,8 +218,10 @@ def _run_grpo(args: argparse.Namespace) -> int:
             worst = max(s["engines"][name]["mean_abs"] for s in steps)
             print(f"{name}: mean reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; worst mean "
                   f"|dlogp| {worst:.1e} (bound {verdict.max_mean_abs:.0e})")
-        print(f"{config.steps} steps in {loop_s:.1f} s (rollout {_total(steps, 'rollout_s'):.1f}"
-              f" s, train {_total(steps, 'train_s'):.1f} s, sync {_total(steps, 'sync_s'):.1f} s)")
+        phases = summary["phases"]
+        print(f"{config.steps} steps in {loop_s:.1f} s; a step after the first (median s, "
+              f"share): " + ", ".join(f"{k} {phases[k + '_s']:.3f} ({phases[k + '_share']:.0%})"
+                                      for k in ("rollout", "train", "sync")))
         print("every sync verified, every rollout came from the version just synced, the reward "
               "rose and the mismatch stayed in bound" if verdict.ok else
               "FAILED: " + "; ".join(verdict.failures))
@@ -229,8 +231,18 @@ def _run_grpo(args: argparse.Namespace) -> int:
     return 0 if verdict.ok else 1
 
 
-def _total(steps: list[dict[str, Any]], key: str) -> float:
-    return sum(s[key] for s in steps)
+def _phases(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Median seconds of rollout, train and sync over the steps after the first (which includes
+    one-time work: the first one-copy sync, first engine batches), and each one's share of their
+    sum."""
+    later = steps[1:] or steps
+    out = {}
+    for key in ("rollout", "train", "sync"):
+        values = sorted(s[f"{key}_s"] for s in later)
+        out[f"{key}_s"] = values[len(values) // 2]
+    total = sum(out.values())
+    out.update({f"{key}_share": out[f"{key}_s"] / total for key in ("rollout", "train", "sync")})
+    return out
 
 
 def _shutdown(handles: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""The main job end to end: `weightsync demo` with SGLang and vLLM side by side."""
+"""`weightsync demo --task sft` end to end: supervised steps, SGLang and vLLM side by side."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ def _closeness(text: str, target: str) -> int:
 def test_demo_keeps_both_engines_in_step_and_they_learn_the_text(tmp_path):
     plot = tmp_path / "demo.png"
     out = subprocess.run(
-        [sys.executable, "-m", "weightsync", "demo", "--steps", "30", "--json", "--plot",
-         str(plot)], capture_output=True, text=True, timeout=1500)
+        [sys.executable, "-m", "weightsync", "demo", "--task", "sft", "--steps", "30", "--json",
+         "--plot", str(plot)], capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout[out.stdout.index("{"):])
     steps = result["steps"]
