@@ -257,9 +257,9 @@ class GrpoLoop:
 @dataclass(kw_only=True, slots=True)
 class Verdict:
     """What `weightsync demo` exits 0 on: every sync verified, every rollout from the version
-    synced just before it, the mean reward of the last `window` steps at least `min_gain` above
-    the first `window` steps' (per engine), and the mean |log-prob delta| of every step below
-    `max_mean_abs`."""
+    synced just before it, the mean reward of the last `window` steps (at most a quarter of
+    them) at least `min_gain` above the first ones' (per engine), and the mean |log-prob delta|
+    of every step below `max_mean_abs`."""
 
     window: int = 5
     min_gain: float = 0.15
@@ -270,7 +270,7 @@ class Verdict:
         out = replace(self, failures=[])
         out.failures += [f"{n}: the first sync (step-0) did not verify"
                          for n, ok in start_verified.items() if not ok]
-        window = min(self.window, len(steps) // 2)
+        window = max(1, min(self.window, len(steps) // 4))
         for s in steps:
             for name, e in s["engines"].items():
                 if not e["verified"]:
