@@ -21,7 +21,6 @@ import torch
 
 import weightsync
 from weightsync.models import make_tiny_model, make_tokenizer  # a tiny checkpoint, no downloads
-from weightsync.rendezvous import host_store
 
 
 class PolicyWorker:
@@ -72,7 +71,7 @@ def main() -> int:
     model_path = make_tiny_model(tempfile.mkdtemp(prefix="ws-example-"), arch="opt")
     weightsync.init_ray(num_cpus=2)
     engine = weightsync.launch("weightsync.backends.vllm.engine.VllmEngineActor", model_path)
-    store = host_store("127.0.0.1")  # the trainer group's rendezvous, on a port of its own
+    store = weightsync.host_store("127.0.0.1")  # the trainer group's rendezvous, on a port of its own
     workers = [ray.remote(PolicyWorker).options(num_cpus=0).remote(
         rank=r, world_size=args.world_size, master_port=store.port, model_path=model_path)
         for r in range(args.world_size)]

@@ -1,7 +1,7 @@
 """weightsync: keep inference engines in step with a sharded PyTorch trainer across environments.
 
 The public API, imported lazily (the CLI starts without torch):
-  trainer side:  TrainerSync, SyncOptions, init_trainer_group, DTensorV2Source
+  trainer side:  TrainerSync, SyncOptions, init_trainer_group, host_store, DTensorV2Source
   engines:       init_ray, launch, register_actor, TrainerGroup (Ray actors in their own envs)
   building your own: WeightSender, WeightReceiver, ModuleWeightReceiver, Endpoint, RayEndpoint
 The core needs only torch (and ray where it launches actors). The engine backends import as
@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "TrainerSync": "weightsync.trainer",
     "SyncOptions": "weightsync.trainer",
     "init_trainer_group": "weightsync.dtensor",
+    "host_store": "weightsync.rendezvous",
     "DTensorV2Source": "weightsync.dtensor",
     "init_ray": "weightsync.launcher",
     "launch": "weightsync.launcher",
@@ -36,7 +37,7 @@ _EXPORTS: dict[str, str] = {
 }
 __all__ = [
     "DTensorV2Source", "Endpoint", "ModuleWeightReceiver", "RayEndpoint", "SyncOptions",
-    "TrainerGroup", "TrainerSync", "WeightReceiver", "WeightSender", "init_ray",
+    "TrainerGroup", "TrainerSync", "WeightReceiver", "WeightSender", "host_store", "init_ray",
     "init_trainer_group", "launch", "register_actor",
 ]
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from weightsync.endpoint import Endpoint, RayEndpoint
     from weightsync.launcher import TrainerGroup, init_ray, launch, register_actor
     from weightsync.receiver import ModuleWeightReceiver, WeightReceiver
+    from weightsync.rendezvous import host_store
     from weightsync.sender import WeightSender
     from weightsync.trainer import SyncOptions, TrainerSync
 

@@ -132,6 +132,7 @@ class ModelReceiver:
         # At TP > 1: trainer tensor -> [parameter, patterns] (`learn_placements`)
         self.placements: dict[str, list] = {}
         self._unplaced: set[str] = set()
+        self._writing = False  # a one-copy update is open: trainer ranks write the parameters
 
     @property
     def param_of(self) -> dict[str, list[str]]:
@@ -156,8 +157,19 @@ class ModelReceiver:
         self.buckets.release(descriptor)
 
     def restore_previous(self) -> int:
-        """Put back what this update overwrote; how many parameters that was."""
-        return self.previous.restore()
+        """Put back what this update overwrote; how many parameters that was.
+
+        During a one-copy update trainer ranks may still be writing into the shared parameters
+        (an update that expired while a rank was slow): copying the old bytes back there would
+        serve whatever those ranks write next. So the parameters leave the shared memory first
+        (fenced): each takes its kept copy as its own memory, the writers are left with a
+        segment nobody reads, and the next sync goes by buckets and shares again."""
+        if not self._writing:
+            return self.previous.restore()
+        self._writing = False
+        restored = self.previous.restore(fence=True)
+        self.sharing.release()
+        return restored
 
     def drop_previous(self) -> None:
         self.previous.drop()
@@ -190,12 +202,14 @@ class ModelReceiver:
         why = self.sharing.begin()
         if why is None and keep_previous:
             self.previous.keep_all(self.sharing.shared.params)
+        self._writing = why is None
         return why
 
     def direct_params(self) -> list[str]:
         return self.sharing.params()
 
     def end_direct(self) -> None:
+        self._writing = False
         self.sharing.end()
 
     def fingerprints(self) -> dict[str, list[int]]:

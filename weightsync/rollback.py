@@ -51,13 +51,18 @@ class PreviousWeights:
             if pname not in self._saved:
                 self._saved[pname] = param.detach().clone()
 
-    def restore(self) -> int:
-        """Put back what this update overwrote; how many parameters that was."""
+    def restore(self, *, fence: bool = False) -> int:
+        """Put back what this update overwrote; how many parameters that was. With `fence`,
+        each parameter takes its copy as its memory instead of having it copied back: whoever
+        still writes into the memory the parameter had no longer reaches it."""
         saved, self._saved = self._saved or {}, None
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for pname, copy in saved.items():
-                params[pname].copy_(copy)
+                if fence:
+                    params[pname].data = copy
+                else:
+                    params[pname].copy_(copy)
         return len(saved)
 
     def drop(self) -> None:

@@ -90,6 +90,15 @@ class ParameterSharing:
             raise NotShared(f"{self.name}: parameters are not shared")
         self.shared.check()
 
+    def release(self) -> None:
+        """The parameters left the shared segment (fenced off from writers): forget it. The
+        next sync goes by buckets, then the parameters are shared again."""
+        if self.shared is not None:
+            logger.warning("%s: parameters fenced off from shared segment %s", self.name,
+                           self.shared.segment.name)
+            self.shared.close()
+            self.shared = None
+
     def close(self) -> None:
         if self.shared is not None:
             self.shared.close()

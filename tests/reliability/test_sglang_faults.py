@@ -44,12 +44,13 @@ def _sync_recovers(engine, trainer, version: str) -> None:
     assert_engine_matches_reference(engine, trainer)
 
 
-def _paused_trainer(model: str, engine, path: str = "buckets") -> launcher.TrainerGroup:
+def _paused_trainer(model: str, engine, path: str = "buckets",
+                    pause_s: float = PAUSE_S) -> launcher.TrainerGroup:
     """A second trainer on the same engine whose rank 0 pauses mid-sync, so that a test can
     kill a process while an update is half done: before bucket 2 of each sync by buckets, or
     (path "direct") before writing piece 5 of each one-copy sync, once rank 1 wrote its
     pieces into the engine's parameters."""
-    pause = ("bucket", 2, PAUSE_S) if path == "buckets" else ("piece", 5, PAUSE_S)
+    pause = ("bucket", 2, pause_s) if path == "buckets" else ("piece", 5, pause_s)
     trainer = launcher.TrainerGroup(WORKER, model_path=model, bucket_bytes=1 << 20, seed=7,
                                     timeout_s=SYNC_TIMEOUT_S, test_pause=pause)
     trainer.call("connect", {NAME: engine})
@@ -204,6 +205,35 @@ def test_a_trainer_rank_killed_mid_sync_fails_it_within_the_timeout(setup, victi
     assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
     doomed.kill()
     _sync_recovers(engine, trainer, f"after-kill-{victim}-{path}")
+    ray.get(engine.set_keep_previous.remote(False))
+
+
+def test_a_one_copy_update_that_outlasts_the_idle_timeout_is_fenced_before_it_is_rolled_back(
+        setup):
+    """Rank 0 pauses longer than the engine's idle timeout in the middle of a one-copy update:
+    the engine aborts the update and serves its previous weights, and what rank 0 writes after
+    its pause reaches no parameter the engine computes with."""
+    engine, trainer, model = setup
+    ray.get(engine.set_keep_previous.remote(True))
+    slow = _paused_trainer(model, engine, "direct", pause_s=IDLE_TIMEOUT_S + 5)
+    slow.call("sync", "before-slow", verify=True)  # by buckets; then the engine shares
+    prints = ray.get(engine.fingerprints.remote())
+    served = ray.get(engine.generate.remote(prompt_ids()))
+    begun = time.monotonic()
+    refs = [rank.sync.remote("slow") for rank in slow.ranks]
+    time.sleep(IDLE_TIMEOUT_S + 1)
+    assert not ray.wait(refs, timeout=0)[0], "the sync ended before the pause did"
+    # Asked to serve, the engine finds the update expired, fences and rolls it back.
+    assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
+    with pytest.raises(Exception, match="end|open update|abort"):
+        ray.get(refs[0], timeout=60)  # rank 0 wrote the rest of its pieces, then failed at end
+    print(f"the slow sync failed {time.monotonic() - begun:.1f} s after it began")
+    assert time.monotonic() - begun > IDLE_TIMEOUT_S + 5  # rank 0 did write after its pause
+    assert ray.get(engine.weight_version.remote()) == "before-slow"
+    assert ray.get(engine.fingerprints.remote()) == prints
+    assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
+    slow.kill()
+    _sync_recovers(engine, trainer, "after-slow")
     ray.get(engine.set_keep_previous.remote(False))
 
 
