@@ -84,6 +84,57 @@ def test_segments_of_a_crashed_sender_are_swept():
     assert name not in list_segments()
 
 
+def test_segments_are_unlinked_at_exit_when_close_never_ran():
+    code = ("from weightsync.transports.shm import ShmSender; "
+            "s = ShmSender(); s.buffer(0, 4096); s.buffer(1, 64); "
+            "print(s.handle(0)['name'], s.handle(1)['name'], flush=True)")  # exits normally
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = out.stdout.split()
+    assert len(names) == 2
+    assert not set(names) & set(list_segments())
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, timeout=60)
+    return int(child.stdout)
+
+
+def test_a_new_sender_sweeps_what_dead_processes_left_reply_folders_included():
+    pid = _dead_pid()
+    segment = os.path.join(SHM_DIR, f"weightsync-{pid}-{secrets.token_hex(4)}-0-1")
+    folder = os.path.join(SHM_DIR, f"weightsync-{pid}-replies-{secrets.token_hex(4)}")
+    with open(segment, "wb") as f:
+        f.write(b"\0" * 64)
+    os.mkdir(folder)
+    with open(os.path.join(folder, "reply.json"), "w") as f:
+        f.write("{}")
+    sender = ShmSender()  # sweeps on construction, nothing called by hand
+    try:
+        assert not os.path.exists(segment)
+        assert not os.path.exists(folder)
+    finally:
+        sender.close()
+
+
+def test_a_dead_engines_shared_parameter_segment_is_swept():
+    code = ("import os, torch; from weightsync.direct import SharedParameters; "
+            "p = {'w': torch.nn.Parameter(torch.ones(64, 4), requires_grad=False)}; "
+            "s = SharedParameters(p, {'w': ('w', 0)}); "
+            "print(s.segment.name, flush=True); os._exit(9)")  # dies without unlinking
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    name = out.stdout.strip()
+    assert name.startswith("weightsync-") and "-params-" in name, out.stderr[-2000:]
+    assert name in list_segments()
+    sender = ShmSender()  # the next sender on the host sweeps it
+    try:
+        assert name not in list_segments()
+    finally:
+        sender.close()
+
+
 def test_receiver_reports_a_vanished_segment():
     sender = ShmSender()
     sender.buffer(0, 64)
