@@ -81,3 +81,15 @@ def test_shape_mismatch_is_rejected_before_any_engine_weight_changes(setup):
     assert ray.get(engine.generate.remote(prompt_ids()))["weight_version"] == "good"
     trainer.call("connect", {})  # no-op: the registered engine stays usable
     assert trainer.call("sync", "after-bad", verify=True)["verify"]["sglang"]["verified"]
+
+
+def test_sampling_returns_n_samples_per_prompt_and_bad_options_are_refused(setup):
+    engine = setup[0]
+    out = ray.get(engine.generate.remote([[5, 6, 7], [8, 9]], temperature=1.0, top_p=0.9, n=3,
+                                         seed=7, max_new_tokens=5))
+    assert [len(t) for t in out["tokens"]] == [5] * 6
+    assert all(len(lp) == 5 and max(lp) <= 0 for lp in out["logprobs"])
+    for bad, named in (({"temperature": -1.0}, r"temperature=-1\.0"), ({"n": 0}, "n=0"),
+                       ({"top_p": 1.5}, r"top_p=1\.5"), ({"top_p": 0.0}, r"top_p=0\.0")):
+        with pytest.raises(ValueError, match=named):
+            ray.get(engine.generate.remote([[5, 6]], **bad))

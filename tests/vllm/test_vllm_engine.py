@@ -113,3 +113,18 @@ def test_update_aborted_midway_is_rolled_back_with_keep_previous(setup, keep_pre
     report = trainer.call("sync", f"recovered-{keep_previous}", verify=True)
     assert report["verify"]["vllm"]["verified"]
     assert_engine_matches_reference(engine, trainer)
+
+
+def test_sampling_returns_n_seeded_samples_per_prompt_and_bad_options_are_refused(setup):
+    engine = setup[0]
+    options = {"temperature": 1.0, "top_p": 0.9, "n": 3, "seed": 7, "max_new_tokens": 5}
+    out = ray.get(engine.generate.remote([[5, 6, 7], [8, 9]], **options))
+    assert [len(t) for t in out["tokens"]] == [5] * 6
+    assert all(len(lp) == 5 and max(lp) <= 0 for lp in out["logprobs"])
+    assert out["weight_version"] is not None
+    again = ray.get(engine.generate.remote([[5, 6, 7], [8, 9]], **options))
+    assert again["tokens"] == out["tokens"]  # sample j of each prompt is seeded seed + j
+    for bad, named in (({"temperature": -1.0}, r"temperature=-1\.0"), ({"n": 0}, "n=0"),
+                       ({"top_p": 1.5}, r"top_p=1\.5"), ({"top_p": 0.0}, r"top_p=0\.0")):
+        with pytest.raises(ValueError, match=named):
+            ray.get(engine.generate.remote([[5, 6]], **bad))
