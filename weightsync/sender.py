@@ -6,7 +6,8 @@ One sync, for every engine at once:
 With two slots the trainer gathers and packs bucket i+1 while the engines load bucket i; a slot
 is reused only after every engine has finished loading what it held. Any failure aborts the
 session on every engine (they keep their previous version tag) and is raised, naming the engine.
-Every engine's answer becomes its weightsync/protocol.py class where it arrives (`_wait_all`).
+Every engine's answer becomes its weightsync/protocol.py class where it arrives
+(weightsync/endpoint.py's `EngineCalls`); what verification compares is weightsync/verify.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,9 +28,8 @@ from weightsync.bucket import (
     take_bucket,
     tensor_view,
 )
-from weightsync.endpoint import Endpoint
-from weightsync.fingerprint import Fingerprint, expected_fingerprints, fingerprint
-from weightsync.placement import placed_params
+from weightsync.endpoint import Call, Endpoint, EngineCalls, EngineState
+from weightsync.fingerprint import Fingerprint, fingerprint
 from weightsync.protocol import (
     BeginAnswer,
     EndReport,
@@ -40,20 +40,12 @@ from weightsync.protocol import (
     from_wire,
 )
 from weightsync.transports import SenderTransport
+from weightsync.verify import Verifier
 from weightsync.wire import TensorSpec, specs_to_dicts
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
-
-
-@dataclass(kw_only=True, slots=True)
-class EngineState:
-    endpoint: Endpoint
-    param_of: dict[str, list[str]] = field(default_factory=dict)
-    # Per worker of a tensor-parallel engine, {tensor: [parameter, patterns]}: which elements
-    # of each tensor it holds (weightsync/placement.py); None where every worker holds all.
-    placements: list[dict[str, Any]] | None = None
 
 
 class WeightSender:
@@ -70,6 +62,8 @@ class WeightSender:
         self.transport = transport
         self.timeout_s = timeout_s
         self.engines: dict[str, EngineState] = {}
+        self.calls = EngineCalls(self.engines, timeout_s=timeout_s)
+        self.verifier = Verifier(self.calls)
         self.num_syncs = 0
 
     @property
@@ -88,28 +82,14 @@ class WeightSender:
         return answer
 
     def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        """`method(*args)` on engine `name`; its answer as `_wait_all` gives it."""
-        return self._wait_all([self._submit(name, method, *args)], timeout_s=timeout_s)[0]
+        """`method(*args)` on engine `name`; its answer as `EngineCalls.wait_all` gives it."""
+        return self.calls.call(name, method, *args, timeout_s=timeout_s)
 
-    def _submit(self, name: str, method: str, *args: Any) -> tuple[str, str, Any]:
-        return name, method, self.engines[name].endpoint.submit(method, *args)
-
-    def _wait_all(self, calls: list[tuple[str, str, Any]], *,
-                  timeout_s: float | None = None) -> list[Any]:
-        """The answers to `_submit`'s calls, in order, each turned into its
-        weightsync/protocol.py class as it comes off the wire."""
-        return [from_wire(method, self.engines[name].endpoint.wait(
-                    ticket, timeout_s=timeout_s or self.timeout_s))
-                for name, method, ticket in calls]
-
-    def _wait_loads(self, calls: list[tuple[str, str, Any]], load_s: dict[str, float]) -> None:
+    def _wait_loads(self, calls: list[Call], load_s: dict[str, float]) -> None:
         """Wait for `load_bucket` calls, adding each engine's loading seconds to `load_s`."""
-        reports: list[LoadReport] = self._wait_all(calls)
+        reports: list[LoadReport] = self.calls.wait_all(calls)
         for (name, _, _), report in zip(calls, reports):
             load_s[name] = load_s.get(name, 0.0) + report.seconds
-
-    def _broadcast(self, method: str, *args: Any, names: list[str]) -> list[Any]:
-        return self._wait_all([self._submit(n, method, *args) for n in names])
 
     def sync(self, tensors: Iterator[tuple[str, torch.Tensor]] | None, *, version: str,
              engines: list[str] | None = None, verify: bool = False,
@@ -129,11 +109,11 @@ class WeightSender:
         # Transports that can pass the tensors themselves (CUDA IPC) take them in `attach`.
         attach = self.transport.attach if (self.transport.takes_tensors
                                            and write_bucket is None) else None
-        in_flight: dict[int, list[tuple[str, str, Any]]] = {}
+        in_flight: dict[int, list[Call]] = {}
         sent: dict[str, Fingerprint] = {}
         load_s: dict[str, float] = {}
         start = time.perf_counter()
-        self._broadcast("begin", version, names=names)
+        self.calls.call_all("begin", version, names=names)
         try:
 
             def wait_slot(plan: BucketPlan) -> int:
@@ -154,7 +134,7 @@ class WeightSender:
             for plan in filled:
                 slot = plan.index % num_slots
                 descriptor = plan.descriptor(self.transport.handle(slot)).to_dict()
-                in_flight[slot] = [self._submit(n, "load_bucket", descriptor) for n in names]
+                in_flight[slot] = [self.calls.submit(n, "load_bucket", descriptor) for n in names]
                 self.transport.send(slot, plan.nbytes)
                 if verify and attach is None:
                     buffer = self.transport.buffer(slot, plan.nbytes)
@@ -162,7 +142,7 @@ class WeightSender:
                         sent[meta.name] = fingerprint(tensor_view(buffer, meta))
             for slot in list(in_flight):
                 self._wait_loads(in_flight.pop(slot), load_s)
-            ends: list[EndReport] = self._broadcast("end", version, names=names)
+            ends: list[EndReport] = self.calls.call_all("end", version, names=names)
             for name, end in zip(names, ends):
                 # Engines that learn the tensor -> parameter map while loading report it here.
                 if end.param_of is not None:
@@ -170,7 +150,7 @@ class WeightSender:
                 if end.placements is not None:
                     self.engines[name].placements = end.placements
         except BaseException as exc:
-            self._abort(names, f"{type(exc).__name__}: {exc}")
+            self.calls.abort(names, f"{type(exc).__name__}: {exc}")
             raise
         sync_s = time.perf_counter() - start
         self.num_syncs += 1
@@ -201,7 +181,7 @@ class WeightSender:
         failure: BaseException | None = None
         phases: dict[str, float] = {}
         try:
-            answers: list[BeginAnswer] = self._broadcast("begin", version, True, names=engines)
+            answers: list[BeginAnswer] = self.calls.call_all("begin", version, True, names=engines)
             phases["begin"] = time.perf_counter() - start
             for name, answer in zip(engines, answers):
                 if answer.direct:
@@ -210,7 +190,7 @@ class WeightSender:
                     logger.info("engine %r takes buckets this sync: %s", name, answer.why)
         except BaseException as exc:
             failure, direct = exc, []
-            self._abort(engines, f"{type(exc).__name__}: {exc}")
+            self.calls.abort(engines, f"{type(exc).__name__}: {exc}")
         fallback = [n for n in engines if n not in direct] if failure is None else []
         checked: dict[str, Any] | None = None
         try:
@@ -221,16 +201,12 @@ class WeightSender:
             phases["write"] = written_s - phases["begin"]
             if direct and verify:
                 # Checked before `end`: an engine whose bytes differ is aborted, never served.
-                checked = self.verify_direct(written, engines=direct)
-                bad = {n: checked[n]["mismatched"] for n in direct if not checked[n]["verified"]}
-                if bad:
-                    raise RuntimeError(f"verification failed, update {version!r} aborted: "
-                                       f"bytes differ from the trainer's in {bad}")
-            ends: list[EndReport] = (self._broadcast("end", version, names=direct) if direct
+                checked = self.verifier.check_direct(written, engines=direct, version=version)
+            ends: list[EndReport] = (self.calls.call_all("end", version, names=direct) if direct
                                      else [])
         except BaseException as exc:
             if failure is None:
-                self._abort(direct, f"{type(exc).__name__}: {exc}")
+                self.calls.abort(direct, f"{type(exc).__name__}: {exc}")
             raise
         if not direct:
             return None, fallback
@@ -248,13 +224,7 @@ class WeightSender:
     def verify_direct(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
         """The ranks' read-back comparison of the bytes (each engine's `end` then confirms its
         parameters still are those bytes, or fails)."""
-        start = time.perf_counter()
-        pieces = int(written.get("pieces", 0))
-        bad = sorted(set(written.get("mismatched", [])))
-        out: dict[str, Any] = {name: {"verified": not bad and pieces > 0, "mismatched": bad,
-                                      "num_checked": pieces} for name in engines}
-        out["verify_s"] = time.perf_counter() - start
-        return out
+        return self.verifier.verify_direct(written, engines=engines)
 
     def verify(self, sent: dict[str, Fingerprint], *, engines: list[str],
                worker_sent: dict[str, list[dict[str, Fingerprint]]] | None = None,
@@ -264,55 +234,11 @@ class WeightSender:
         `worker_sent[engine]` (per worker, parameter -> fingerprint of the slices it holds,
         `placement.WorkerPrints`); without it its result is {"verified": None, "pending":
         True}: the caller computes it from the tensors and verifies again."""
-        start = time.perf_counter()
-        worker_sent = worker_sent or {}
-        out: dict[str, Any] = {}
-        asked = []
-        for name in engines:
-            if self.engines[name].placements is None:
-                asked.append((name, "fingerprints"))
-            elif name in worker_sent:
-                asked.append((name, "worker_fingerprints"))
-            else:
-                out[name] = {"verified": None, "pending": True, "mismatched": [],
-                             "num_checked": 0}
-        calls = [self._submit(n, method) for n, method in asked]
-        for (name, method), prints in zip(asked, self._wait_all(calls)):
-            state = self.engines[name]
-            if method == "fingerprints":
-                expected = expected_fingerprints(state.param_of, sent)
-                bad = _mismatched(expected, prints)
-                out[name] = {"verified": not bad and bool(expected), "mismatched": bad,
-                             "num_checked": len(expected)}
-                continue
-            bad, checked = [], 0
-            for rank, (placements, want, got) in enumerate(
-                    zip(state.placements, worker_sent[name], prints)):
-                placed = placed_params(state.param_of, placements)
-                expected = {p: fp for p, fp in want.items() if p in placed}
-                bad += [f"worker {rank}: {p}" for p in _mismatched(expected, got)]
-                checked += len(expected)
-            out[name] = {"verified": not bad and checked > 0, "mismatched": bad,
-                         "num_checked": checked, "num_workers": len(prints)}
-        out["verify_s"] = time.perf_counter() - start
-        return out
-
-    def _abort(self, names: list[str], reason: str) -> None:
-        for name in names:
-            endpoint = self.engines[name].endpoint
-            try:
-                endpoint.call("abort", reason, timeout_s=min(self.timeout_s, 10.0))
-            except Exception as exc:  # the engine may be the thing that failed
-                logger.warning("abort on engine %r failed too: %s", name, exc)
+        return self.verifier.verify(sent, engines=engines, worker_sent=worker_sent)
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
-
-
-def _mismatched(expected: dict[str, Fingerprint], actual: dict[str, Any]) -> list[str]:
-    return sorted(p for p, fp in expected.items()
-                  if p not in actual or tuple(actual[p]) != tuple(fp))
 
 
 def _write_each(plans: list[BucketPlan], get_buffer: Callable[[BucketPlan], torch.Tensor],

@@ -13,13 +13,12 @@ rank 0 talks to engines, the other ranks write their own shards where the path a
 
 Paths, chosen per engine and per sync: buckets (every transport; with `shm` and several ranks
 each rank writes its own shards into the shared bucket) and, with `shm` from the second sync on,
-the one-copy path (weightsync/direct.py: ranks write straight into the engine's parameters).
+the one-copy path (weightsync/one_copy.py: ranks write straight into the engine's parameters).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -28,15 +27,11 @@ from weightsync.bucket import DEFAULT_BUCKET_BYTES
 from weightsync.dtensor import DTensorV2Source
 from weightsync.endpoint import Endpoint, RayEndpoint
 from weightsync.fingerprint import fingerprint
+from weightsync.one_copy import OneCopyPath
 from weightsync.placement import WorkerPrints
-from weightsync.protocol import ShareAnswer, SyncReport
+from weightsync.protocol import SyncReport
 from weightsync.sender import DEFAULT_TIMEOUT_S, WeightSender
-from weightsync.shard_writes import (
-    BeforeWrite,
-    BucketShardWriter,
-    OneCopyWriter,
-    worker_shares,
-)
+from weightsync.shard_writes import BeforeWrite, BucketShardWriter
 from weightsync.sync_group import SyncGroup
 from weightsync.wire import as_plain, dtype_from_str, specs_to_dicts
 
@@ -139,11 +134,9 @@ class TrainerSync:
         self.buckets = BucketShardWriter(self.source, self.group,
                                          bucket_bytes=options.bucket_bytes,
                                          before_write=before_write)
-        self.writer = OneCopyWriter(self.source, self.group, before_write=before_write)
+        self.one_copy_path = OneCopyPath(self.source, self.group, log=self.log,
+                                         before_write=before_write)
         self.sender: WeightSender | None = None
-        self._shared: dict[str, dict[str, Any]] = {}  # rank 0: engine -> shared parameters
-        self._no_share: dict[str, str] = {}  # rank 0: engine -> why it has no one-copy path
-        self._sent: dict[str, list[str]] = {}  # rank 0: engine -> segments the ranks know of
         self._num_syncs = 0
 
     def refit_info(self) -> list[dict]:
@@ -205,13 +198,14 @@ class TrainerSync:
         buckets = list(plan["buckets"])
         direct_report = None
         if plan["direct"]:
-            direct_report, fallback = self._sync_one_copy(version, plan["direct"], verify=verify)
+            direct_report, fallback = self.one_copy_path.sync(self.sender, version,
+                                                              plan["direct"], verify=verify)
             buckets += fallback
         bucket_report = None
         if buckets:
             bucket_report = self._sync_buckets(version, buckets, verify=verify)
-            if bucket_report is not None:
-                bucket_report = self._share(buckets, bucket_report)
+            if bucket_report is not None and self.one_copy:
+                bucket_report = self.one_copy_path.share(self.sender, buckets, bucket_report)
         report = _merge(direct_report, bucket_report) if self.rank == 0 else None
         if verify:
             report = self._verify_pending(report)
@@ -266,7 +260,7 @@ class TrainerSync:
         if self.sender is not None:
             self.sender.close()
             self.sender = None
-        self.writer.close()
+        self.one_copy_path.close()
         self.buckets.close()
         self.group.close()
 
@@ -279,8 +273,8 @@ class TrainerSync:
         if unknown:
             return {"error": f"unknown engine(s) {unknown}; registered: "
                              f"{list(self.sender.engines)}"}
-        return {"direct": [n for n in names if n in self._shared],
-                "buckets": [n for n in names if n not in self._shared]}
+        direct = [n for n in names if self.one_copy_path.takes(n)]
+        return {"direct": direct, "buckets": [n for n in names if n not in direct]}
 
     def _sync_buckets(self, version: str, names: list[str], *,
                       verify: bool) -> SyncReport | None:
@@ -296,59 +290,6 @@ class TrainerSync:
                 pass
             return None
         return self.sender.sync(tensors, version=version, engines=names, verify=verify)
-
-    def _share(self, names: list[str], report: SyncReport) -> SyncReport:
-        """Rank 0, after a sync by buckets: engines that can, share their parameters; the
-        report with how long that took each."""
-        if not self.one_copy:
-            return report
-        engines = dict(report.engines)
-        for name in names:
-            if name in self._shared or name in self._no_share:
-                continue
-            start = time.perf_counter()
-            try:
-                answer: ShareAnswer = self.sender.call(name, "share_params")
-            except Exception as exc:  # an engine without the path, or one that failed
-                answer = ShareAnswer(shared=None, why=f"{type(exc).__name__}: {exc}")
-            if answer.shared:
-                self._shared[name] = answer.shared
-                engines[name] = replace(engines[name], share_s=time.perf_counter() - start)
-                self.log.info("engine %r shares its parameters (%.2f s): the next syncs write "
-                              "into them", name, engines[name].share_s)
-            elif not answer.retry:
-                self._no_share[name] = answer.why or "unknown"
-                self.log.info("one_copy off for engine %r, it keeps taking buckets: %s", name,
-                              answer.why)
-        return replace(report, engines=engines)
-
-    def _sync_one_copy(self, version: str, names: list[str], *,
-                       verify: bool) -> tuple[SyncReport | None, list[str]]:
-        """Every rank writes its own shards into the engines' shared parameters. Returns rank
-        0's report and the engines to sync by buckets instead."""
-        if self.rank != 0:
-            msg = self.group.broadcast()
-            self.writer.write(msg, verify=verify)
-            return None, msg["fallback"]
-
-        def write(direct: list[str], fallback: list[str]) -> dict[str, Any] | None:
-            def segments(n: str) -> list[str]:
-                return [s["segment"] for s in worker_shares(self._shared[n])]
-
-            new = {n: self._shared[n] for n in direct if self._sent.get(n) != segments(n)}
-            self.group.broadcast({"direct": direct, "fallback": fallback, "new": new})
-            for n in new:
-                self._sent[n] = segments(n)
-            for n in fallback:  # its parameters moved: buckets now, then share again
-                self._shared.pop(n, None)
-            return self.writer.write({"direct": direct, "new": new}, verify=verify)
-
-        report, fallback = self.sender.sync_direct(write, version=version, engines=names,
-                                                   verify=verify)
-        if report is not None:
-            report = replace(report, phases_s={**report.phases_s,
-                                               "rank_write": self.writer.rank_write_s})
-        return report, fallback
 
 
 def _merge(direct: SyncReport | None, buckets: SyncReport | None) -> SyncReport:

@@ -1,0 +1,95 @@
+"""The trainer side of the one-copy path (weightsync/direct.py), one per trainer rank.
+
+After an engine's first sync by buckets, rank 0 asks it to share its parameters; from the next
+sync on every rank writes its own shards straight into them (`OneCopyWriter`), and the sender
+runs begin/end around the writes (`WeightSender.sync_direct`). An engine whose parameters moved
+takes buckets for that sync and is asked to share again after it; one that cannot share is
+asked no more.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from weightsync.dtensor import DTensorV2Source
+from weightsync.protocol import ShareAnswer, SyncReport
+from weightsync.shard_writes import BeforeWrite, OneCopyWriter, worker_shares
+from weightsync.sync_group import SyncGroup
+
+if TYPE_CHECKING:
+    from weightsync.sender import WeightSender
+
+
+class OneCopyPath:
+    """Which engines share their parameters (rank 0 knows), and each sync into them. Every
+    method but `share` and `takes` is called on every rank at once."""
+
+    def __init__(self, source: DTensorV2Source, group: SyncGroup, *,
+                 log: logging.LoggerAdapter, before_write: BeforeWrite | None = None) -> None:
+        self.group = group
+        self.log = log
+        self.writer = OneCopyWriter(source, group, before_write=before_write)
+        self._shared: dict[str, dict[str, Any]] = {}  # rank 0: engine -> shared parameters
+        self._no_share: dict[str, str] = {}  # rank 0: engine -> why it has no one-copy path
+        self._sent: dict[str, list[str]] = {}  # rank 0: engine -> segments the ranks know of
+
+    def takes(self, name: str) -> bool:
+        """Rank 0: whether engine `name` shares its parameters (its next sync is one-copy)."""
+        return name in self._shared
+
+    def share(self, sender: WeightSender, names: list[str], report: SyncReport) -> SyncReport:
+        """Rank 0, after a sync by buckets: engines that can, share their parameters; the
+        report with how long that took each."""
+        engines = dict(report.engines)
+        for name in names:
+            if name in self._shared or name in self._no_share:
+                continue
+            start = time.perf_counter()
+            try:
+                answer: ShareAnswer = sender.call(name, "share_params")
+            except Exception as exc:  # an engine without the path, or one that failed
+                answer = ShareAnswer(shared=None, why=f"{type(exc).__name__}: {exc}")
+            if answer.shared:
+                self._shared[name] = answer.shared
+                engines[name] = replace(engines[name], share_s=time.perf_counter() - start)
+                self.log.info("engine %r shares its parameters (%.2f s): the next syncs write "
+                              "into them", name, engines[name].share_s)
+            elif not answer.retry:
+                self._no_share[name] = answer.why or "unknown"
+                self.log.info("one_copy off for engine %r, it keeps taking buckets: %s", name,
+                              answer.why)
+        return replace(report, engines=engines)
+
+    def sync(self, sender: WeightSender | None, version: str, names: list[str], *,
+             verify: bool) -> tuple[SyncReport | None, list[str]]:
+        """Every rank writes its own shards into the engines' shared parameters (`sender`:
+        rank 0's). Returns rank 0's report and the engines to sync by buckets instead."""
+        if self.group.rank != 0:
+            msg = self.group.broadcast()
+            self.writer.write(msg, verify=verify)
+            return None, msg["fallback"]
+
+        def write(direct: list[str], fallback: list[str]) -> dict[str, Any] | None:
+            def segments(n: str) -> list[str]:
+                return [s["segment"] for s in worker_shares(self._shared[n])]
+
+            new = {n: self._shared[n] for n in direct if self._sent.get(n) != segments(n)}
+            self.group.broadcast({"direct": direct, "fallback": fallback, "new": new})
+            for n in new:
+                self._sent[n] = segments(n)
+            for n in fallback:  # its parameters moved: buckets now, then share again
+                self._shared.pop(n, None)
+            return self.writer.write({"direct": direct, "new": new}, verify=verify)
+
+        report, fallback = sender.sync_direct(write, version=version, engines=names,
+                                              verify=verify)
+        if report is not None:
+            report = replace(report, phases_s={**report.phases_s,
+                                               "rank_write": self.writer.rank_write_s})
+        return report, fallback
+
+    def close(self) -> None:
+        self.writer.close()
