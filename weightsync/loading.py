@@ -5,17 +5,18 @@ is `BucketRejected`: nothing was written), mapped as views through its transport
 the engine's own loader, so fused QKV, transposed Conv1D and tied heads stay the engine's
 business.
 
-Plain copies in one call: a tensor that lands in exactly one parameter of its own shape and
-dtype, which the engine loads with a loader known to copy it whole (`copy_loader`, or what the
-backend lists in `plain_loaders`) and no loader of the parameter's own, is copied together with
-the bucket's other such tensors below 4 MiB in one `torch._foreach_copy_` (a few fused kernels on
-a GPU), larger ones each in one `copy_`, not one loader call each. The rest go through the engine's loader as before.
+Plain copies in one call, for receivers whose load function hands each tensor to its parameter
+under the same name (`plain_copies`: the reference `ModuleWeightReceiver`; never an engine, whose
+`load_weights` may rename, stack or transpose before any parameter loader runs): a tensor that
+lands in exactly one parameter of its own shape and dtype, which has no loader of its own and
+whose default loader is `copy_loader`, is copied together with the bucket's other such tensors
+below 4 MiB in one `torch._foreach_copy_` (a few fused kernels on a GPU), larger ones each in one
+`copy_`, not one loader call each. Everything else goes through the load function.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,12 +38,12 @@ class BucketLoader:
     per kind, kept open across syncs) and loads them through the engine's loader."""
 
     def __init__(self, refit: RefitCheck, *, load_fn: LoadFn, name: str = "engine",
-                 plain_loaders: Iterable[Any] = ()) -> None:
+                 plain_copies: bool = False) -> None:
         self.refit = refit
         self.load_fn = load_fn
         self.name = name
         self._transports: dict[str, ReceiverTransport] = {}
-        self._plain_loaders = (copy_loader, *plain_loaders)
+        self.plain_copies = plain_copies  # see the module doc
         self._params: dict[str, torch.nn.Parameter] | None = None
         self._plain: dict[str, torch.nn.Parameter | None] = {}  # tensor -> parameter
 
@@ -78,6 +79,9 @@ class BucketLoader:
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Into the live parameters: plain copies together, the rest through the engine's
         loaders (module doc)."""
+        if not self.plain_copies:
+            self.load_fn(iter(named_tensors))
+            return
         dsts, srcs, rest = [], [], []
         for name, tensor in named_tensors:
             param = self._plain_target(name, tensor)
@@ -105,8 +109,8 @@ class BucketLoader:
             if self._params is None:
                 self._params = dict(self.refit.model.named_parameters())
             param = self._params.get(targets[0]) if len(targets) == 1 else None
-            if param is not None and vars(param).get(
-                    "weight_loader", self.refit.default_loader) not in self._plain_loaders:
+            if param is not None and (getattr(param, "weight_loader", None) is not None
+                                      or self.refit.default_loader is not copy_loader):
                 param = None
             self._plain[name] = param
         if param is None or param.shape != tensor.shape or param.dtype != tensor.dtype \

@@ -241,6 +241,8 @@ class ModuleWeightReceiver(WeightReceiver):
 
         self.receiver = ModelReceiver(model, load_fn=load_fn, default_loader=copy_loader,
                                       name=name)
+        # load_fn hands each tensor to the parameter of its name: plain copies may be batched.
+        self.receiver.buckets.plain_copies = True
         self._version: str | None = None
         self._session: str | None = None
         self._direct = False
