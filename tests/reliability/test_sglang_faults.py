@@ -217,6 +217,7 @@ def test_a_one_copy_update_that_outlasts_the_idle_timeout_is_fenced_before_it_is
     ray.get(engine.set_keep_previous.remote(True))
     slow = _paused_trainer(model, engine, "direct", pause_s=IDLE_TIMEOUT_S + 5)
     slow.call("sync", "before-slow", verify=True)  # by buckets; then the engine shares
+    slow.call("set_weights_from", 42)  # the slow sync writes other weights than those served
     prints = ray.get(engine.fingerprints.remote())
     served = ray.get(engine.generate.remote(prompt_ids()))
     begun = time.monotonic()
