@@ -158,17 +158,18 @@ def init_trainer_group(*, rank: int, world_size: int, master_addr: str, master_p
 
 def close_trainer_group() -> None:
     """Leave every process group of this rank (`weightsync.sync_group.leave_group`, in
-    group-name order, so ranks that share several groups meet in each in the same order), then
+    group-name order; not those a failed sync abandoned), so ranks that share several groups meet in each in the same order), then
     destroy them all. All ranks call it, after their last collective."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
-    from weightsync.sync_group import leave_group
+    from weightsync.sync_group import abandoned, leave_group
 
     if not dist.is_initialized():
         return
     for group in sorted(_world.pg_names, key=_world.pg_names.__getitem__):
-        leave_group(group)
+        if not abandoned(group):  # left out of step by a failed sync: no collective there
+            leave_group(group)
     dist.destroy_process_group()
 
 

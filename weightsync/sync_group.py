@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 # Each gloo group's last barrier, kept until the interpreter exits: see `leave_group`.
 _last_barriers: list[dist.Work] = []
+# Groups a failed sync left out of step, replaced by `SyncGroup.recover`: never used again, never
+# destroyed (their worker threads may still hold a collective), released at exit.
+_abandoned: list[dist.ProcessGroup] = []
 
 
 def leave_group(group: dist.ProcessGroup | None = None) -> None:
@@ -43,6 +46,11 @@ def leave_group(group: dist.ProcessGroup | None = None) -> None:
         _last_barriers.append(work)
 
 
+def abandoned(group: dist.ProcessGroup) -> bool:
+    """Whether `SyncGroup.recover` replaced `group` (no collective may run in it any more)."""
+    return any(group is g for g in _abandoned)
+
+
 def _encode(obj: Any) -> bytes:
     """JSON, never pickle: a rank reads nothing from its peers but plain data."""
     return json.dumps(obj, allow_nan=True, separators=(",", ":")).encode()
@@ -65,11 +73,30 @@ class SyncGroup:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call "
                                "dist.init_process_group (or init_trainer_group) first")
-        ranks = dist.get_process_group_ranks(group) if group is not None else None
-        self.group = dist.new_group(ranks=ranks, backend="gloo",
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+        self._parent = group
+        self._ranks = dist.get_process_group_ranks(group) if group is not None else None
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self.group = dist.new_group(ranks=self._ranks, backend="gloo", timeout=self._timeout)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        self.failed = False  # set by the caller when a sync raised on this rank
+
+    def recover(self) -> bool:
+        """Every rank, before a sync: if the last sync failed on any rank, replace the group by
+        a fresh one; whether it did. A failed sync leaves a gloo group out of step: one rank
+        left it early while the others waited in a collective until the timeout, or one rank's
+        failure came after the others' last collective. The ranks agree on it over the group
+        the trainer was built on (the training group), which the failure did not touch."""
+        on_gpu = dist.get_backend(self._parent) == "nccl"
+        flag = torch.tensor([int(self.failed)],
+                            device=torch.cuda.current_device() if on_gpu else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._parent)
+        self.failed = False
+        if not int(flag.item()):
+            return False
+        _abandoned.append(self.group)
+        self.group = dist.new_group(ranks=self._ranks, backend="gloo", timeout=self._timeout)
+        return True
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's `obj` (plain data: JSON types), on every rank. A value JSON cannot spell

@@ -188,7 +188,19 @@ class TrainerSync:
         `version` (default "v<n>"). On rank 0 a `SyncReport` as plain data (its `to_dict()`:
         {"version", "path", "nbytes", "sync_s", "gbps", "engines": {name: {...}}, ...}),
         {"rank": r} elsewhere. Raises on rank 0's error on every rank; a failed engine keeps
-        its previous version."""
+        its previous version. After a sync that failed on any rank, the next one first
+        rebuilds the ranks' sync group, so the same trainer syncs again."""
+        if self.group.recover():
+            self.log.warning("the last sync failed on some rank: the ranks' sync group was "
+                             "rebuilt")
+        try:
+            return self._sync(version, verify=verify, engines=engines)
+        except BaseException:
+            self.group.failed = True  # the next sync rebuilds the group on every rank
+            raise
+
+    def _sync(self, version: str | None, *, verify: bool | None,
+              engines: list[str] | None) -> dict[str, Any]:
         self._num_syncs += 1
         version = version or f"v{self._num_syncs}"
         verify = self.options.verify if verify is None else verify

@@ -143,3 +143,84 @@ def test_trainer_sync_logs_each_option_it_turns_off_and_why():
     assert not out["shard_writes"] and not out["one_copy"]
     assert "[rank 0] shard_writes off: transport 'gloo' sends from rank 0" in out["logs"]
     assert "[rank 0] one_copy off: transport 'gloo' has no one-copy path" in out["logs"]
+
+
+def _fail_then_sync_again(rank: int, port: int, results, options: dict) -> None:
+    """An engine fails mid-sync (its second bucket of sync "v2"); then the same trainer syncs
+    into a fresh engine. Every rank records what each call did."""
+    import time
+
+    from weightsync import SyncOptions, TrainerSync
+    from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
+    from weightsync.endpoint import LocalEndpoint
+    from weightsync.models import build_model
+    from weightsync.receiver import ModuleWeightReceiver
+
+    class FailsMidSync(ModuleWeightReceiver):
+        loads = 0
+
+        def load_bucket(self, descriptor: dict) -> dict:
+            self.loads += 1
+            if self._session == "v2" and self.loads > 1:
+                raise RuntimeError("engine failed mid-sync (test)")
+            return super().load_bucket(descriptor)
+
+        def begin(self, version: str, direct: bool = False) -> dict:
+            self.loads = 0
+            return super().begin(version, direct)
+
+    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    model = shard_model(build_model("opt", "tiny", seed=3), device="cpu")
+    sync = TrainerSync(model, options=SyncOptions(bucket_bytes=1 << 16, timeout_s=8.0,
+                                                  one_copy=False, **options))
+    out: dict = {"rank": rank}
+    flaky = LocalEndpoint(FailsMidSync(build_model("opt", "tiny", seed=99)), name="flaky")
+    sync.connect({"flaky": flaky} if rank == 0 else {})
+    out["v1"] = sync.sync("v1", verify=True).get("verify", {}).get("flaky", {}).get("verified")
+    start = time.perf_counter()
+    try:
+        sync.sync("v2")
+        out["v2"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - each rank fails in its own way
+        out["v2"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    out["v2_s"] = time.perf_counter() - start
+    fresh_model = build_model("opt", "tiny", seed=98)
+    fresh = LocalEndpoint(ModuleWeightReceiver(fresh_model), name="fresh")
+    sync.connect({"fresh": fresh} if rank == 0 else {})
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().mul_(1.5).add_(0.01)
+    report = sync.sync("v3", verify=True, engines=["fresh"])
+    out["v3"] = report.get("verify", {}).get("fresh", {}).get("verified")
+    full = dict(sync.source.tensors())
+    if rank == 0:
+        params = dict(fresh_model.named_parameters())
+        out["equal"] = all(torch.equal(params[n], t) for n, t in full.items())
+    out["v4"] = sync.sync("v4", engines=["fresh"]).get("version", "ok")
+    results.put(out)
+    sync.close()
+    close_trainer_group()
+
+
+def test_after_an_engine_fails_mid_sync_the_same_trainer_syncs_again_into_a_fresh_engine():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_fail_then_sync_again, args=(r, port, results, {}))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    outs = {}
+    for _ in procs:
+        out = results.get(timeout=240)
+        outs[out["rank"]] = out
+    for p in procs:
+        p.join(timeout=60)
+    print(outs, [p.exitcode for p in procs])
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert outs[0]["v1"] is True
+    assert "engine failed mid-sync" in outs[0]["v2"]
+    assert outs[1]["v2"] != "ok"  # rank 1 learns that the sync failed, within the timeout
+    assert outs[1]["v2_s"] < 8.0 + 10
+    assert outs[0]["v3"] is True and outs[0]["equal"]
+    assert outs[0]["v4"] == "v4"
