@@ -1,7 +1,8 @@
 """weightsync: keep inference engines in step with a sharded PyTorch trainer across environments.
 
 The public API, imported lazily (the CLI starts without torch):
-  trainer side:  TrainerSync, SyncOptions, init_trainer_group, host_store, DTensorV2Source
+  trainer side:  TrainerSync, SyncOptions, init_trainer_group, host_store, shard_model,
+                 close_trainer_group, DTensorV2Source
   engines:       init_ray, launch, register_actor, TrainerGroup (Ray actors in their own envs)
   building your own: WeightSender, WeightReceiver, ModuleWeightReceiver, Endpoint, RayEndpoint
 The core needs only torch (and ray where it launches actors). The engine backends import as
@@ -23,6 +24,8 @@ _EXPORTS: dict[str, str] = {
     "TrainerSync": "weightsync.trainer",
     "SyncOptions": "weightsync.trainer",
     "init_trainer_group": "weightsync.dtensor",
+    "shard_model": "weightsync.dtensor",
+    "close_trainer_group": "weightsync.dtensor",
     "host_store": "weightsync.rendezvous",
     "DTensorV2Source": "weightsync.dtensor",
     "init_ray": "weightsync.launcher",
@@ -36,13 +39,18 @@ _EXPORTS: dict[str, str] = {
     "RayEndpoint": "weightsync.endpoint",
 }
 __all__ = [
-    "DTensorV2Source", "Endpoint", "ModuleWeightReceiver", "RayEndpoint", "SyncOptions",
+    "DTensorV2Source", "close_trainer_group", "shard_model", "Endpoint", "ModuleWeightReceiver", "RayEndpoint", "SyncOptions",
     "TrainerGroup", "TrainerSync", "WeightReceiver", "WeightSender", "host_store", "init_ray",
     "init_trainer_group", "launch", "register_actor",
 ]
 
 if TYPE_CHECKING:
-    from weightsync.dtensor import DTensorV2Source, init_trainer_group
+    from weightsync.dtensor import (
+        DTensorV2Source,
+        close_trainer_group,
+        init_trainer_group,
+        shard_model,
+    )
     from weightsync.endpoint import Endpoint, RayEndpoint
     from weightsync.launcher import TrainerGroup, init_ray, launch, register_actor
     from weightsync.receiver import ModuleWeightReceiver, WeightReceiver

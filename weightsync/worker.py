@@ -17,10 +17,13 @@ from typing import Any, Literal
 
 import torch
 
-from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
-from weightsync.fingerprint import fingerprint
-from weightsync.trainer import SyncOptions, TrainerSync
-from weightsync.wire import dtype_from_str
+from weightsync import (
+    SyncOptions,
+    TrainerSync,
+    close_trainer_group,
+    init_trainer_group,
+    shard_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +50,12 @@ class DTensorV2WeightSyncWorker:
                                          master_addr=master_addr, master_port=master_port,
                                          rank0_hosts_store=rank0_hosts_store)
         self.model_path = model_path
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype={dtype!r}: not a torch dtype name (e.g. 'float32')")
         if model_builder == "transformers":
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype_from_str(dtype))
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
             self.model = shard_model(model, device=self.device)
         elif model_builder == "nemo_automodel":
             from weightsync.automodel import build_automodel
@@ -102,6 +107,8 @@ class DTensorV2WeightSyncWorker:
 
     def tensor_fingerprints(self) -> dict[str, list[int]]:
         """{HF name: fingerprint} of what a sync sends (all ranks; meaningful on rank 0)."""
+        from weightsync.fingerprint import fingerprint  # a test aid, not a sync path
+
         return {name: list(fingerprint(t)) for name, t in self.weights.source.tensors()}
 
     def reference_generate(self, prompts: list[list[int]], *, max_new_tokens: int) -> Any:
