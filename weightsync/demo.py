@@ -269,7 +269,7 @@ def _plot_grpo(steps: list[dict[str, Any]], path: str, *, bound: float) -> None:
         ax_reward.plot(xs, [s["engines"][name]["reward"] for s in steps], marker="o", label=name)
         ax_gap.plot(xs, [s["engines"][name]["mean_abs"] for s in steps], marker="o",
                     label=f"{name} mean |dlogp|")
-        ax_gap.plot(xs, [max(s["engines"][name]["kl"], 1e-12) for s in steps], marker="x",
+        ax_gap.plot(xs, [max(s["engines"][name]["kl"], 1e-18) for s in steps], marker="x",
                     linestyle=":", label=f"{name} KL (k3)")
     ax_gap.axhline(bound, color="red", linestyle="--", label="bound (mean |dlogp|)")
     ax_gap.set_yscale("log")
