@@ -283,4 +283,13 @@ def test_an_engine_killed_mid_sync_fails_it_within_the_timeout_naming_it(setup):
     with pytest.raises(Exception, match=r"engine 'sglang' (died|did not answer)"):
         ray.get(refs[0], timeout=120)
     assert time.monotonic() - killed < PAUSE_S + 60
+    with pytest.raises(ray.exceptions.RayTaskError):  # rank 1: its collective timed out
+        ray.get(refs[1], timeout=SYNC_TIMEOUT_S + 60)
+    # The same trainer, whose ranks' sync group the failure left out of step, syncs again into
+    # a fresh engine: verified, and it answers as the trainer's reference does.
+    fresh = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model)
+    doomed.call("connect", {"fresh": fresh})
+    report = doomed.call("sync", "after-engine-died", engines=["fresh"], verify=True)
+    assert report["verify"]["fresh"]["verified"], report["verify"]
+    assert_engine_matches_reference(fresh, doomed)
     doomed.kill()
