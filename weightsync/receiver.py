@@ -16,6 +16,7 @@ from one part per job, each in its own module:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -313,6 +314,15 @@ class EngineSession(WeightReceiver):
     `_engine_end` (its report; the session adds the timings) and `_engine_abort` (returns
     whether weights may now be mixed: true once a bucket was loaded, unless the engine put its
     previous weights back). The public methods own these rules and put the answers on the wire.
+
+    Generation is paused while parameters are written or probed: from `begin` until `end` or
+    `abort` (idle expiry included; a failed `end` stays paused until then), and around
+    `share_params` (which wraps the hook `_engine_share`). `_pause` and `_resume` are the
+    hooks; an in-process engine keeps them no-ops, since its actor runs one call at a time and
+    its own `generate` refuses during an update, but an engine's HTTP server also serves
+    clients that call it directly. Whatever closes the update resumes (`abort` in a `finally`),
+    so no error leaves the engine paused once its update is closed. While paused, a watchdog thread expires an update whose sender went silent, so a
+    dead trainer does not leave the server paused until someone calls the actor.
     """
 
     engine_name = "engine"
@@ -328,6 +338,22 @@ class EngineSession(WeightReceiver):
         self._begin_t = 0.0
         self._last_call = 0.0
         self._direct = False
+        self._paused = False
+        self._num_pauses = 0
+        # Taken by every method that changes the session, as the watchdog thread calls `abort`.
+        self._lock = threading.RLock()
+
+    def _pause(self) -> bool:
+        """Stop the engine generating before its parameters are written or probed; whether it
+        paused (then `_resume` follows). Requests that arrive meanwhile must wait or fail,
+        never decode on weights of two versions."""
+        return False
+
+    def _resume(self) -> None:
+        """Undo `_pause`."""
+
+    def _engine_share(self) -> dict:
+        return super().share_params()
 
     @abstractmethod
     def _engine_begin(self, direct: bool) -> str | None:
@@ -344,65 +370,127 @@ class EngineSession(WeightReceiver):
     def _engine_abort(self, reason: str) -> bool: ...
 
     def begin(self, version: str, direct: bool = False) -> dict:
-        if self._open is not None:
-            # Only one trainer drives an engine: an update still open means its sender died.
-            self.abort(f"update {self._open!r} never ended; a new update {version!r} began")
-        self._loaded = 0
-        self._begin_t = self._last_call = time.perf_counter()
-        why = self._engine_begin(direct)
-        if why is not None:
-            return BeginAnswer(direct=False, why=why).to_dict()
-        self._open, self._direct = version, direct
-        if direct:
-            self._loaded = 1  # the trainer writes into the parameters from now on
-        return BeginAnswer(direct=direct).to_dict()
+        with self._lock:
+            if self._open is not None:
+                # Only one trainer drives an engine: an update still open means its sender died.
+                self.abort(f"update {self._open!r} never ended; a new update {version!r} began")
+            self._loaded = 0
+            self._begin_t = self._last_call = time.perf_counter()
+            self._pause_generation()
+            try:
+                why = self._engine_begin(direct)
+            except BaseException:
+                self._resume_generation()
+                raise
+            if why is not None:
+                self._resume_generation()
+                return BeginAnswer(direct=False, why=why).to_dict()
+            self._open, self._direct = version, direct
+            if direct:
+                self._loaded = 1  # the trainer writes into the parameters from now on
+            return BeginAnswer(direct=direct).to_dict()
 
     def load_bucket(self, descriptor: dict) -> dict:
-        if self._open is None:
-            raise RuntimeError(f"{self.engine_name}: load_bucket outside an update; call begin "
-                               f"first")
-        self._last_call = time.perf_counter()
-        try:
-            result = self._engine_load(descriptor)
-        except BucketRejected:
-            raise  # refused before any byte was written: the weights are still whole
-        except BaseException:
-            self._loaded += 1  # it may have been partly written
-            raise
-        finally:
+        with self._lock:
+            if self._open is None:
+                raise RuntimeError(f"{self.engine_name}: load_bucket outside an update; call "
+                                   f"begin first")
             self._last_call = time.perf_counter()
-        self._loaded += 1
-        return result.to_dict()
+            try:
+                result = self._engine_load(descriptor)
+            except BucketRejected:
+                raise  # refused before any byte was written: the weights are still whole
+            except BaseException:
+                self._loaded += 1  # it may have been partly written
+                raise
+            finally:
+                self._last_call = time.perf_counter()
+            self._loaded += 1
+            return result.to_dict()
 
     def end(self, version: str) -> dict:
-        if self._open != version:
-            raise RuntimeError(f"{self.engine_name}: end({version!r}) but the open update is "
-                               f"{self._open!r}")
-        start = time.perf_counter()
-        report = self._engine_end(version)
-        self._open, self._broken, self._version = None, None, version
-        return replace(report, end_s=time.perf_counter() - start,
-                       session_s=time.perf_counter() - self._begin_t).to_dict()
+        with self._lock:
+            if self._open != version:
+                raise RuntimeError(f"{self.engine_name}: end({version!r}) but the open update "
+                                   f"is {self._open!r}")
+            start = time.perf_counter()
+            # A failed end leaves the update open, and so paused: the sender's `abort` (or the
+            # idle expiry) resumes, once the engine's weights are whole or it refuses to serve.
+            report = self._engine_end(version)
+            self._open, self._broken, self._version = None, None, version
+            self._resume_generation()
+            return replace(report, end_s=time.perf_counter() - start,
+                           session_s=time.perf_counter() - self._begin_t).to_dict()
 
     def abort(self, reason: str) -> None:
-        if self._open is not None:
-            logger.warning("%s: update %r aborted: %s", self.engine_name, self._open, reason)
-            if self._engine_abort(reason):
-                done = ("the trainer began writing into the parameters" if self._direct
-                        else f"{self._loaded} bucket(s)")
-                self._broken = f"update {self._open!r} was aborted after {done} ({reason}); " \
-                               f"sync again"
-        self._open = None
+        with self._lock:
+            try:
+                if self._open is not None:
+                    logger.warning("%s: update %r aborted: %s", self.engine_name, self._open,
+                                   reason)
+                    if self._engine_abort(reason):
+                        done = ("the trainer began writing into the parameters" if self._direct
+                                else f"{self._loaded} bucket(s)")
+                        self._broken = (f"update {self._open!r} was aborted after {done} "
+                                        f"({reason}); sync again")
+            finally:
+                self._open = None
+                self._resume_generation()
+
+    def share_params(self) -> dict:
+        """Generation is paused while the engine moves its parameters and probes them."""
+        with self._lock:
+            paused_here = not self._paused
+            self._pause_generation()
+            try:
+                return self._engine_share()
+            finally:
+                if paused_here:
+                    self._resume_generation()
+
+    def _pause_generation(self) -> None:
+        if self._paused:
+            return
+        self._paused = self._pause()
+        if self._paused:
+            self._num_pauses += 1
+            threading.Thread(target=self._watch_idle, args=(self._num_pauses,), daemon=True,
+                             name=f"{self.engine_name}-idle-watchdog").start()
+
+    def _resume_generation(self) -> None:
+        if not self._paused:
+            return
+        self._paused = False
+        try:
+            self._resume()
+        except Exception as exc:
+            raise RuntimeError(f"{self.engine_name}: resuming generation failed ({exc}); the "
+                               f"engine may stay paused until the next update ends") from exc
+
+    def _watch_idle(self, pause: int) -> None:
+        """While pause number `pause` lasts: expire a silent update without waiting for a call
+        to the actor."""
+        while True:
+            time.sleep(min(1.0, self.idle_timeout_s / 4))
+            with self._lock:
+                if not self._paused or self._num_pauses != pause:
+                    return
+                try:
+                    self._expire_idle()
+                except Exception:
+                    logger.exception("%s: expiring a silent update failed", self.engine_name)
+                    return
 
     def weight_version(self) -> str | None:
         self._expire_idle()
         return self._version
 
     def _expire_idle(self) -> None:
-        idle = time.perf_counter() - self._last_call
-        if self._open is not None and idle > self.idle_timeout_s:
-            self.abort(f"its sender made no call for {idle:.0f} s (idle_timeout_s="
-                       f"{self.idle_timeout_s:g}); it is presumed dead")
+        with self._lock:
+            idle = time.perf_counter() - self._last_call
+            if self._open is not None and idle > self.idle_timeout_s:
+                self.abort(f"its sender made no call for {idle:.0f} s (idle_timeout_s="
+                           f"{self.idle_timeout_s:g}); it is presumed dead")
 
     def check_serving(self) -> None:
         """Raise unless the engine holds one complete set of weights."""

@@ -191,6 +191,19 @@ class _Http:
     def flush_cache(self) -> bool:
         return self._request("POST", "/flush_cache")[0] == 200
 
+    def pause(self) -> None:
+        # "abort" ends every request in flight and holds new ones until /continue_generation;
+        # "retract" and "in_place" would finish old requests on the new weights, mixing two
+        # versions inside one response.
+        status, out = self._request("POST", "/pause_generation", {"mode": "abort"})
+        if status != 200:
+            raise RuntimeError(f"sglang server /pause_generation answered {status}: {out}")
+
+    def resume(self) -> None:
+        status, out = self._request("POST", "/continue_generation", {})
+        if status != 200:
+            raise RuntimeError(f"sglang server /continue_generation answered {status}: {out}")
+
     def generate(self, input_ids: list[list[int]], sampling: dict[str, Any]) -> list[dict]:
         status, out = self._request("POST", "/generate", {
             "input_ids": input_ids, "sampling_params": sampling, "return_logprob": True})
@@ -336,10 +349,18 @@ class SglEngineActor(EngineSession):
     def worker_fingerprints(self) -> list[dict[str, list[int]]]:
         return [r["fingerprints"] for r in self._read_only_all("fingerprints")]
 
-    def share_params(self) -> dict:
+    def _engine_share(self) -> dict:
         answers = [ShareAnswer.from_dict(a) for a in self._read_only_all("share")]
         return as_plain(combine_worker_shares(answers).to_dict())
 
+    def _pause(self) -> bool:
+        if self.mode != "http":
+            return False  # in-process, this actor is the only client and refuses during updates
+        self.client.pause()
+        return True
+
+    def _resume(self) -> None:
+        self.client.resume()
 
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], **sampling: Any) -> dict[str, Any]:

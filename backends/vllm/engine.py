@@ -97,6 +97,18 @@ class _Http:
     def set_version(self, version: str) -> None:
         self._request("POST", "/update_weight_version", {"new_version": version})
 
+    def pause(self) -> None:
+        # "wait" lets requests in flight finish on the old weights and holds new ones until
+        # /resume: each response is computed with one version.
+        status, out = self._request("POST", "/pause?mode=wait")
+        if status != 200:
+            raise RuntimeError(f"vllm server /pause answered {status}: {out}")
+
+    def resume(self) -> None:
+        status, out = self._request("POST", "/resume")
+        if status != 200:
+            raise RuntimeError(f"vllm server /resume answered {status}: {out}")
+
     def generate(self, prompts: list[list[int]], options: SamplingOptions) -> tuple[list, list]:
         status, out = self._request("POST", "/v1/completions", {
             "model": self.model, "prompt": prompts, "max_tokens": options.max_new_tokens,
@@ -207,10 +219,19 @@ class VllmEngineActor(EngineSession):
         """Each worker's parameters, in TP-rank order: at TP > 1 each holds its slices."""
         return as_plain(self._rpc_all("weightsync_fingerprints"))
 
-    def share_params(self) -> dict:
+    def _engine_share(self) -> dict:
         """At TP > 1, {"shared": [each worker's shared parameters]} or none of them."""
         answers = [ShareAnswer.from_dict(a) for a in self._rpc_all("weightsync_share")]
         return as_plain(combine_worker_shares(answers).to_dict())
+
+    def _pause(self) -> bool:
+        if self.mode != "http":
+            return False  # in-process, this actor is the only client and refuses during updates
+        self.client.pause()
+        return True
+
+    def _resume(self) -> None:
+        self.client.resume()
 
     def settle(self, timeout_s: float = 120.0) -> dict:
         """On CPU the packed GEMMs are rebuilt in the background after an update."""

@@ -1,0 +1,181 @@
+"""Clients that call an engine's HTTP server directly while a trainer syncs many versions into
+it, and the check that no complete response mixes two versions (tests/reliability/test_*_pause.py).
+
+Each sync is to a different set of random weights (`set_weights_from(seed)`), whose greedy
+float32 reference is computed first. A version is live from the start of the sync that brings
+it until the end of the sync that replaces it; a complete response must equal, token for token,
+the reference of a version live at some moment between its request and its answer. A response
+decoded partly on half-written weights, or on weights of two versions, equals none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from tests.engine_checks import prompt_ids
+
+MAX_NEW_TOKENS = 8
+NUM_CLIENTS = 3
+
+
+@dataclass(slots=True)
+class Answer:
+    """One request: when it was sent and answered, and what came back."""
+
+    prompt: int
+    sent_s: float
+    done_s: float
+    tokens: list[int] | None  # None: aborted or failed
+    outcome: str  # "complete", "aborted" or "failed: ..."
+    tag: str | None = None  # the engine's own weight-version tag, where it gives one
+
+
+@dataclass(slots=True)
+class Hammer:
+    """`NUM_CLIENTS` threads sending greedy requests for fixed prompts until stopped. `ask`
+    sends one request: (status, decoded JSON); `parse` turns a 200 answer into (tokens or None
+    when aborted, engine tag)."""
+
+    ask: Callable[[list[int]], tuple[int, Any]]
+    parse: Callable[[Any], tuple[list[int] | None, str | None]]
+    answers: list[Answer] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        prompts = prompt_ids()
+        for client in range(NUM_CLIENTS):
+            thread = threading.Thread(target=self._run, args=(prompts, client), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=300)
+
+    def _run(self, prompts: list[list[int]], client: int) -> None:
+        i = client
+        while not self._stop.is_set():
+            k = i % len(prompts)
+            i += 1
+            sent = time.monotonic()
+            try:
+                status, out = self.ask(prompts[k])
+            except OSError as exc:
+                self.answers.append(Answer(k, sent, time.monotonic(), None, f"failed: {exc}"))
+                time.sleep(0.2)
+                continue
+            done = time.monotonic()
+            if status != 200:
+                self.answers.append(Answer(k, sent, done, None, f"failed: {status} {out}"))
+                time.sleep(0.2)
+                continue
+            tokens, tag = self.parse(out)
+            self.answers.append(Answer(k, sent, done, tokens,
+                                       "complete" if tokens is not None else "aborted", tag))
+
+
+def post_json(base: str, path: str, body: Any, *, api_key: str | None,
+              timeout_s: float = 300) -> tuple[int, Any]:
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            raw, status = resp.read(), resp.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    try:
+        return status, json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return status, raw.decode(errors="replace")
+
+
+def run_syncs_under_requests(trainer, name: str, hammer: Hammer, *, num_syncs: int,
+                             first_seed: int = 1000) -> dict[str, Any]:
+    """References for the weights now served (version 0) and for `num_syncs` more versions,
+    then the syncs back to back while `hammer` runs. Returns what `check_answers` needs."""
+    ids = prompt_ids()
+    refs = [trainer.call("reference_generate", ids, max_new_tokens=MAX_NEW_TOKENS)["tokens"]]
+    for i in range(1, num_syncs + 1):
+        trainer.call("set_weights_from", first_seed + i)
+        refs.append(trainer.call("reference_generate", ids,
+                                 max_new_tokens=MAX_NEW_TOKENS)["tokens"])
+    # A version answering exactly as the one before it could hide a mixed answer.
+    alike = [v for v in range(1, len(refs)) if refs[v] == refs[v - 1]]
+    assert not alike, f"versions {alike} answer as the version before them"
+    windows: list[tuple[float, float]] = []  # sync i brings version i + 1
+    paths: list[str] = []
+    hammer.start()
+    try:
+        time.sleep(2)  # answers of version 0 first
+        for i in range(1, num_syncs + 1):
+            trainer.call("set_weights_from", first_seed + i)
+            start = time.monotonic()
+            report = trainer.call("sync", f"v{i}")
+            windows.append((start, time.monotonic()))
+            paths.append(report["engines"][name]["path"])
+            time.sleep(0.3)  # some answers between syncs too
+        time.sleep(2)
+    finally:
+        hammer.stop()
+    return {"refs": refs, "windows": windows, "paths": paths}
+
+
+def check_answers(hammer: Hammer, refs: list[list[list[int]]],
+                  windows: list[tuple[float, float]], *,
+                  tag_of: Callable[[int], str | None] | None = None) -> dict[str, Any]:
+    """Every complete answer equals the reference of a version live around it (and, with
+    `tag_of`, carries that version's engine tag). Returns the counts."""
+    inf = float("inf")
+    # Version v is live from the start of sync v (which brings it) to the end of sync v + 1.
+    live = [(-inf if v == 0 else windows[v - 1][0], inf if v == len(windows) else windows[v][1])
+            for v in range(len(refs))]
+    bad, num_during_sync = [], 0
+    complete = [a for a in hammer.answers if a.outcome == "complete"]
+    for a in complete:
+        candidates = [v for v, (lo, hi) in enumerate(live) if lo <= a.done_s and a.sent_s <= hi]
+        matches = [v for v in candidates if refs[v][a.prompt] == a.tokens]
+        if any(a.sent_s <= hi and lo <= a.done_s for lo, hi in windows):
+            num_during_sync += 1
+        if not matches:
+            anywhere = [v for v in range(len(refs)) if refs[v][a.prompt] == a.tokens]
+            bad.append(f"prompt {a.prompt} at [{a.sent_s:.2f}, {a.done_s:.2f}] s: tokens "
+                       f"{a.tokens} match no live version {candidates} (any version: "
+                       f"{anywhere})")
+        elif tag_of is not None and a.tag not in [tag_of(v) for v in matches]:
+            bad.append(f"prompt {a.prompt}: the tokens of version(s) {matches} came tagged "
+                       f"{a.tag!r}")
+    counts = {
+        "complete": len(complete),
+        "complete_during_a_sync": num_during_sync,
+        "aborted": sum(a.outcome == "aborted" for a in hammer.answers),
+        "failed": sum(a.outcome.startswith("failed") for a in hammer.answers),
+        "mixed_or_stale": len(bad),
+    }
+    print(f"answers: {counts}")
+    for line in bad[:10]:
+        print("  BAD", line)
+    failures = [a.outcome for a in hammer.answers if a.outcome.startswith("failed")]
+    assert not bad, f"{len(bad)} of {len(complete)} complete answers mix versions: {bad[:3]}"
+    assert not failures, f"{len(failures)} requests failed: {failures[:3]}"
+    assert num_during_sync > 0, "no answer overlapped a sync: the test proved nothing"
+    return counts
+
+
+def engine_server(engine) -> tuple[str, str]:
+    base = ray.get(engine.server_url.remote())
+    key = ray.get(engine.server_api_key.remote())
+    assert base and key, (base, key)
+    return base, key

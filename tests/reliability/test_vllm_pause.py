@@ -1,0 +1,68 @@
+"""vLLM's HTTP server paused while parameters are written: clients that call the server
+directly never get an answer decoded on half-written weights or on two versions."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from tests.reliability.hammer import (
+    MAX_NEW_TOKENS,
+    Hammer,
+    check_answers,
+    engine_server,
+    post_json,
+    run_syncs_under_requests,
+)
+from weightsync import launcher
+from weightsync.models import make_tiny_model
+
+NAME = "vllm-http"
+NUM_SYNCS = 30
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="opt", seed=0)
+    launcher.init_ray(num_cpus=2)
+    engine = launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model,
+                             mode="http")
+    trainer = launcher.TrainerGroup("weightsync.backends.vllm.worker."
+                                    "VllmDTensorV2WeightSyncWorker",
+                                    model_path=model, bucket_bytes=1 << 20, seed=0)
+    trainer.call("connect", {NAME: engine})
+    yield engine, trainer, model
+    ray.get(engine.shutdown.remote(), timeout=120)
+    ray.shutdown()
+
+
+def _hammer(engine, model: str) -> Hammer:
+    base, key = engine_server(engine)
+
+    def ask(prompt: list[int]):
+        return post_json(base, "/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": MAX_NEW_TOKENS,
+            "temperature": 0.0, "logprobs": 1, "ignore_eos": True,
+            "return_tokens_as_token_ids": True}, api_key=key)
+
+    def parse(out):
+        choice = out["choices"][0]
+        if choice.get("finish_reason") == "abort":
+            return None, None
+        return [int(t.split(":")[-1]) for t in choice["logprobs"]["tokens"]], None
+
+    return Hammer(ask, parse)
+
+
+def test_direct_http_clients_never_see_half_written_weights_during_many_syncs(setup):
+    """The first sync goes by buckets, then the engine's parameters are shared (the probe
+    writes random bytes into them) and every later sync writes them in place."""
+    engine, trainer, model = setup
+    start = time.monotonic()
+    hammer = _hammer(engine, model)
+    run = run_syncs_under_requests(trainer, NAME, hammer, num_syncs=NUM_SYNCS)
+    assert run["paths"][0] == "buckets" and set(run["paths"][1:]) == {"direct"}, run["paths"]
+    counts = check_answers(hammer, run["refs"], run["windows"])
+    print(f"{NUM_SYNCS} syncs, {counts}, {time.monotonic() - start:.0f} s")
