@@ -121,7 +121,7 @@ def test_sampling_returns_n_seeded_samples_per_prompt_and_bad_options_are_refuse
     out = ray.get(engine.generate.remote([[5, 6, 7], [8, 9]], **options))
     assert [len(t) for t in out["tokens"]] == [5] * 6
     assert all(len(lp) == 5 and max(lp) <= 0 for lp in out["logprobs"])
-    assert out["weight_version"] is not None
+    assert out["weight_version"] == ray.get(engine.weight_version.remote())
     again = ray.get(engine.generate.remote([[5, 6, 7], [8, 9]], **options))
     assert again["tokens"] == out["tokens"]  # sample j of each prompt is seeded seed + j
     for bad, named in (({"temperature": -1.0}, r"temperature=-1\.0"), ({"n": 0}, "n=0"),
