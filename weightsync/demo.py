@@ -38,7 +38,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--task", choices=("grpo", "sft"), default="grpo",
                    help="grpo: engines sample, the trainer learns from rewards (default); sft: "
                         "supervised steps on one sentence, greedy continuations compared")
-    p.add_argument("--steps", type=int, help="steps, each followed by a sync (grpo 24, sft 30)")
+    # "%(default).0s" prints nothing; it only keeps the formatter from adding "(default: None)".
+    p.add_argument("--steps", type=int, help="steps, each followed by a sync (default: 24 for "
+                                             "grpo, 30 for sft)%(default).0s")
     p.add_argument("--engines", default="sglang,vllm", help="comma-separated: sglang, vllm")
     p.add_argument("--arch", default="opt", help="opt (both engines) or qwen2 (vLLM only)")
     p.add_argument("--model-size", default="tiny", help="tiny, small, base or medium")

@@ -82,7 +82,8 @@ def test_conflict_matrix_reports_the_abi_of_every_env_without_a_gpu(matrix):
 
 
 @pytest.mark.parametrize(("command", "shown"), [
-    (["demo"], ["(default: 30)", "(default: sglang,vllm)"]),
+    (["demo"], ["(default: 24 for grpo, 30 for sft)", "(default: sglang,vllm)",
+                "(default: grpo)"]),
     (["bench"], ["(default: medium)", "(default: 3)", "(default: 256)"]),
 ])
 def test_help_shows_each_options_default(command, shown):
