@@ -253,7 +253,8 @@ def _round(resources: dict[str, float]) -> dict[str, float]:
 # ---- env builds on other nodes --------------------------------------------------------------
 # What a node needs to build any env: the code and every lock (from a checkout), or the
 # installed package, which holds the env definitions.
-_PROJECT_FILES = ("pyproject.toml", "uv.lock", "README.md", "weightsync", "backends", "envs")
+_PROJECT_FILES = ("pyproject.toml", "uv.lock", "README.md", "hatch_build.py", "weightsync", "backends",
+                  "envs")
 _INSTALLED_FILES = ("weightsync",)
 _node_pythons: dict[tuple[str, str], dict[str, Any]] = {}
 
