@@ -133,13 +133,7 @@ def _run_sft(args: argparse.Namespace) -> int:
               else "FAILED: a sync did not verify or an engine differed from the trainer")
     if args.plot:
         _plot(steps, args.plot)
-    for handle in handles.values():
-        try:
-            ray.get(handle.shutdown.remote(), timeout=60)
-        except Exception:  # noqa: BLE001 - shutting down anyway
-            pass
-    ray.shutdown()
-    time.sleep(0.1)
+    _shutdown(handles)
     return 0 if ok else 1
 
 

@@ -53,6 +53,25 @@ def cli_flags(args: dict[str, Any]) -> list[str]:
     return flags
 
 
+def http_json(method: str, url: str, body: Any = None, *, api_key: str | None = None,
+              timeout: float = 300) -> tuple[int, Any]:
+    """One JSON request: (HTTP status, decoded JSON or text), an error status included."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw, status = resp.read(), resp.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    try:
+        return status, json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return status, raw.decode(errors="replace")
+
+
 class LocalServer:
     """`command` plus `--host 127.0.0.1 --port P`, started in its own process group."""
 
@@ -96,20 +115,7 @@ class LocalServer:
     def request(self, method: str, path: str, body: Any = None,
                 timeout: float = 300) -> tuple[int, Any]:
         """(HTTP status, decoded JSON or text)."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw, status = resp.read(), resp.status
-        except urllib.error.HTTPError as exc:
-            raw, status = exc.read(), exc.code
-        try:
-            return status, json.loads(raw) if raw else None
-        except json.JSONDecodeError:
-            return status, raw.decode(errors="replace")
+        return http_json(method, self.base + path, body, api_key=self.api_key, timeout=timeout)
 
     def shutdown(self) -> None:
         if self.proc.poll() is None:

@@ -10,11 +10,8 @@ decoded partly on half-written weights, or on weights of two versions, equals no
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +19,7 @@ from typing import Any
 import ray
 
 from tests.engine_checks import prompt_ids
+from weightsync.server import http_json
 
 MAX_NEW_TOKENS = 8
 NUM_CLIENTS = 3
@@ -87,19 +85,7 @@ class Hammer:
 
 def post_json(base: str, path: str, body: Any, *, api_key: str | None,
               timeout_s: float = 300) -> tuple[int, Any]:
-    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    if api_key:
-        req.add_header("Authorization", f"Bearer {api_key}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            raw, status = resp.read(), resp.status
-    except urllib.error.HTTPError as exc:
-        raw, status = exc.read(), exc.code
-    try:
-        return status, json.loads(raw) if raw else None
-    except json.JSONDecodeError:
-        return status, raw.decode(errors="replace")
+    return http_json("POST", base + path, body, api_key=api_key, timeout=timeout_s)
 
 
 def run_syncs_under_requests(trainer, name: str, hammer: Hammer, *, num_syncs: int,
