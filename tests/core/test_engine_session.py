@@ -1,0 +1,158 @@
+"""`EngineSession`'s pause rules, with a test double for the engine hooks: generation is paused
+from `begin` until the update is closed; whatever closes it (`end`, `abort`, an idle expiry,
+at a call or by the watchdog thread while paused) resumes; a failed `end` leaves it open and
+paused until the sender's `abort`."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from weightsync.protocol import EndReport, LoadReport
+from weightsync.receiver import EngineSession
+
+BUCKET = {"index": 0, "nbytes": 4, "handle": {}, "tensors": []}
+
+
+class PausingEngine(EngineSession):
+    """An engine whose server pauses, and which records what the session asked of it."""
+
+    engine_name = "double"
+
+    def __init__(self, *, idle_timeout_s: float = 60.0, fail_end: bool = False,
+                 fail_begin: bool = False) -> None:
+        super().__init__(idle_timeout_s=idle_timeout_s)
+        self.generating = True
+        self.aborted: list[str] = []
+        self.fail_end = fail_end
+        self.fail_begin = fail_begin
+
+    def _pause(self) -> bool:
+        assert self.generating, "paused twice"
+        self.generating = False
+        return True
+
+    def _resume(self) -> None:
+        assert not self.generating, "resumed without a pause"
+        self.generating = True
+
+    def _engine_begin(self, direct: bool) -> str | None:
+        if self.fail_begin:
+            raise RuntimeError("engine refused to begin")
+        return None
+
+    def _engine_load(self, descriptor: dict) -> LoadReport:
+        return LoadReport(num_tensors=1, nbytes=4, seconds=0.0)
+
+    def _engine_end(self, version: str) -> EndReport:
+        if self.fail_end:
+            raise RuntimeError("post-processing failed")
+        return EndReport(weight_version=version)
+
+    def _engine_abort(self, reason: str) -> bool:
+        self.aborted.append(reason)
+        return True  # a bucket was loaded and not put back: the weights may be mixed
+
+    def check_refit(self, specs: list[dict]) -> dict:
+        return {}
+
+    def fingerprints(self) -> dict[str, list[int]]:
+        return {}
+
+
+def test_generation_is_paused_from_begin_until_end():
+    engine = PausingEngine()
+    engine.begin("v1")
+    assert not engine.generating
+    engine.load_bucket(BUCKET)
+    assert not engine.generating
+    engine.end("v1")
+    assert engine.generating
+    assert engine.weight_version() == "v1"
+
+
+def test_an_aborted_update_resumes_generation():
+    engine = PausingEngine()
+    engine.begin("v1")
+    engine.load_bucket(BUCKET)
+    engine.abort("the trainer failed")
+    assert engine.generating
+    assert engine.aborted == ["the trainer failed"]
+    with pytest.raises(RuntimeError, match=r"does not serve: update 'v1' was aborted after 1 "
+                                           r"bucket\(s\) \(the trainer failed\)"):
+        engine.check_serving()
+
+
+def test_a_failed_begin_resumes_generation():
+    engine = PausingEngine(fail_begin=True)
+    with pytest.raises(RuntimeError, match="engine refused to begin"):
+        engine.begin("v1")
+    assert engine.generating
+    engine.check_serving()
+
+
+def test_an_update_idle_past_idle_timeout_s_expires_at_the_next_call_and_resumes():
+    engine = PausingEngine(idle_timeout_s=60.0)
+    engine.begin("v1")
+    engine.load_bucket(BUCKET)
+    engine._last_call -= 61.0  # the sender's last call, 61 s ago; the watchdog has not looked
+    with pytest.raises(RuntimeError, match=r"does not serve: update 'v1' was aborted .*its "
+                                           r"sender made no call for 61 s"):
+        engine.check_serving()
+    assert engine.generating
+    assert engine.weight_version() is None
+
+
+def test_a_failed_end_stays_paused_until_the_senders_abort():
+    engine = PausingEngine(fail_end=True)
+    engine.begin("v1")
+    engine.load_bucket(BUCKET)
+    with pytest.raises(RuntimeError, match="post-processing failed"):
+        engine.end("v1")
+    assert not engine.generating
+    with pytest.raises(RuntimeError, match="does not serve during update 'v1'"):
+        engine.check_serving()
+    assert not engine.generating
+    engine.abort("end failed")
+    assert engine.generating
+    assert engine.aborted == ["end failed"]
+    assert engine.weight_version() is None
+
+
+def _wait_until_generating(engine: PausingEngine, *, within_s: float) -> float:
+    """Seconds until the engine generates again, reading only the double's own flag (no call
+    to the session)."""
+    start = time.perf_counter()
+    while not engine.generating:
+        if time.perf_counter() - start > within_s:
+            break
+        time.sleep(0.02)
+    return time.perf_counter() - start
+
+
+def test_while_paused_the_watchdog_expires_a_silent_update_without_a_call():
+    engine = PausingEngine(idle_timeout_s=0.5)
+    engine.begin("v1")
+    engine.load_bucket(BUCKET)
+    waited_s = _wait_until_generating(engine, within_s=10.0)
+    assert engine.generating, f"still paused {waited_s:.1f} s after the sender's last call"
+    assert 0.5 <= waited_s < 5.0
+    assert len(engine.aborted) == 1
+    assert "its sender made no call" in engine.aborted[0]
+    assert "idle_timeout_s=0.5" in engine.aborted[0]
+    with pytest.raises(RuntimeError, match="does not serve: update 'v1' was aborted"):
+        engine.check_serving()
+
+
+def test_the_watchdog_leaves_an_update_whose_sender_keeps_calling():
+    engine = PausingEngine(idle_timeout_s=0.5)
+    engine.begin("v1")
+    for _ in range(15):  # 1.5 s of loads, each well within idle_timeout_s of the last
+        time.sleep(0.1)
+        engine.load_bucket(BUCKET)
+    assert not engine.generating
+    assert engine.aborted == []
+    engine.end("v1")
+    assert engine.generating
+    assert engine.weight_version() == "v1"
