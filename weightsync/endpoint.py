@@ -96,8 +96,8 @@ class EngineState:
 
     endpoint: Endpoint
     param_of: dict[str, list[str]] = field(default_factory=dict)
-    # Per worker of a tensor-parallel engine, {tensor: [parameter, patterns]}: which elements
-    # of each tensor it holds (weightsync/placement.py); None where every worker holds all.
+    # Per worker, {tensor: [parameter, patterns]}: where its loader puts the elements of each
+    # tensor it holds (weightsync/placement.py); None for a receiver that reports none.
     placements: list[dict[str, Any]] | None = None
 
 

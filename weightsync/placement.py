@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from weightsync.fingerprint import Fingerprint, combine, fingerprint
+from weightsync.fingerprint import Fingerprint, combine, placed, shift, words_per_element
+from weightsync.wire import dtype_from_str
 
 Pattern = list[int]  # [dst, src, length, count, dst_stride, src_stride]
 Placement = tuple[str, list[Pattern]]  # (parameter name, patterns)
@@ -130,9 +131,10 @@ def pattern_view(flat: torch.Tensor, pattern: Pattern, *, dst: bool = False) -> 
 
 
 class WorkerPrints:
-    """What each parameter of each worker of one engine must fingerprint to, summed over the
-    trainer's tensors as they stream past (`add`): for a parameter, the sum over its placed
-    tensors of the fingerprints of the elements the worker holds."""
+    """What each parameter of each worker of one engine must fingerprint to, combined over the
+    trainer's tensors as they stream past (`add`): for a parameter, the combination over its
+    placed tensors of the contributions of the elements the worker holds, where it holds them
+    (weightsync/fingerprint.py)."""
 
     def __init__(self, workers: list[dict[str, Any]]) -> None:
         self.workers = workers
@@ -144,10 +146,39 @@ class WorkerPrints:
             if name in placements:
                 pname, pats = placements[name]
                 parts.setdefault(pname, []).extend(
-                    fingerprint(pattern_view(flat, p)) for p in pats)
+                    placed(pattern_view(flat, p), p[0], p[4]) for p in pats)
 
     def result(self) -> list[dict[str, Fingerprint]]:
         return [{p: combine(prints) for p, prints in parts.items()} for parts in self._parts]
+
+
+def whole_offset(patterns: list[Pattern], numel: int) -> int | None:
+    """The parameter element at which a tensor placed whole and in order starts (the common
+    case at TP=1: a parameter of its own, or q, k, v in a fused one); None for a slice or any
+    other arrangement."""
+    if len(patterns) == 1:
+        dst, src, length, count, _, _ = patterns[0]
+        if src == 0 and count == 1 and length == numel:
+            return dst
+    return None
+
+
+def prints_from_sent(placements: dict[str, Any], sent: dict[str, Fingerprint],
+                     specs: dict[str, Any]) -> dict[str, Fingerprint] | None:
+    """`WorkerPrints` for one worker from the sent tensors' fingerprints alone (`specs`: name
+    -> its TensorSpec), where every placed tensor lies whole in its parameter; None when some
+    does not (its expected fingerprint needs the tensor's elements)."""
+    parts: dict[str, list[Fingerprint]] = {}
+    for name, (pname, pats) in placements.items():
+        if not pats:
+            continue
+        spec = specs.get(name)
+        at = None if spec is None or name not in sent else whole_offset(pats, spec.numel)
+        if at is None:
+            return None
+        parts.setdefault(pname, []).append(
+            shift(tuple(sent[name]), at * words_per_element(dtype_from_str(spec.dtype))))
+    return {p: combine(prints) for p, prints in parts.items()}
 
 
 def expected_worker_fingerprints(tensors: dict[str, torch.Tensor],

@@ -130,7 +130,8 @@ class ModelReceiver:
         self.buckets = BucketLoader(self.refit, load_fn=load_fn, name=name)
         self.previous = PreviousWeights(model, self.refit, name=name)
         self.sharing = ParameterSharing(model, self.refit, load_fn=load_fn, name=name)
-        # At TP > 1: trainer tensor -> [parameter, patterns] (`learn_placements`)
+        # Trainer tensor -> [parameter, patterns] (`learn_placements`): for verification, and
+        # at TP > 1 for the one-copy path's slices
         self.placements: dict[str, list] = {}
         self._unplaced: set[str] = set()
         self._writing = False  # a one-copy update is open: trainer ranks write the parameters
@@ -176,7 +177,7 @@ class ModelReceiver:
         self.previous.drop()
 
     def learn_placements(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """In a tensor-parallel worker, after loading: for each tensor seen for the first time
+        """After loading: for each tensor seen for the first time
         that lands in one parameter, where the loader puts its elements
         (weightsync/placement.py; on a scratch copy, the live weights are not touched)."""
         from weightsync.placement import learn_placement

@@ -63,7 +63,7 @@ class WeightSender:
         self.timeout_s = timeout_s
         self.engines: dict[str, EngineState] = {}
         self.calls = EngineCalls(self.engines, timeout_s=timeout_s)
-        self.verifier = Verifier(self.calls)
+        self.verifier = Verifier(self.calls, specs)
         self.num_syncs = 0
 
     @property

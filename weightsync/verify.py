@@ -1,10 +1,15 @@
 """Verification: whether each engine holds the bytes the trainer sent.
 
 Runs on the sending rank, inside `WeightSender` (which owns the engines and the calls to them).
-After a sync by buckets each engine reports `fingerprints()` of its parameters and they are
-compared with the ones expected from what was sent (weightsync/fingerprint.py); a
-tensor-parallel engine reports `worker_fingerprints()` and each worker is compared with the
-slices it holds (weightsync/placement.py). On the one-copy path the ranks read their own writes
+After a sync by buckets each engine's workers report `worker_fingerprints()` of their
+parameters, computed in the engine process, and each is compared with the fingerprint expected
+from what was sent, placed where the engine's own loader puts each tensor (its placements,
+weightsync/placement.py): fingerprints are position-sensitive (weightsync/fingerprint.py), so a
+transposed tensor, swapped rows or a swapped q and k inside a fused parameter are caught. Where
+every tensor lies whole in its parameter (TP=1) the expected values follow from the sent
+tensors' fingerprints; a worker that holds slices needs the tensors again (`pending`). A
+receiver that reports no placements is compared through `fingerprints()` for the parameters
+one tensor fills from its first word. On the one-copy path the ranks read their own writes
 back instead, and an engine whose bytes differ is aborted before `end`.
 """
 
@@ -15,15 +20,17 @@ from typing import Any
 
 from weightsync.endpoint import EngineCalls
 from weightsync.fingerprint import Fingerprint, expected_fingerprints
-from weightsync.placement import placed_params
+from weightsync.placement import placed_params, prints_from_sent
+from weightsync.wire import TensorSpec
 
 
 class Verifier:
     """Compares engines' parameter fingerprints, or the ranks' read-back, with what was sent."""
 
-    def __init__(self, calls: EngineCalls) -> None:
+    def __init__(self, calls: EngineCalls, specs: list[TensorSpec]) -> None:
         self.calls = calls
         self.engines = calls.engines
+        self.specs = {spec.name: spec for spec in specs}
 
     def verify(self, sent: dict[str, Fingerprint], *, engines: list[str],
                worker_sent: dict[str, list[dict[str, Fingerprint]]] | None = None,
@@ -31,13 +38,19 @@ class Verifier:
         """`WeightSender.verify`: {engine: {"verified", "mismatched", "num_checked"},
         "verify_s"}; a tensor-parallel engine without `worker_sent` is left pending."""
         start = time.perf_counter()
-        worker_sent = worker_sent or {}
+        worker_sent = dict(worker_sent or {})
         out: dict[str, Any] = {}
         asked = []
         for name in engines:
-            if self.engines[name].placements is None:
+            placements = self.engines[name].placements
+            if placements is None:
                 asked.append((name, "fingerprints"))
-            elif name in worker_sent:
+                continue
+            if name not in worker_sent:
+                want = [prints_from_sent(p, sent, self.specs) for p in placements]
+                if all(w is not None for w in want):
+                    worker_sent[name] = want
+            if name in worker_sent:
                 asked.append((name, "worker_fingerprints"))
             else:
                 out[name] = {"verified": None, "pending": True, "mismatched": [],

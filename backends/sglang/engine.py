@@ -321,8 +321,8 @@ class SglEngineActor(EngineSession):
         # The version rides on a last, empty control call, so SGLang's own tag moves too.
         commits = self._control_all("commit", weight_version=version, direct=self._direct)
         self._session("end")
-        # At TP > 1 each scheduler holds slices: where, for verification.
-        placements = [c["placements"] for c in commits] if self.tp_size > 1 else None
+        # Where each scheduler's loader puts each tensor (slices at TP > 1), for verification.
+        placements = [c["placements"] for c in commits]
         return EndReport(weight_version=version, cache_flushed=self.client.flush_cache(),
                          placements=placements)
 

@@ -52,8 +52,9 @@ def _tp() -> tuple[int, int]:
 
 def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
     """One control call in one TP scheduler (each gets the same message; `weightsync_load`
-    adds the scheduler's `tp_rank` to every reply). At TP > 1 the scheduler learns and reports
-    its placements (the elements of each tensor it holds; weightsync/placement.py)."""
+    adds the scheduler's `tp_rank` to every reply). The scheduler learns and reports its
+    placements (where its loader puts the elements of each tensor it holds, slices at TP > 1;
+    weightsync/placement.py), which verification compares against."""
     from weightsync.protocol import LoadReport
     from weightsync.wire import BucketDescriptor, specs_from_dicts
 
@@ -67,8 +68,7 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
         bucket = BucketDescriptor.from_dict(message["descriptor"])
         views = receiver.receive(bucket)
         receiver.load(views, keep_previous=bool(message.get("keep_previous")))
-        if size > 1:
-            receiver.learn_placements(views)
+        receiver.learn_placements(views)
         del views
         receiver.release(bucket)
         return LoadReport(num_tensors=len(bucket.tensors), nbytes=bucket.nbytes,
@@ -81,7 +81,7 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
         if message.get("direct"):
             receiver.end_direct()
         receiver.drop_previous()
-        return {"placements": receiver.placements if size > 1 else None}
+        return {"placements": receiver.placements}
     if op == "rollback":
         return {"restored": receiver.restore_previous()}
     if op == "fingerprints":

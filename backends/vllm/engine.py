@@ -195,8 +195,8 @@ class VllmEngineActor(EngineSession):
         results = self._rpc_all("weightsync_end")
         flushed = self.client.reset_prefix_cache()
         self.client.set_version(version)
-        # At TP > 1 each worker holds slices: where, for verification.
-        placements = [r["placements"] for r in results] if self.tp_size > 1 else None
+        # Where each worker's loader puts each tensor (slices at TP > 1), for verification.
+        placements = [r["placements"] for r in results]
         return EndReport(weight_version=version, cache_flushed=flushed,
                          param_of=results[0]["param_of"], placements=as_plain(placements))
 

@@ -305,9 +305,9 @@ class WeightsyncWorkerExtension:
                           seconds=time.perf_counter() - start).to_dict()
 
     def _ws_learn_placement(self, name: str, tensor: Any) -> None:
-        """At TP > 1: where this worker's loader puts the elements of `name`."""
-        if self._ws_tp()[1] > 1:
-            self._ws_state()["receiver"].learn_placements([(name, tensor)])
+        """Where this worker's loader puts the elements of `name` (for verification; at
+        TP > 1 also for the one-copy path's slices)."""
+        self._ws_state()["receiver"].learn_placements([(name, tensor)])
 
     @_guard
     def weightsync_end(self) -> dict[str, Any]:
@@ -320,9 +320,8 @@ class WeightsyncWorkerExtension:
         state["open"], state["direct"], state["keep"] = False, False, False
         state["receiver"].drop_previous()
         state["repacker"].start()
-        rank, size = self._ws_tp()
-        return {"param_of": state["receiver"].param_of, "tp_rank": rank,
-                "placements": state["receiver"].placements if size > 1 else None}
+        return {"param_of": state["receiver"].param_of, "tp_rank": self._ws_tp()[0],
+                "placements": state["receiver"].placements}
 
     @_guard
     def weightsync_repacked(self, timeout_s: float) -> dict[str, Any]:

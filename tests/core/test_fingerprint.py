@@ -3,7 +3,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.fingerprint import combine, fingerprint
+from weightsync.fingerprint import (
+    MASK,
+    PRIMES,
+    ROOTS,
+    combine,
+    fingerprint,
+    placed,
+    shift,
+    words_per_element,
+)
+from weightsync.placement import pattern_view
+
+
+def _reference(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """The definition, in Python integers."""
+    flat = tensor.reshape(-1).contiguous()
+    words = flat.view(torch.uint8 if flat.element_size() == 1 else torch.int16).tolist()
+    return (sum(words) & MASK,) + tuple(
+        sum(x * pow(r, j, p) for j, x in enumerate(words)) % p for p, r in zip(PRIMES, ROOTS))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64])
@@ -14,45 +32,79 @@ def test_one_changed_element_changes_the_fingerprint(dtype):
     assert fingerprint(x) != fingerprint(y)
 
 
-def test_fingerprint_is_independent_of_layout():
+def test_a_transposed_tensor_has_another_fingerprint_but_its_layout_does_not_matter():
     x = torch.randn(17, 9).bfloat16()
-    assert fingerprint(x) == fingerprint(x.t()) == fingerprint(x.t().contiguous())
+    assert fingerprint(x) != fingerprint(x.t().contiguous())
+    assert fingerprint(x.t()) == fingerprint(x.t().contiguous())
+    assert fingerprint(torch.randn(3, 70000)[:, ::2]) is not None  # strided flat view
 
 
-def test_fused_tensor_fingerprint_is_the_combination_of_its_parts():
-    q, k, v = (torch.randn(8, 4) for _ in range(3))
-    assert fingerprint(torch.cat([q, k, v])) == combine([fingerprint(t) for t in (q, k, v)])
+def test_swapped_rows_and_swapped_q_k_change_the_fingerprint():
+    x = torch.randn(16, 8)
+    swapped = x.clone()
+    swapped[[3, 11]] = x[[11, 3]]
+    assert fingerprint(swapped) != fingerprint(x)
+    q, k, v = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 4)
+    assert fingerprint(torch.cat([q[4:], q[:4], k, v])) != fingerprint(torch.cat([q, k, v]))
+    assert fingerprint(torch.cat([k, q[:4], q[4:], v])) != fingerprint(torch.cat([q, k, v]))
 
 
-def test_zero_padding_does_not_change_the_fingerprint():
+def test_a_fused_parameter_is_the_combination_of_its_parts_shifted_where_they_sit():
+    q, k, v = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 4)
+    words = words_per_element(torch.float32)
+    parts = [shift(fingerprint(q), 0), shift(fingerprint(k), 32 * words),
+             shift(fingerprint(v), 48 * words)]
+    assert fingerprint(torch.cat([q, k, v])) == combine(parts)
+    assert fingerprint(torch.cat([k, q, v])) != combine(parts)
+
+
+def test_zero_padding_at_the_end_does_not_change_the_fingerprint():
     x = torch.randn(5, 4)
     assert fingerprint(x) == fingerprint(torch.cat([x, torch.zeros(3, 4)]))
 
 
+def test_placed_runs_equal_the_fingerprint_of_the_slice_where_it_sits():
+    full = torch.randn(6, 8).bfloat16()
+    param = torch.zeros(2, 6, 4, dtype=torch.bfloat16)
+    param[1] = full[:, 4:]  # columns 4..7 of each row, into the second half of a parameter
+    pattern = [24, 4, 4, 6, 4, 8]  # [dst, src, length, count, dst_stride, src_stride]
+    runs = pattern_view(full.reshape(-1), pattern)
+    assert combine([placed(runs, pattern[0], pattern[4])]) == fingerprint(param)
+    assert combine([placed(runs, 0, pattern[4])]) != fingerprint(param)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
-def test_fingerprint_is_exact_against_integer_sums(dtype):
-    # Large enough for several chunks, with extreme words, so a lost bit in the float64
-    # reduction would show.
-    x = torch.randint(-32768, 32767, (3 << 20,), dtype=torch.int16)
+def test_fingerprint_is_exact_against_the_definition(dtype):
+    # Several GEMM rows plus a tail, with extreme words, so a lost bit would show.
+    x = torch.randint(-32768, 32767, ((3 << 16) + 78,), dtype=torch.int16)
     x[:1000] = -32768
+    x[1000:2000] = 32767
     x = x.view(torch.uint8) if dtype == torch.uint8 else x.view(dtype)
-    ints = x.view(torch.uint8) if dtype == torch.uint8 else x.view(torch.int16)
-    wide = [int(v) for v in ints.tolist()]
-    mask = (1 << 64) - 1
-    assert fingerprint(x) == (sum(wide) & mask, sum(v * v for v in wide) & mask)
+    assert fingerprint(x) == _reference(x)
+
+
+def test_placed_runs_longer_than_a_gemm_row_are_exact():
+    src = torch.randint(-32768, 32767, (3, 70001), dtype=torch.int16).view(torch.bfloat16)
+    param = torch.zeros(3, 80000, dtype=torch.bfloat16)
+    param[:, 5:70006] = src
+    pattern = [5, 0, 70001, 3, 80000, 70001]
+    got = combine([placed(pattern_view(src.reshape(-1), pattern), pattern[0], pattern[4])])
+    assert got == _reference(param)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_fingerprints_equal_the_cpu_ones_exactly():
-    from weightsync.fingerprint import _GPU_CHUNK_WORDS, fingerprints
+    from weightsync.fingerprint import fingerprints
 
     gen = torch.Generator().manual_seed(0)
     cpu = [torch.randn(1000, generator=gen).to(torch.bfloat16),
            torch.randn(33, 7, generator=gen),  # float32: two words per element
            torch.randint(-128, 127, (999,), dtype=torch.int8, generator=gen),
            torch.zeros(0, dtype=torch.bfloat16),
-           torch.full((4096,), -3.0e38),  # large words: sums of squares wrap past 2**63
-           torch.randn(_GPU_CHUNK_WORDS + 5, generator=gen).to(torch.bfloat16)]  # two chunks
+           torch.full((4096,), -3.0e38),  # large words
+           torch.randn((1 << 25) + 5, generator=gen).to(torch.bfloat16)]  # many rows + a tail
     got = fingerprints([t.cuda() for t in cpu])
     assert got == [fingerprint(t) for t in cpu]
     assert fingerprint(cpu[1].cuda()) == fingerprint(cpu[1])
+    runs = cpu[5][:4096 * 6].view(6, 4096)[:, 100:3000]
+    assert placed(runs.cuda(), 7, 5000) == placed(runs, 7, 5000)

@@ -1,0 +1,105 @@
+"""Verification sees where each element sits: a loader that puts the right values in the wrong
+places (a transposed tensor, two swapped rows, q and k swapped inside a fused QKV) fails it.
+
+The engine side is the project's own receiver (ModelReceiver: the refit check, the loading and
+the placement learning every engine backend uses) driving an engine-style loader: q, k and v
+land in one fused parameter through a `weight_loader(param, tensor, shard)`. The loader behaves
+during the first sync (where the placements are learned) and plants its fault afterwards, as a
+loader bug or an engine that rewrites a parameter would. Every fault keeps the parameter's
+multiset of values, so an order-blind check (the sums the fingerprints were before) passes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+import torch
+
+from weightsync.dtensor import DTensorV2Source
+from weightsync.endpoint import LocalEndpoint
+from weightsync.receiver import ModelReceiver, ModuleWeightReceiver
+from weightsync.refit import copy_loader
+from weightsync.sender import WeightSender
+from weightsync.transports.shm import ShmSender
+
+HEAD = 4  # q, k and v are 4 x 8 each; q and k swap cleanly
+SHARDS = {"q": 0, "k": 1, "v": 2}
+
+
+def _trainer() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    for name, shape in (("q", (HEAD, 8)), ("k", (HEAD, 8)), ("v", (HEAD, 8)),
+                        ("w", (6, 6)), ("e", (10, 8))):
+        model.register_parameter(name, torch.nn.Parameter(torch.randn(shape)))
+    return model
+
+
+def _engine_receiver(faults: set[str]) -> ModuleWeightReceiver:
+    """A receiver whose model fuses q, k, v into `qkv` and whose loaders plant `faults` once
+    the set is filled: "transposed" (w), "rows" (rows 2 and 7 of e swapped), "qk" (q's rows
+    written where k's go and k's where q's go)."""
+    model = torch.nn.Module()
+    for name, shape in (("qkv", (3 * HEAD, 8)), ("w", (6, 6)), ("e", (10, 8))):
+        model.register_parameter(
+            name, torch.nn.Parameter(torch.zeros(shape), requires_grad=False))
+
+    def qkv_loader(param: torch.Tensor, tensor: torch.Tensor, shard: str) -> None:
+        index = SHARDS[shard]
+        if "qk" in faults and shard in ("q", "k"):
+            index = 1 - index
+        param.data[index * HEAD:(index + 1) * HEAD].copy_(tensor)
+
+    def w_loader(param: torch.Tensor, tensor: torch.Tensor) -> None:
+        param.data.copy_(tensor.t() if "transposed" in faults else tensor)
+
+    def e_loader(param: torch.Tensor, tensor: torch.Tensor) -> None:
+        param.data.copy_(tensor)
+        if "rows" in faults:
+            param.data[[2, 7]] = tensor[[7, 2]]
+
+    model.qkv.weight_loader = qkv_loader
+    model.w.weight_loader = w_loader
+    model.e.weight_loader = e_loader
+
+    def load_fn(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            if name in SHARDS:
+                model.qkv.weight_loader(model.qkv, tensor, name)
+            else:
+                param = getattr(model, name)
+                param.weight_loader(param, tensor)
+
+    receiver = ModuleWeightReceiver(torch.nn.Module(), name="fused", sliced=True)
+    receiver.receiver = ModelReceiver(model, load_fn=load_fn, default_loader=copy_loader,
+                                      name="fused")
+    return receiver
+
+
+@pytest.mark.parametrize("fault,param", [("transposed", "w"), ("rows", "e"), ("qk", "qkv")])
+def test_a_loader_that_misplaces_elements_fails_verification(fault, param):
+    trainer = _trainer()
+    source = DTensorV2Source(trainer)
+    faults: set[str] = set()
+    receiver = _engine_receiver(faults)
+    sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=1 << 10)
+    try:
+        sender.add_engine(LocalEndpoint(receiver, name="engine"))
+        report = sender.sync(source.tensors(), version="v1", verify=True)
+        first = report.verify["engine"]
+        # Placed whole (TP=1): checked from the sent fingerprints, no second pass.
+        assert first["verified"] and not first.get("pending"), first
+        assert first["num_checked"] == 3  # qkv, w, e
+        assert sender.engines["engine"].placements[0]["k"][1] == [[HEAD * 8, 0, HEAD * 8, 1, 0, 0]]
+
+        held = dict(receiver.receiver.model.named_parameters())[param].detach().clone()
+        faults.add(fault)
+        report = sender.sync(source.tensors(), version="v2", verify=True)
+        now = dict(receiver.receiver.model.named_parameters())[param].detach()
+        assert not torch.equal(now, held)  # the fault moved elements...
+        assert torch.equal(now.reshape(-1).sort().values, held.reshape(-1).sort().values)
+        checked = report.verify["engine"]  # ...and verification names the parameter
+        assert not checked["verified"] and checked["mismatched"] == [f"worker 0: {param}"]
+    finally:
+        sender.close()
