@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
+import time
 
 import pytest
 import torch
@@ -56,3 +58,54 @@ def test_bad_backend_and_receiver_count_are_rejected():
         CollectiveSender(num_receivers=1, backend="mpi")
     with pytest.raises(ValueError, match="num_receivers=0"):
         CollectiveSender(num_receivers=0)
+
+
+def _timed_receiver_process(requests, replies):
+    """Receive each (handle, nbytes) asked for; reply ("ok", s) or (error class, message, s).
+    Replies "ready" first, once started (torch imported)."""
+    receiver = make_receiver("gloo")
+    replies.put("ready")
+    while (item := requests.get()) is not None:
+        handle, nbytes = item
+        start = time.perf_counter()
+        try:
+            receiver.receive(handle, nbytes)
+            replies.put(("ok", "", time.perf_counter() - start))
+        except Exception as exc:  # noqa: BLE001 - reported to the test process
+            replies.put((type(exc).__name__, str(exc), time.perf_counter() - start))
+    receiver.close()
+
+
+@pytest.mark.parametrize("num_sent", [0, 1], ids=["before-the-group-forms", "after-a-bucket"])
+def test_a_receive_whose_broadcast_never_comes_fails_within_timeout_s(num_sent):
+    """The sender stops sending: before its first bucket (the receiver waits for the group to
+    form) or after one (the receiver waits in the broadcast). Either wait ends at `timeout_s`."""
+    timeout_s = 4.0
+    ctx = mp.get_context("spawn")
+    requests, replies = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_timed_receiver_process, args=(requests, replies))
+    child.start()
+    sender = CollectiveSender(num_receivers=1, backend="gloo", timeout_s=timeout_s)
+    try:
+        # The group forms within timeout_s only if the receiver is up when the sender sends.
+        assert replies.get(timeout=120) == "ready"
+        sender.buffer(0, 64).fill_(7)
+        for _ in range(num_sent):
+            requests.put((sender.handle(0), 64))
+            sender.send(0, 64)
+            assert replies.get(timeout=60)[0] == "ok"
+        requests.put((sender.handle(1), 64))  # announced, never sent
+        try:
+            outcome, message, waited_s = replies.get(timeout=timeout_s + 60)
+        except queue.Empty:
+            pytest.fail(f"the receiver still waits {timeout_s + 60:g} s after timeout_s")
+        requests.put(None)
+    finally:
+        sender.close()
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    print(f"{outcome} after {waited_s:.1f} s: {message}")
+    assert outcome != "ok"
+    assert "4000ms" in message  # the deadline the handle carried, in gloo's / the store's words
+    assert timeout_s <= waited_s < timeout_s + 5
