@@ -20,7 +20,7 @@ from weightsync import launcher
 from weightsync.models import make_tiny_model
 
 NAME = "sglang-http"
-NUM_SYNCS = 30
+NUM_SYNCS = 50
 
 
 @pytest.fixture(scope="module")
