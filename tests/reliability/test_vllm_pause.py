@@ -3,11 +3,13 @@ directly never get an answer decoded on half-written weights or on two versions.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import ray
 
+from tests.engine_checks import prompt_ids
 from tests.reliability.hammer import (
     MAX_NEW_TOKENS,
     Hammer,
@@ -66,3 +68,26 @@ def test_direct_http_clients_never_see_half_written_weights_during_many_syncs(se
     assert run["paths"][0] == "buckets" and set(run["paths"][1:]) == {"direct"}, run["paths"]
     counts = check_answers(hammer, run["refs"], run["windows"])
     print(f"{NUM_SYNCS} syncs, {counts}, {time.monotonic() - start:.0f} s")
+
+
+def test_an_aborted_update_resumes_the_servers_generation(setup):
+    """A request sent while an update is open waits; the sender's `abort` resumes the server,
+    which answers it on the weights it held before (nothing was loaded)."""
+    engine, trainer, model = setup
+    hammer = _hammer(engine, model)
+    prompt = prompt_ids()[0]
+    want = trainer.call("reference_generate", [prompt], max_new_tokens=MAX_NEW_TOKENS)["tokens"]
+    ray.get(engine.begin.remote("never-ends"), timeout=120)
+    answers: list = []
+    client = threading.Thread(target=lambda: answers.append(hammer.ask(prompt)), daemon=True)
+    try:
+        client.start()
+        client.join(timeout=5)
+        assert not answers, f"answered during an open update: {answers}"
+    finally:
+        ray.get(engine.abort.remote("the trainer gave up"), timeout=120)
+    client.join(timeout=120)
+    assert answers, "no answer 120 s after the update was aborted: the server stayed paused"
+    status, out = answers[0]
+    assert status == 200, out
+    assert [hammer.parse(out)[0]] == want
