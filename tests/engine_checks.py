@@ -109,3 +109,52 @@ def half_update(engine, spec: dict, version: str = "half") -> None:
         ray.get(engine.abort.remote("sender failed"))
     finally:
         sender.close()
+
+
+def check_failed_verification_is_never_adopted(engine, trainer, name: str) -> None:
+    """Stage, verify, commit, against a real engine: a verified sync (new random weights for
+    every tensor, from a sender in this process) whose check fails is aborted before `end`.
+    The failure is planted on the trainer's side (it expects other bytes for one tensor),
+    so the engine really holds the staged weights when it is checked; with keep_previous it
+    then puts back its previous weights and goes on serving them, same version and answers."""
+    import pytest
+    import torch
+
+    from weightsync.endpoint import RayEndpoint
+    from weightsync.errors import VerificationFailed
+    from weightsync.sender import WeightSender
+    from weightsync.transports.shm import ShmSender
+    from weightsync.wire import dtype_from_str, specs_from_dicts
+
+    specs = specs_from_dicts(trainer.call("refit_info"))
+    target = next(s.name for s in specs if s.name.endswith("fc1.weight"))
+    ray.get(engine.settle.remote(), timeout=300)
+    version = ray.get(engine.weight_version.remote())
+    prints = ray.get(engine.fingerprints.remote())
+    served = ray.get(engine.generate.remote(prompt_ids()))
+    gen = torch.Generator().manual_seed(123)
+    tensors = [(s.name, (torch.randn(s.shape, generator=gen) * 0.1).to(dtype_from_str(s.dtype)))
+               for s in specs]
+    sender = WeightSender(specs, transport=ShmSender(), capacity_bytes=1 << 20)
+    seen: dict = {}
+    check = sender.verifier.check_staged
+
+    def planted(staged, sent, **kwargs):
+        seen.update(staged)
+        s, h1, h2 = sent[target]
+        return check(staged, {**sent, target: (s + 1, h1, h2)}, **kwargs)
+
+    sender.verifier.check_staged = planted
+    ray.get(engine.set_keep_previous.remote(True))
+    try:
+        sender.add_engine(RayEndpoint(engine, name=name))
+        with pytest.raises(VerificationFailed, match="'never-adopted' aborted before any engine"):
+            sender.sync(iter(tensors), version="never-adopted", verify=True)
+    finally:
+        ray.get(engine.set_keep_previous.remote(False))
+        sender.close()
+    staged = seen[name].fingerprints[0]
+    assert any(staged[p] != prints[p] for p in prints)  # it was checked holding the new bytes
+    assert ray.get(engine.weight_version.remote()) == version
+    assert ray.get(engine.fingerprints.remote()) == prints
+    assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]

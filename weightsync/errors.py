@@ -27,6 +27,16 @@ class NotShared(RuntimeError):
     writes into (weightsync/direct.py)."""
 
 
+class VerificationFailed(RuntimeError):
+    """An update whose staged weights differ from what the trainer sent: it was aborted
+    before any engine adopted it (weightsync/verify.py). `results`: the verification results
+    ({engine: {"verified", "mismatched", ...}})."""
+
+    def __init__(self, message: str, results: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
 WIRE_ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (BucketRejected, ValueError, TypeError)
 }

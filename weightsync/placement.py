@@ -163,6 +163,13 @@ def whole_offset(patterns: list[Pattern], numel: int) -> int | None:
     return None
 
 
+def sliced(placements: dict[str, Any], specs: dict[str, Any]) -> bool:
+    """Whether some tensor of one worker's placements is not placed whole (`whole_offset`):
+    its expected fingerprints then need the tensor's elements (`WorkerPrints`)."""
+    return any(pats and (name not in specs or whole_offset(pats, specs[name].numel) is None)
+               for name, (_, pats) in placements.items())
+
+
 def prints_from_sent(placements: dict[str, Any], sent: dict[str, Fingerprint],
                      specs: dict[str, Any]) -> dict[str, Fingerprint] | None:
     """`WorkerPrints` for one worker from the sent tensors' fingerprints alone (`specs`: name

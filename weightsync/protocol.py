@@ -159,6 +159,33 @@ class EndReport:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class StageReport:
+    """`stage`'s answer: what an open update holds, before the engine adopts it, for
+    verification (stage, verify, then `end` commits or `abort` rolls back)."""
+
+    fingerprints: list[dict[str, list[int]]]
+    """Per worker, {parameter: fingerprint} of the parameters trainer tensors land in,
+    computed in the engine process (weightsync/fingerprint.py)."""
+    placements: list[dict[str, Any]] | None = None
+    """Per worker, where its loader put the elements of each tensor (weightsync/placement.py);
+    None from a receiver that reports none."""
+    param_of: dict[str, list[str]] | None = None
+    """Trainer tensor -> engine parameters, from an engine that learns it while loading."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return _without_none({
+            "fingerprints": self.fingerprints, "placements": self.placements,
+            "param_of": None if self.param_of is None else _param_of(self.param_of)})
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StageReport:
+        param_of = _get(d, cls, "param_of", None)
+        return cls(fingerprints=list(_get(d, cls, "fingerprints")),
+                   placements=_get(d, cls, "placements", None),
+                   param_of=None if param_of is None else _param_of(param_of))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class SettleReport:
     """`settle`'s answer: background work after an update has finished."""
 
@@ -175,7 +202,7 @@ class SettleReport:
 
 ANSWERS: dict[str, type] = {
     "check_refit": RefitAnswer, "begin": BeginAnswer, "share_params": ShareAnswer,
-    "load_bucket": LoadReport, "end": EndReport, "settle": SettleReport,
+    "load_bucket": LoadReport, "end": EndReport, "settle": SettleReport, "stage": StageReport,
 }
 """`WeightReceiver` method -> the class of its answer (the other methods answer plain data)."""
 

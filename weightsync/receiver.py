@@ -33,6 +33,7 @@ from weightsync.protocol import (
     RefitAnswer,
     SettleReport,
     ShareAnswer,
+    StageReport,
 )
 from weightsync.refit import RefitCheck, copy_loader
 from weightsync.rollback import PreviousWeights
@@ -55,8 +56,9 @@ class WeightReceiver(ABC):
     Called by the trainer's sending rank only (rank 0 of the trainer group), in this order:
       1. `check_refit(specs)` once per trainer, before any sync; nothing is written.
       2. per sync: `begin(version)`, then `load_bucket(descriptor)` for every bucket in order,
-         then `end(version)`; `abort(reason)` instead of `end` when the sender failed.
-      3. `fingerprints()` whenever the trainer verifies, usually right after `end`.
+         then, when the sync is verified, `stage(version)`, then `end(version)`;
+         `abort(reason)` instead of `end` when the sender failed or verification did.
+      3. `fingerprints()` / `worker_fingerprints()` whenever the trainer verifies outside a sync.
     `weight_version()` may be called at any time.
     These methods are where answers go on the wire: each builds its weightsync/protocol.py
     answer and returns its `to_dict()`.
@@ -93,7 +95,14 @@ class WeightReceiver(ABC):
 
     @abstractmethod
     def fingerprints(self) -> dict[str, list[int]]:
-        """{engine parameter name: [s1, s2]} of the weights the engine serves now."""
+        """{engine parameter name: [s, h1, h2]} of the weights the engine holds now
+        (weightsync/fingerprint.py)."""
+
+    def stage(self, version: str) -> dict:
+        """Inside the open update `version`, after its last bucket: what it holds, for
+        verification before the engine adopts it: a `StageReport`. This default reports
+        `fingerprints()` without placements (checked by name)."""
+        return StageReport(fingerprints=[self.fingerprints()]).to_dict()
 
     @abstractmethod
     def weight_version(self) -> str | None:
@@ -292,6 +301,13 @@ class ModuleWeightReceiver(WeightReceiver):
     def abort(self, reason: str) -> None:
         self._session = None
 
+    def stage(self, version: str) -> dict:
+        if self._session != version:
+            raise RuntimeError(f"stage({version!r}) but the open session is {self._session!r}")
+        placements = [self.receiver.placements] if self.sliced else None
+        return StageReport(fingerprints=[self.receiver.fingerprints()],
+                           placements=placements).to_dict()
+
     def fingerprints(self) -> dict[str, list[int]]:
         return self.receiver.fingerprints()
 
@@ -370,6 +386,9 @@ class EngineSession(WeightReceiver):
     @abstractmethod
     def _engine_abort(self, reason: str) -> bool: ...
 
+    def _engine_stage(self) -> StageReport:
+        return StageReport(fingerprints=[self.fingerprints()])
+
     def begin(self, version: str, direct: bool = False) -> dict:
         with self._lock:
             if self._open is not None:
@@ -408,6 +427,18 @@ class EngineSession(WeightReceiver):
                 self._last_call = time.perf_counter()
             self._loaded += 1
             return result.to_dict()
+
+    def stage(self, version: str) -> dict:
+        """Still paused: what the open update holds (`_engine_stage`)."""
+        with self._lock:
+            if self._open != version:
+                raise RuntimeError(f"{self.engine_name}: stage({version!r}) but the open "
+                                   f"update is {self._open!r}")
+            self._last_call = time.perf_counter()
+            try:
+                return self._engine_stage().to_dict()
+            finally:
+                self._last_call = time.perf_counter()
 
     def end(self, version: str) -> dict:
         with self._lock:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from weightsync.bucket import (
 )
 from weightsync.endpoint import Call, Endpoint, EngineCalls, EngineState
 from weightsync.fingerprint import Fingerprint, fingerprint
+from weightsync.placement import WorkerPrints, sliced
 from weightsync.protocol import (
     BeginAnswer,
     EndReport,
@@ -111,6 +111,17 @@ class WeightSender:
                                            and write_bucket is None) else None
         in_flight: dict[int, list[Call]] = {}
         sent: dict[str, Fingerprint] = {}
+        # Engines whose workers hold slices, placements known: their expected fingerprints
+        # are built from the tensors as they stream past.
+        workers = {n: WorkerPrints(self.engines[n].placements) for n in names
+                   if verify and not self._whole(n)}
+
+        def record(name: str, tensor: torch.Tensor) -> None:
+            sent[name] = fingerprint(tensor)
+            for prints in workers.values():
+                prints.add(name, tensor)
+
+
         load_s: dict[str, float] = {}
         start = time.perf_counter()
         self.calls.call_all("begin", version, names=names)
@@ -128,7 +139,7 @@ class WeightSender:
                 filled = _write_each(self.plans, get_buffer, write_bucket, num_slots)
             elif attach is not None:
                 filled = _attach_each(self.plans, tensors, wait_slot, attach,
-                                      sent if verify else None)
+                                      record if verify else None)
             else:
                 filled = fill_buckets(self.plans, tensors, get_buffer)
             for plan in filled:
@@ -139,9 +150,15 @@ class WeightSender:
                 if verify and attach is None:
                     buffer = self.transport.buffer(slot, plan.nbytes)
                     for meta in plan.tensors:
-                        sent[meta.name] = fingerprint(tensor_view(buffer, meta))
+                        record(meta.name, tensor_view(buffer, meta))
             for slot in list(in_flight):
                 self._wait_loads(in_flight.pop(slot), load_s)
+            checked = None
+            if verify:  # stage, verify, then commit: nothing failed is ever adopted
+                staged = self.calls.call_all("stage", version, names=names)
+                checked = self.verifier.check_staged(
+                    dict(zip(names, staged)), sent, version=version,
+                    worker_sent={n: w.result() for n, w in workers.items()})
             ends: list[EndReport] = self.calls.call_all("end", version, names=names)
             for name, end in zip(names, ends):
                 # Engines that learn the tensor -> parameter map while loading report it here.
@@ -154,14 +171,20 @@ class WeightSender:
             raise
         sync_s = time.perf_counter() - start
         self.num_syncs += 1
-        report = SyncReport(
+        if checked is not None:  # the sync proper leaves out the checking
+            sync_s -= checked["verify_s"]
+        return SyncReport(
             version=version, path="buckets", nbytes=self.nbytes, num_buckets=len(self.plans),
-            sync_s=sync_s,
+            sync_s=sync_s, verify=checked,
             engines={n: EngineSyncReport.of(e, path="buckets", load_s=load_s.get(n, 0.0))
                      for n, e in zip(names, ends)})
-        if verify:
-            report = replace(report, verify=self.verify(sent, engines=names))
-        return report
+
+    def _whole(self, name: str) -> bool:
+        """Whether engine `name`'s expected fingerprints follow from the sent tensors' own
+        (every tensor placed whole, or no placements known yet)."""
+        placements = self.engines[name].placements
+        return placements is None or not any(
+            sliced(p, self.verifier.specs) for p in placements)
 
     def sync_direct(self, write: Callable[[list[str], list[str]], dict[str, Any] | None], *,
                     version: str, engines: list[str], verify: bool = False,
@@ -252,15 +275,15 @@ def _write_each(plans: list[BucketPlan], get_buffer: Callable[[BucketPlan], torc
 def _attach_each(plans: list[BucketPlan], tensors: Iterator[tuple[str, torch.Tensor]],
                  wait_slot: Callable[[BucketPlan], int],
                  attach: Callable[[int, BucketPlan, list[torch.Tensor]], None],
-                 sent: dict[str, Fingerprint] | None) -> Iterator[BucketPlan]:
+                 record: Callable[[str, torch.Tensor], None] | None) -> Iterator[BucketPlan]:
     """Hand each bucket's tensors to the transport's `attach(slot, plan, tensors)`, which
-    passes them in place (no copy into a bucket); `sent` collects their fingerprints."""
+    passes them in place (no copy into a bucket); `record` takes each for verification."""
     for plan in plans:
         slot = wait_slot(plan)
         bucket = take_bucket(plan, tensors)
         attach(slot, plan, bucket)
-        if sent is not None:
+        if record is not None:
             for meta, tensor in zip(plan.tensors, bucket):
-                sent[meta.name] = fingerprint(tensor)
+                record(meta.name, tensor)
         yield plan
     check_stream_end(tensors)

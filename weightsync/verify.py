@@ -1,16 +1,22 @@
 """Verification: whether each engine holds the bytes the trainer sent.
 
 Runs on the sending rank, inside `WeightSender` (which owns the engines and the calls to them).
-After a sync by buckets each engine's workers report `worker_fingerprints()` of their
-parameters, computed in the engine process, and each is compared with the fingerprint expected
-from what was sent, placed where the engine's own loader puts each tensor (its placements,
-weightsync/placement.py): fingerprints are position-sensitive (weightsync/fingerprint.py), so a
-transposed tensor, swapped rows or a swapped q and k inside a fused parameter are caught. Where
-every tensor lies whole in its parameter (TP=1) the expected values follow from the sent
-tensors' fingerprints; a worker that holds slices needs the tensors again (`pending`). A
-receiver that reports no placements is compared through `fingerprints()` for the parameters
-one tensor fills from its first word. On the one-copy path the ranks read their own writes
-back instead, and an engine whose bytes differ is aborted before `end`.
+Each engine's workers fingerprint their parameters in the engine process, and each parameter is
+compared with the fingerprint expected from what was sent, placed where the engine's own loader
+puts each tensor (its placements, weightsync/placement.py). Fingerprints are position-sensitive
+(weightsync/fingerprint.py): a transposed tensor, swapped rows or q and k swapped inside a fused
+parameter fail. Where every tensor lies whole in its parameter (TP=1) the expected values follow
+from the sent tensors' fingerprints; a worker that holds slices needs the tensors' elements
+(`worker_sent`, `placement.WorkerPrints`), without which its result is left `pending`. A
+receiver that reports no placements is compared for the parameters one tensor fills from its
+first word.
+
+Stage, verify, commit: a verified sync by buckets asks every engine to `stage` (report what the
+open update holds) before `end`; `check_staged` raises `VerificationFailed` where an engine's
+bytes differ, and the sender aborts the update, so no engine adopts, or serves, weights that
+failed (with keep_previous the engine puts its previous weights back). `verify` checks engines
+at any other time. On the one-copy path the ranks read their own writes back instead
+(`check_direct`), and an engine whose bytes differ is aborted before `end` too.
 """
 
 from __future__ import annotations
@@ -19,9 +25,13 @@ import time
 from typing import Any
 
 from weightsync.endpoint import EngineCalls
+from weightsync.errors import VerificationFailed
 from weightsync.fingerprint import Fingerprint, expected_fingerprints
 from weightsync.placement import placed_params, prints_from_sent
+from weightsync.protocol import StageReport
 from weightsync.wire import TensorSpec
+
+WorkerSent = dict[str, list[dict[str, Fingerprint]]]
 
 
 class Verifier:
@@ -33,48 +43,80 @@ class Verifier:
         self.specs = {spec.name: spec for spec in specs}
 
     def verify(self, sent: dict[str, Fingerprint], *, engines: list[str],
-               worker_sent: dict[str, list[dict[str, Fingerprint]]] | None = None,
-               ) -> dict[str, Any]:
+               worker_sent: WorkerSent | None = None) -> dict[str, Any]:
         """`WeightSender.verify`: {engine: {"verified", "mismatched", "num_checked"},
-        "verify_s"}; a tensor-parallel engine without `worker_sent` is left pending."""
+        "verify_s"}; an engine whose workers hold slices, without `worker_sent`, is left
+        pending."""
         start = time.perf_counter()
-        worker_sent = dict(worker_sent or {})
         out: dict[str, Any] = {}
         asked = []
         for name in engines:
-            placements = self.engines[name].placements
-            if placements is None:
-                asked.append((name, "fingerprints"))
-                continue
-            if name not in worker_sent:
-                want = [prints_from_sent(p, sent, self.specs) for p in placements]
-                if all(w is not None for w in want):
-                    worker_sent[name] = want
-            if name in worker_sent:
-                asked.append((name, "worker_fingerprints"))
+            want = self._expected(name, sent, worker_sent or {})
+            if want is None:
+                out[name] = _pending()
             else:
-                out[name] = {"verified": None, "pending": True, "mismatched": [],
-                             "num_checked": 0}
-        calls = [self.calls.submit(n, method) for n, method in asked]
-        for (name, method), prints in zip(asked, self.calls.wait_all(calls)):
-            state = self.engines[name]
-            if method == "fingerprints":
-                expected = expected_fingerprints(state.param_of, sent)
-                bad = _mismatched(expected, prints)
-                out[name] = {"verified": not bad and bool(expected), "mismatched": bad,
-                             "num_checked": len(expected)}
-                continue
-            bad, checked = [], 0
-            for rank, (placements, want, got) in enumerate(
-                    zip(state.placements, worker_sent[name], prints)):
-                placed = placed_params(state.param_of, placements)
-                expected = {p: fp for p, fp in want.items() if p in placed}
-                bad += [f"worker {rank}: {p}" for p in _mismatched(expected, got)]
-                checked += len(expected)
-            out[name] = {"verified": not bad and checked > 0, "mismatched": bad,
-                         "num_checked": checked, "num_workers": len(prints)}
+                method = "fingerprints" if want == "by-name" else "worker_fingerprints"
+                asked.append((name, want, self.calls.submit(name, method)))
+        answers = self.calls.wait_all([call for _, _, call in asked])
+        for (name, want, _), prints in zip(asked, answers):
+            workers = [prints] if want == "by-name" else prints
+            out[name] = self._compare(name, want, workers, sent)
         out["verify_s"] = time.perf_counter() - start
         return out
+
+    def check_staged(self, staged: dict[str, StageReport], sent: dict[str, Fingerprint], *,
+                     version: str, worker_sent: WorkerSent | None = None) -> dict[str, Any]:
+        """Compare what each engine's open update holds (its `stage` answer) with what was
+        sent; raise `VerificationFailed` naming the engines and parameters that differ (an
+        engine with nothing it could check is reported unverified, not failed)."""
+        start = time.perf_counter()
+        out: dict[str, Any] = {}
+        for name, report in staged.items():
+            state = self.engines[name]
+            if report.param_of is not None:
+                state.param_of = report.param_of
+            if report.placements is not None:
+                state.placements = report.placements
+            want = self._expected(name, sent, worker_sent or {})
+            out[name] = _pending() if want is None else \
+                self._compare(name, want, report.fingerprints, sent)
+        out["verify_s"] = time.perf_counter() - start
+        bad = {n: r["mismatched"] for n, r in out.items()
+               if isinstance(r, dict) and r.get("mismatched")}
+        if bad:
+            raise VerificationFailed(
+                f"verification failed, update {version!r} aborted before any engine adopted "
+                f"it: the staged bytes differ from the trainer's in {bad}", out)
+        return out
+
+    def _expected(self, name: str, sent: dict[str, Fingerprint],
+                  worker_sent: WorkerSent) -> str | list[dict[str, Fingerprint]] | None:
+        """Per worker, what its parameters must fingerprint to; "by-name" for a receiver
+        without placements; None when that needs the tensors again (pending)."""
+        placements = self.engines[name].placements
+        if placements is None:
+            return "by-name"
+        if name in worker_sent:
+            return worker_sent[name]
+        want = [prints_from_sent(p, sent, self.specs) for p in placements]
+        return None if any(w is None for w in want) else want
+
+    def _compare(self, name: str, want: str | list[dict[str, Fingerprint]],
+                 workers: list[dict[str, Any]], sent: dict[str, Fingerprint]) -> dict[str, Any]:
+        state = self.engines[name]
+        if want == "by-name":
+            expected = expected_fingerprints(state.param_of, sent)
+            bad = _mismatched(expected, workers[0])
+            return {"verified": not bad and bool(expected), "mismatched": bad,
+                    "num_checked": len(expected)}
+        bad, checked = [], 0
+        for rank, (placements, wanted, got) in enumerate(zip(state.placements, want, workers)):
+            placed = placed_params(state.param_of, placements)
+            expected = {p: fp for p, fp in wanted.items() if p in placed}
+            bad += [f"worker {rank}: {p}" for p in _mismatched(expected, got)]
+            checked += len(expected)
+        return {"verified": not bad and checked > 0, "mismatched": bad,
+                "num_checked": checked, "num_workers": len(workers)}
 
     def verify_direct(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
         """`WeightSender.verify_direct`: the ranks' read-back, the same for every engine."""
@@ -92,9 +134,13 @@ class Verifier:
         checked = self.verify_direct(written, engines=engines)
         bad = {n: checked[n]["mismatched"] for n in engines if not checked[n]["verified"]}
         if bad:
-            raise RuntimeError(f"verification failed, update {version!r} aborted: "
-                               f"bytes differ from the trainer's in {bad}")
+            raise VerificationFailed(f"verification failed, update {version!r} aborted: "
+                                     f"bytes differ from the trainer's in {bad}", checked)
         return checked
+
+
+def _pending() -> dict[str, Any]:
+    return {"verified": None, "pending": True, "mismatched": [], "num_checked": 0}
 
 
 def _mismatched(expected: dict[str, Fingerprint], actual: dict[str, Any]) -> list[str]:

@@ -28,7 +28,7 @@ import torch
 
 from weightsync.backends.sglang.loader import LOADER
 from weightsync.preflight import refuse_unsupported_sglang
-from weightsync.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer
+from weightsync.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer, StageReport
 from weightsync.receiver import EngineSession
 from weightsync.sampling import SamplingOptions
 from weightsync.server import LocalServer, cli_flags
@@ -348,6 +348,12 @@ class SglEngineActor(EngineSession):
 
     def worker_fingerprints(self) -> list[dict[str, list[int]]]:
         return [r["fingerprints"] for r in self._read_only_all("fingerprints")]
+
+    def _engine_stage(self) -> StageReport:
+        """Each scheduler's fingerprints and placements, inside the open update."""
+        answers = self._control_all("stage")
+        return StageReport(fingerprints=[a["fingerprints"] for a in answers],
+                           placements=[a["placements"] for a in answers])
 
     def _engine_share(self) -> dict:
         answers = [ShareAnswer.from_dict(a) for a in self._read_only_all("share")]

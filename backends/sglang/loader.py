@@ -86,6 +86,8 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
         return {"restored": receiver.restore_previous()}
     if op == "fingerprints":
         return {"fingerprints": receiver.fingerprints()}
+    if op == "stage":
+        return {"fingerprints": receiver.fingerprints(), "placements": receiver.placements}
     raise ValueError(f"unknown weightsync op {op!r}")
 
 

@@ -20,7 +20,14 @@ from dataclasses import replace
 from typing import Any
 
 from weightsync.preflight import cpu_binding, cuda_device_present, refuse_unsupported_vllm
-from weightsync.protocol import EndReport, LoadReport, RefitAnswer, SettleReport, ShareAnswer
+from weightsync.protocol import (
+    EndReport,
+    LoadReport,
+    RefitAnswer,
+    SettleReport,
+    ShareAnswer,
+    StageReport,
+)
 from weightsync.receiver import EngineSession
 from weightsync.sampling import SamplingOptions
 from weightsync.server import LocalServer, cli_flags
@@ -218,6 +225,14 @@ class VllmEngineActor(EngineSession):
     def worker_fingerprints(self) -> list[dict[str, list[int]]]:
         """Each worker's parameters, in TP-rank order: at TP > 1 each holds its slices."""
         return as_plain(self._rpc_all("weightsync_fingerprints"))
+
+    def _engine_stage(self) -> StageReport:
+        """Each worker's fingerprints and placements inside the open update, and the tensor
+        -> parameter map vLLM's loader showed while loading."""
+        results = as_plain(self._rpc_all("weightsync_stage"))
+        return StageReport(fingerprints=[r["fingerprints"] for r in results],
+                           placements=[r["placements"] for r in results],
+                           param_of=results[0]["param_of"])
 
     def _engine_share(self) -> dict:
         """At TP > 1, {"shared": [each worker's shared parameters]} or none of them."""

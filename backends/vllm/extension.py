@@ -329,7 +329,18 @@ class WeightsyncWorkerExtension:
         return self._ws_state()["repacker"].wait(timeout_s)
 
     @_guard
+    def weightsync_stage(self) -> dict[str, Any]:
+        """Inside an open update: this worker's fingerprints, placements and tensor ->
+        parameter map (for verification before the update is adopted)."""
+        receiver = self._ws_state()["receiver"]
+        return {"fingerprints": self._ws_fingerprints(),
+                "placements": receiver.placements, "param_of": receiver.param_of}
+
+    @_guard
     def weightsync_fingerprints(self) -> dict[str, list[int]]:
+        return self._ws_fingerprints()
+
+    def _ws_fingerprints(self) -> dict[str, list[int]]:
         receiver = self._ws_state()["receiver"]
         prints = receiver.fingerprints()
         empty = [n for n, p in receiver.model.named_parameters() if n in prints and p.numel() == 0]

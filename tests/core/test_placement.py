@@ -182,6 +182,10 @@ def test_two_sliced_workers_are_each_verified_against_what_they_hold():
         assert checked["tp0"]["verified"] and checked["tp1"]["verified"], checked
         assert checked["tp0"]["num_checked"] == checked["tp1"]["num_checked"] == 4
         assert torch.equal(workers[1].receiver.model.w1, full.w1.detach()[:, 3:])
+        # Placements known: the next sync checks each worker's slices before adopting them.
+        staged = sender.sync(source.tensors(), version="v2", verify=True).verify
+        assert staged["tp0"]["verified"] and staged["tp1"]["verified"], staged
+        assert staged["tp1"]["num_checked"] == 4 and not staged["tp1"].get("pending")
         with torch.no_grad():
             workers[1].receiver.model.w2.add_(1)
         checked = check()

@@ -18,6 +18,8 @@ import torch
 
 from weightsync.dtensor import DTensorV2Source
 from weightsync.endpoint import LocalEndpoint
+from weightsync.errors import VerificationFailed
+from weightsync.fingerprint import fingerprint
 from weightsync.receiver import ModelReceiver, ModuleWeightReceiver
 from weightsync.refit import copy_loader
 from weightsync.sender import WeightSender
@@ -95,11 +97,18 @@ def test_a_loader_that_misplaces_elements_fails_verification(fault, param):
 
         held = dict(receiver.receiver.model.named_parameters())[param].detach().clone()
         faults.add(fault)
-        report = sender.sync(source.tensors(), version="v2", verify=True)
+        # Staged, verified, failed: the update is aborted before the engine adopts it.
+        with pytest.raises(VerificationFailed, match=f"'v2' aborted.*worker 0: {param}") as err:
+            sender.sync(source.tensors(), version="v2", verify=True)
         now = dict(receiver.receiver.model.named_parameters())[param].detach()
         assert not torch.equal(now, held)  # the fault moved elements...
         assert torch.equal(now.reshape(-1).sort().values, held.reshape(-1).sort().values)
-        checked = report.verify["engine"]  # ...and verification names the parameter
+        checked = err.value.results["engine"]  # ...and verification names the parameter
         assert not checked["verified"] and checked["mismatched"] == [f"worker 0: {param}"]
+        assert receiver.weight_version() == "v1"
+        # Checked again outside a sync: the same parameter, and only it.
+        again = sender.verify({n: fingerprint(t) for n, t in source.tensors()},
+                              engines=["engine"])["engine"]
+        assert again["mismatched"] == [f"worker 0: {param}"] and again["num_checked"] == 3
     finally:
         sender.close()

@@ -8,6 +8,7 @@ import ray
 
 from tests.engine_checks import (
     assert_engine_matches_reference,
+    check_failed_verification_is_never_adopted,
     check_repeated_syncs,
     check_sync_after_training,
     prompt_ids,
@@ -93,3 +94,11 @@ def test_sampling_returns_n_samples_per_prompt_and_bad_options_are_refused(setup
                        ({"top_p": 1.5}, r"top_p=1\.5"), ({"top_p": 0.0}, r"top_p=0\.0")):
         with pytest.raises(ValueError, match=named):
             ray.get(engine.generate.remote([[5, 6]], **bad))
+
+
+def test_a_sync_that_fails_verification_is_never_adopted(setup):
+    engine, trainer, _ = setup
+    check_failed_verification_is_never_adopted(engine, trainer, "sglang")
+    report = trainer.call("sync", "after-failed-verification", verify=True)
+    assert report["verify"]["sglang"]["verified"]
+    assert_engine_matches_reference(engine, trainer)
