@@ -41,15 +41,13 @@ _ROW = 1 << 16  # words per GEMM row: keeps every float64 row sum exact (see abo
 _BLOCK_WORDS = {"cpu": 1 << 20, "other": 1 << 24}  # float64 scratch per block of rows
 
 Fingerprint = tuple[int, int, int]
-Sums = "list[int] | torch.Tensor"  # [s, h1, h2] before it is read back
 
 _local = threading.local()
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() > 1 and flat.stride(0) != 1:
-        flat = flat.contiguous()
+    flat = tensor.detach()
+    flat = flat.view(-1) if flat.is_contiguous() else flat.reshape(-1).contiguous()
     if flat.dtype == torch.bool or flat.element_size() == 1:
         return flat.view(torch.uint8)
     return flat.view(torch.int16)
@@ -93,114 +91,154 @@ def _powers(start: int, step: int, count: int, device: torch.device) -> torch.Te
     return out
 
 
-def _rows_sums(rows: torch.Tensor, start: int, stride: int) -> Sums:
-    """[s, h1, h2] for a [count, n] tensor of words whose row i starts at word
-    `start + i * stride` (n <= _ROW): a list on CPU, an int64 tensor on the rows' device."""
-    count, n = rows.shape
-    device = rows.device
-    table = _table(device)[:, :n].t()  # column-major: what the GEMM reads fastest
-    block = max(1, _BLOCK_WORDS["cpu" if device.type == "cpu" else "other"] // max(n, 1))
-    per_row = []
-    for i in range(0, count, block):
-        part = rows[i:i + block]
-        wide = part.to(torch.float64) if device.type != "cpu" else _scratch(part)
-        per_row.append(torch.mm(wide, table))
-    sums = (per_row[0] if len(per_row) == 1 else torch.cat(per_row)).to(torch.int64)
-    if device.type == "cpu" and count <= 64:  # few rows: cheaper in Python than in kernels
-        out = [0, 0, 0]
-        for i, (s, h1, h2) in enumerate(sums.tolist()):
-            at = start + i * stride
-            out[0] += s
-            out[1] += h1 * pow(ROOTS[0], at, PRIMES[0])
-            out[2] += h2 * pow(ROOTS[1], at, PRIMES[1])
-        return [out[0] & MASK, out[1] % PRIMES[0], out[2] % PRIMES[1]]
-    primes = torch.tensor(PRIMES, dtype=torch.int64, device=device)
-    hashes = sums[:, 1:].remainder(primes)
-    weights = _powers(start, stride, count, device)
-    placed = (hashes * weights % primes).sum(0) % primes
-    return torch.cat([sums[:, 0].sum().reshape(1), placed])
+def _row_weights(count: int, device: torch.device) -> torch.Tensor:
+    """[count, 3] int64: 1, r1**(k * _ROW) mod p1, r2**(k * _ROW) mod p2 for row k (cached)."""
+    cache = getattr(_local, "row_weights", None)
+    if cache is None:
+        cache = _local.row_weights = {}
+    have = cache.get(device)
+    if have is None or have.shape[0] < count:
+        size = max(count, 2 * (0 if have is None else have.shape[0]), 64)
+        weights = torch.ones((size, 3), dtype=torch.int64, device=device)
+        weights[:, 1:] = _powers(0, _ROW, size, device)
+        cache[device] = have = weights
+    return have[:count]
 
 
-def _scratch(part: torch.Tensor) -> torch.Tensor:
-    """`part` widened to float64 in a per-thread buffer reused across calls (CPU)."""
+def _whole_sums(words: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Add to `out` ([G, 3] int64 on the words' device) [s, h1, h2] of each of `words` (G
+    flat word tensors of one length, each its own tensor's words from word 0), the hashes not
+    yet reduced mod p (each stays below 2**62 while a tensor has fewer than 2**20 rows)."""
+    n = words[0].numel()
+    device = words[0].device
+    rows = -(-n // _ROW)
+    per_block = max(1, _BLOCK_WORDS["cpu" if device.type == "cpu" else "other"] // _ROW)
+    if rows <= per_block:  # whole tensors, as many as fit, widened side by side
+        width = _ROW if rows > 1 else n  # a short tensor is one row of its own length
+        at_once = max(1, per_block * _ROW // (rows * width))
+        for g in range(0, len(words), at_once):
+            part = words[g:g + at_once]
+            wide = _scratch(device, len(part) * rows * width).view(len(part), rows * width)
+            if rows * width != n:
+                wide[:, n:].zero_()  # zero words hash to nothing
+            if len(part) == 1:
+                wide[0, :n].copy_(part[0])
+            else:
+                torch._foreach_copy_([wide[i, :n] for i in range(len(part))], part)
+            _reduce(wide.view(len(part), rows, width), 0, out[g:g + len(part)])
+        return
+    for i, tensor_words in enumerate(words):  # a large tensor: blocks of rows
+        for r in range(0, rows, per_block):
+            chunk = tensor_words[r * _ROW:(r + per_block) * _ROW]
+            count = -(-chunk.numel() // _ROW)
+            wide = _scratch(device, count * _ROW)
+            if count * _ROW != chunk.numel():
+                wide[chunk.numel():].zero_()
+            wide[:chunk.numel()].copy_(chunk)
+            _reduce(wide.view(1, count, _ROW), r, out[i:i + 1])
+
+
+def _reduce(wide: torch.Tensor, first_row: int, out: torch.Tensor) -> None:
+    """Add to `out` ([G, 3]) the sums of `wide` ([G, R, width] float64 words, rows
+    `first_row`.. of G tensors): one GEMM, then each row's hashes reduced and weighted by
+    its position."""
+    device = wide.device
+    groups, count, width = wide.shape
+    sums = torch.mm(wide.view(-1, width), _table(device)[:, :width].t()).to(torch.int64)
+    sums = sums.view(groups, count, 3)
+    sums[:, :, 1:] = sums[:, :, 1:].remainder(
+        torch.tensor(PRIMES, dtype=torch.int64, device=device))
+    sums *= _row_weights(first_row + count, device)[first_row:]
+    out += sums.sum(1)
+
+
+def _scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """A float64 buffer of `numel` elements: per thread and reused on CPU, fresh elsewhere
+    (the caching allocator reuses it there)."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=torch.float64, device=device)
     buf = getattr(_local, "scratch", None)
-    if buf is None or buf.numel() < part.numel():
-        buf = _local.scratch = torch.empty(max(part.numel(), 1 << 16), dtype=torch.float64)
-    wide = buf[:part.numel()].view(part.shape)
-    wide.copy_(part)
-    return wide
+    if buf is None or buf.numel() < numel:
+        buf = _local.scratch = torch.empty(max(numel, 1 << 16), dtype=torch.float64)
+    return buf[:numel]
 
 
-def _add(total: Sums | None, part: Sums) -> Sums:
-    if total is None:
-        return part
-    if isinstance(total, list) and isinstance(part, list):
-        return [(total[0] + part[0]) & MASK, (total[1] + part[1]) % PRIMES[0],
-                (total[2] + part[2]) % PRIMES[1]]
-    device = part.device if isinstance(part, torch.Tensor) else total.device
-    a, b = (torch.as_tensor(x, dtype=torch.int64, device=device)
-            if isinstance(x, torch.Tensor) else torch.tensor(_signed(x), device=device)
-            for x in (total, part))
-    out = a + b
-    out[1:] = out[1:].remainder(torch.tensor(PRIMES, dtype=torch.int64, device=device))
-    return out
+class FingerprintBatch:
+    """Fingerprints of many tensors with few kernels: tensors of one device and word count
+    are widened and hashed together (one GEMM per group, not per tensor), and results stay on
+    their device until `read()` reads them all back at once."""
 
+    def __init__(self) -> None:
+        self._groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+        self._done: list[tuple[list[int], torch.Tensor]] = []
+        self._count = 0
 
-def _signed(sums: list[int]) -> list[int]:
-    """A list's s as the int64 a tensor holds (two's complement)."""
-    return [sums[0] - (1 << 64) if sums[0] >= 1 << 63 else sums[0], sums[1], sums[2]]
+    def add(self, tensor: torch.Tensor) -> int:
+        """Queue `tensor`; its index in `read()`'s list."""
+        index = self._count
+        self._count += 1
+        words = _words(tensor)
+        n = words.numel()
+        key = (words.device, words.dtype, n)
+        group = self._groups.setdefault(key, [])
+        group.append((index, words))
+        budget = _BLOCK_WORDS["cpu" if words.device.type == "cpu" else "other"]
+        if n == 0 or len(group) * n >= budget:
+            self._flush(key)
+        return index
 
+    def _flush(self, key: tuple) -> None:
+        group = self._groups.pop(key, [])
+        if not group:
+            return
+        device, _, n = key
+        out = torch.zeros((len(group), 3), dtype=torch.int64, device=device)
+        if n:
+            _whole_sums([words for _, words in group], out)
+        self._done.append(([i for i, _ in group], out))
 
-def _placed_sums(rows: torch.Tensor, start: int, stride: int) -> Sums:
-    """`_rows_sums` for rows of any length (split into columns of at most _ROW words)."""
-    total = None
-    for col in range(0, rows.shape[1], _ROW):
-        total = _add(total, _rows_sums(rows[:, col:col + _ROW], start + col, stride))
-    return total
+    def flush(self) -> None:
+        """Hash what is queued now (before its memory is reused); results stay on device."""
+        for key in list(self._groups):
+            self._flush(key)
 
-
-def _device_sums(tensor: torch.Tensor) -> Sums:
-    """[s, h1, h2] of a tensor (s wrapping mod 2**64, as the result does): a list on CPU,
-    an int64 tensor on another device."""
-    words = _words(tensor)
-    n = words.numel()
-    full = n - n % _ROW
-    total = None
-    if full:
-        total = _rows_sums(words[:full].view(-1, _ROW), 0, _ROW)
-    if n > full:
-        total = _add(total, _rows_sums(words[full:].view(1, -1), full, 0))
-    return total
-
-
-def _to_print(sums: Sums) -> Fingerprint:
-    if isinstance(sums, torch.Tensor):
-        sums = sums.tolist()
-    return (sums[0] & MASK, sums[1], sums[2])
+    def read(self) -> list[Fingerprint]:
+        self.flush()
+        prints: list[Fingerprint | None] = [None] * self._count
+        for indices, sums in self._done:
+            for i, (s, h1, h2) in zip(indices, sums.tolist()):
+                prints[i] = (s & MASK, h1 % PRIMES[0], h2 % PRIMES[1])
+        self._done = []
+        return prints  # type: ignore[return-value]
 
 
 def fingerprint(tensor: torch.Tensor) -> Fingerprint:
     """(s, h1, h2) of a tensor whose first word is word 0 (see the module doc)."""
-    if tensor.numel() == 0:
-        return (0, 0, 0)
-    return _to_print(_device_sums(tensor))
+    batch = FingerprintBatch()
+    batch.add(tensor)
+    return batch.read()[0]
 
 
 def fingerprints(tensors: list[torch.Tensor]) -> list[Fingerprint]:
-    """`fingerprint` of each tensor. GPU tensors are reduced on their device without a host
-    round trip per tensor and read back together at the end."""
-    out: list[Fingerprint | None] = [None] * len(tensors)
-    pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    for i, tensor in enumerate(tensors):
-        if tensor.numel() == 0 or tensor.device.type == "cpu":
-            out[i] = fingerprint(tensor)
-            continue
-        pending.setdefault(tensor.device, []).append((i, _device_sums(tensor)))
-    for items in pending.values():
-        sums = torch.stack([s for _, s in items]).tolist()
-        for (i, _), row in zip(items, sums):
-            out[i] = _to_print(row)
-    return out  # type: ignore[return-value]
+    """`fingerprint` of each tensor, batched (`FingerprintBatch`)."""
+    batch = FingerprintBatch()
+    for tensor in tensors:
+        batch.add(tensor)
+    return batch.read()
+
+
+def _placed_rows(rows: torch.Tensor, start: int, stride: int) -> list[int]:
+    """[s, h1, h2] of [count, n] words (n <= _ROW) whose row i starts at word
+    `start + i * stride` of a parameter."""
+    count, n = rows.shape
+    device = rows.device
+    table = _table(device)[:, :n].t()
+    wide = rows.to(torch.float64)
+    sums = torch.mm(wide, table).to(torch.int64)
+    primes = torch.tensor(PRIMES, dtype=torch.int64, device=device)
+    hashes = sums[:, 1:].remainder(primes) * _powers(start, stride, count, device) % primes
+    s, h1, h2 = [sums[:, 0].sum().item()] + hashes.sum(0).tolist()
+    return [s, h1 % PRIMES[0], h2 % PRIMES[1]]
 
 
 def placed(runs: torch.Tensor, dst: int, dst_stride: int) -> Fingerprint:
@@ -213,7 +251,9 @@ def placed(runs: torch.Tensor, dst: int, dst_stride: int) -> Fingerprint:
     if runs.stride(-1) != 1:
         runs = runs.contiguous()
     words = runs.view(torch.uint8) if runs.element_size() == 1 else runs.view(torch.int16)
-    return _to_print(_placed_sums(words, dst * per, dst_stride * per))
+    parts = [_placed_rows(words[:, c:c + _ROW], dst * per + c, dst_stride * per)
+             for c in range(0, words.shape[1], _ROW)]
+    return combine([tuple(p) for p in parts])
 
 
 def shift(fp: Fingerprint, words: int) -> Fingerprint:

@@ -28,7 +28,7 @@ from weightsync.bucket import (
     tensor_view,
 )
 from weightsync.endpoint import Call, Endpoint, EngineCalls, EngineState
-from weightsync.fingerprint import Fingerprint, fingerprint
+from weightsync.fingerprint import Fingerprint, FingerprintBatch
 from weightsync.placement import WorkerPrints, sliced
 from weightsync.protocol import (
     BeginAnswer,
@@ -116,10 +116,15 @@ class WeightSender:
         workers = {n: WorkerPrints(self.engines[n].placements) for n in names
                    if verify and not self._whole(n)}
 
-        def record(name: str, tensor: torch.Tensor) -> None:
-            sent[name] = fingerprint(tensor)
-            for prints in workers.values():
-                prints.add(name, tensor)
+        batch, order = FingerprintBatch(), []
+
+        def record(tensor_names: list[str], bucket: list[torch.Tensor]) -> None:
+            for name, tensor in zip(tensor_names, bucket):
+                order.append(name)
+                batch.add(tensor)
+                for prints in workers.values():
+                    prints.add(name, tensor)
+            batch.flush()  # hashed before the bucket's memory is reused
 
 
         load_s: dict[str, float] = {}
@@ -149,12 +154,13 @@ class WeightSender:
                 self.transport.send(slot, plan.nbytes)
                 if verify and attach is None:
                     buffer = self.transport.buffer(slot, plan.nbytes)
-                    for meta in plan.tensors:
-                        record(meta.name, tensor_view(buffer, meta))
+                    record([meta.name for meta in plan.tensors],
+                           [tensor_view(buffer, meta) for meta in plan.tensors])
             for slot in list(in_flight):
                 self._wait_loads(in_flight.pop(slot), load_s)
             checked = None
             if verify:  # stage, verify, then commit: nothing failed is ever adopted
+                sent.update(zip(order, batch.read()))
                 staged = self.calls.call_all("stage", version, names=names)
                 checked = self.verifier.check_staged(
                     dict(zip(names, staged)), sent, version=version,
@@ -275,7 +281,8 @@ def _write_each(plans: list[BucketPlan], get_buffer: Callable[[BucketPlan], torc
 def _attach_each(plans: list[BucketPlan], tensors: Iterator[tuple[str, torch.Tensor]],
                  wait_slot: Callable[[BucketPlan], int],
                  attach: Callable[[int, BucketPlan, list[torch.Tensor]], None],
-                 record: Callable[[str, torch.Tensor], None] | None) -> Iterator[BucketPlan]:
+                 record: Callable[[list[str], list[torch.Tensor]], None] | None,
+                 ) -> Iterator[BucketPlan]:
     """Hand each bucket's tensors to the transport's `attach(slot, plan, tensors)`, which
     passes them in place (no copy into a bucket); `record` takes each for verification."""
     for plan in plans:
@@ -283,7 +290,6 @@ def _attach_each(plans: list[BucketPlan], tensors: Iterator[tuple[str, torch.Ten
         bucket = take_bucket(plan, tensors)
         attach(slot, plan, bucket)
         if record is not None:
-            for meta, tensor in zip(plan.tensors, bucket):
-                record(meta.name, tensor)
+            record([meta.name for meta in plan.tensors], bucket)
         yield plan
     check_stream_end(tensors)

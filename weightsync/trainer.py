@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from weightsync.bucket import DEFAULT_BUCKET_BYTES
 from weightsync.dtensor import DTensorV2Source
 from weightsync.endpoint import Endpoint, RayEndpoint
-from weightsync.fingerprint import fingerprint
+from weightsync.fingerprint import FingerprintBatch
 from weightsync.one_copy import OneCopyPath
 from weightsync.placement import WorkerPrints
 from weightsync.protocol import SyncReport
@@ -236,12 +236,15 @@ class TrainerSync:
             list(self.sender.engines) if engines is None else list(engines)
         workers = {n: WorkerPrints(self.sender.engines[n].placements) for n in names
                    if self.sender.engines[n].placements is not None}
-        sent = {}
+        batch, order = FingerprintBatch(), []
         for name, tensor in self.source.tensors():  # every rank takes part in each gather
             if self.rank == 0 and connected:
-                sent[name] = fingerprint(tensor)
+                order.append(name)
+                batch.add(tensor)
+                batch.flush()  # a gathered tensor's memory may be reused by the next
                 for prints in workers.values():
                     prints.add(name, tensor)
+        sent = dict(zip(order, batch.read()))
         if self.rank != 0:
             return {"rank": self.rank}
         if not connected:
