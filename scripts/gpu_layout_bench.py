@@ -84,7 +84,7 @@ def copy_rate(gb: float, repeats: int) -> float:
 
 
 def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
-        reference_gbps: float) -> dict:
+        reference_gbps: float, replay: bool = True) -> dict:
     from weightsync.sender import WeightSender
     from weightsync.transports.cuda_ipc import CudaIpcSender
     from weightsync.wire import TensorSpec
@@ -98,7 +98,7 @@ def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
     child = ctx.Process(target=_receiver_main, args=(shapes, there))
     child.start()
     endpoint = PipeEndpoint(here, "receiver")
-    transport = CudaIpcSender(num_slots=2)
+    transport = CudaIpcSender(num_slots=2, replay=replay)
     sender = WeightSender([TensorSpec.of(n, t) for n, t in source.params], transport=transport,
                           capacity_bytes=bucket_bytes, timeout_s=600)
     sender.add_engine(endpoint)
@@ -130,7 +130,7 @@ def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
             "bucket_mb": bucket_bytes >> 20, "sync_s": best, "sync_gbps": nbytes / best / 1e9,
             "copy_gbps": reference_gbps, "ratio": nbytes / best / 1e9 / reference_gbps,
             "verified_sync_s": verify_sync_s, "verify_added": verify_sync_s / best - 1,
-            "verified": verified, "sender_peak_extra_gb": sender_peak / 1e9,
+            "verified": verified, "replay": replay, "sender_peak_extra_gb": sender_peak / 1e9,
             "receiver_peak_extra_gb": receiver_peak / 1e9}
 
 
@@ -143,11 +143,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=1024)
     parser.add_argument("--reference-gb", type=float, default=8.0)
+    parser.add_argument("--no-replay", action="store_true",
+                        help="describe every bucket in full every sync (CUDA IPC replay off)")
     args = parser.parse_args()
     reference = copy_rate(args.reference_gb, args.repeats + 2)
     for layers in [int(x) for x in args.layers.split(",") if x] or [None]:
         print(json.dumps(run(args.layout, layers, repeats=args.repeats,
-                             bucket_bytes=args.bucket_mb << 20, reference_gbps=reference)),
+                             bucket_bytes=args.bucket_mb << 20, reference_gbps=reference,
+                             replay=not args.no_replay)),
               flush=True)
 
 

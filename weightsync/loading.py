@@ -11,7 +11,9 @@ under the same name (`plain_copies`: the reference `ModuleWeightReceiver`; never
 lands in exactly one parameter of its own shape and dtype, which has no loader of its own and
 whose default loader is `copy_loader`, is copied together with the bucket's other such tensors
 below 4 MiB in one `torch._foreach_copy_` (a few fused kernels on a GPU), larger ones each in one
-`copy_`, not one loader call each. Everything else goes through the load function.
+`copy_`, not one loader call each. Everything else goes through the load function. A bucket the
+transport replays (CUDA IPC: the same views as last time) reuses the copy lists it was split into
+the first time it was replayed: no per-tensor Python after that.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class BucketLoader:
         self.plain_copies = plain_copies  # see the module doc
         self._params: dict[str, torch.nn.Parameter] | None = None
         self._plain: dict[str, torch.nn.Parameter | None] = {}  # tensor -> parameter
+        self._replayed: tuple[int, list] | None = None  # (bucket, views) `receive` replayed
+        # bucket index -> (its replayed views, big copies, small copies' params, sources, rest)
+        self._copy_lists: dict[int, tuple] = {}
 
     def transport(self, kind: str) -> ReceiverTransport:
         """The receiving transport for handles of `kind`, made on first use."""
@@ -74,7 +79,13 @@ class BucketLoader:
     def receive(self, descriptor: BucketDescriptor) -> list[tuple[str, torch.Tensor]]:
         """Views of one bucket's tensors, after checking them against refit info."""
         self.check_descriptor(descriptor)
-        return self.transport(descriptor.handle["kind"]).receive_tensors(descriptor)
+        views = self.transport(descriptor.handle["kind"]).receive_tensors(descriptor)
+        self._replayed = None
+        if descriptor.handle.get("same"):
+            self._replayed = (descriptor.index, views)
+        else:
+            self._copy_lists.pop(descriptor.index, None)  # its views changed
+        return views
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Into the live parameters: plain copies together, the rest through the engine's
@@ -82,20 +93,34 @@ class BucketLoader:
         if not self.plain_copies:
             self.load_fn(iter(named_tensors))
             return
-        dsts, srcs, rest = [], [], []
+        replayed = self._replayed if self._replayed and self._replayed[1] is named_tensors \
+            else None
+        lists = self._copy_lists.get(replayed[0]) if replayed else None
+        if lists is None or lists[0] is not named_tensors:
+            lists = (named_tensors, *self._split(named_tensors))
+            if replayed:  # the transport keeps these views while it replays them: reuse
+                self._copy_lists[replayed[0]] = lists
+        _, big, params, srcs, rest = lists
+        for param, tensor in big:
+            param.data.copy_(tensor)
+        if params:
+            torch._foreach_copy_([p.data for p in params], srcs)
+        if rest:
+            self.load_fn(iter(rest))
+
+    def _split(self, named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[list, ...]:
+        """(big plain copies, small plain copies' parameters, their sources, the rest)."""
+        big, params, srcs, rest = [], [], [], []
         for name, tensor in named_tensors:
             param = self._plain_target(name, tensor)
             if param is None:
                 rest.append((name, tensor))
             elif tensor.numel() * tensor.element_size() >= _ONE_COPY_BYTES:
-                param.data.copy_(tensor)
+                big.append((param, tensor))
             else:
-                dsts.append(param.data)
+                params.append(param)
                 srcs.append(tensor)
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-        if rest:
-            self.load_fn(iter(rest))
+        return big, params, srcs, rest
 
     def _plain_target(self, name: str, tensor: torch.Tensor) -> torch.nn.Parameter | None:
         """The parameter `tensor` is copied into whole by a plain loader, or None. Which

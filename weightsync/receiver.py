@@ -280,12 +280,13 @@ class ModuleWeightReceiver(WeightReceiver):
         if self._session is None:
             raise RuntimeError("load_bucket outside an update session; call begin first")
         views = self.receiver.receive(bucket)
+        num_tensors = len(views)
         self.receiver.load(views)
         if self.sliced:
             self.receiver.learn_placements(views)
         del views
         self.receiver.release(bucket)
-        return LoadReport(num_tensors=len(bucket.tensors), nbytes=bucket.nbytes,
+        return LoadReport(num_tensors=num_tensors, nbytes=bucket.nbytes,
                           seconds=time.perf_counter() - start).to_dict()
 
     def end(self, version: str) -> dict:

@@ -41,7 +41,7 @@ from weightsync.protocol import (
 )
 from weightsync.transports import SenderTransport
 from weightsync.verify import Verifier
-from weightsync.wire import TensorSpec, specs_to_dicts
+from weightsync.wire import BucketDescriptor, TensorSpec, specs_to_dicts
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class WeightSender:
         self.engines: dict[str, EngineState] = {}
         self.calls = EngineCalls(self.engines, timeout_s=timeout_s)
         self.verifier = Verifier(self.calls, specs)
+        self._last_names: list[str] = []
         self.num_syncs = 0
 
     @property
@@ -79,6 +80,8 @@ class WeightSender:
         answer = from_wire("check_refit", endpoint.call(
             "check_refit", specs_to_dicts(self.specs), timeout_s=timeout_s or self.timeout_s))
         self.engines[endpoint.name] = EngineState(endpoint=endpoint, param_of=answer.param_of)
+        if self.transport is not None:
+            self.transport.forget_replays()  # the new engine holds none of them
         return answer
 
     def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
@@ -106,6 +109,9 @@ class WeightSender:
         if unknown:
             raise ValueError(f"unknown engine(s) {unknown}; registered: {list(self.engines)}")
         num_slots = self.transport.num_slots
+        if names != self._last_names:  # some receiver missed earlier syncs' descriptions
+            self.transport.forget_replays()
+        self._last_names = names
         # Transports that can pass the tensors themselves (CUDA IPC) take them in `attach`.
         attach = self.transport.attach if (self.transport.takes_tensors
                                            and write_bucket is None) else None
@@ -149,7 +155,10 @@ class WeightSender:
                 filled = fill_buckets(self.plans, tensors, get_buffer)
             for plan in filled:
                 slot = plan.index % num_slots
-                descriptor = plan.descriptor(self.transport.handle(slot)).to_dict()
+                handle = self.transport.handle(slot)
+                descriptor = (BucketDescriptor(index=plan.index, nbytes=plan.nbytes, tensors=[],
+                                               handle=handle) if handle.get("same")
+                              else plan.descriptor(handle)).to_dict()
                 in_flight[slot] = [self.calls.submit(n, "load_bucket", descriptor) for n in names]
                 self.transport.send(slot, plan.nbytes)
                 if verify and attach is None:
@@ -173,6 +182,7 @@ class WeightSender:
                 if end.placements is not None:
                     self.engines[name].placements = end.placements
         except BaseException as exc:
+            self.transport.forget_replays()
             self.calls.abort(names, f"{type(exc).__name__}: {exc}")
             raise
         sync_s = time.perf_counter() - start

@@ -86,6 +86,35 @@ def test_cuda_ipc_mixed_tensors_and_temporaries_are_verified(ipc_pair):
 
 
 @needs_gpu
+def test_cuda_ipc_replays_unchanged_buckets_and_describes_changed_ones_in_full(ipc_pair):
+    sender, transport, endpoint, params = ipc_pair
+    assert _verified(sender.sync(_named(params), version="full", verify=True))
+    handles = []
+    handle = transport.handle
+    transport.handle = lambda slot: handles.append(handle(slot)) or handles[-1]
+    for p in params:
+        p.add_(1)  # in place: the same storages, new values
+    assert _verified(sender.sync(_named(params), version="same", verify=True))
+    assert [h.get("same") for h in handles] == [True, True]
+    assert all("views" not in h for h in handles)
+    handles.clear()
+    moved = [params[0].clone() * 3] + params[1:]  # bucket 0 now reads a new storage
+    assert _verified(sender.sync(_named(moved), version="moved", verify=True))
+    assert [bool(h.get("same")) for h in handles] == [False, True]
+    handles.clear()
+    transport.forget_replays()  # e.g. an engine was added: everything in full once
+    assert _verified(sender.sync(_named(moved), version="again", verify=True))
+    assert [bool(h.get("same")) for h in handles] == [False, False]
+    # A receiver told "same" for a bucket it never saw refuses it before loading anything.
+    endpoint.call("begin", "x", timeout_s=30)
+    unknown = {"index": 7, "nbytes": 16, "tensors": [],
+               "handle": {"kind": "cuda_ipc", "device": 0, "sync": 99, "same": True}}
+    with pytest.raises(BucketRejected, match="holds no views"):
+        endpoint.call("load_bucket", unknown, timeout_s=30)
+    endpoint.call("abort", "test", timeout_s=30)
+
+
+@needs_gpu
 def test_cuda_ipc_aborted_sync_is_reported_and_the_next_one_works(ipc_pair):
     sender, _, endpoint, params = ipc_pair
     sender.sync(_named(params), version="good")

@@ -79,6 +79,11 @@ class SenderTransport(ABC):
         """Move the bytes, for transports that push (collectives); called after the receiver
         was asked to receive. Shared memory and CUDA IPC need nothing here."""
 
+    def forget_replays(self) -> None:  # noqa: B027 - optional hook
+        """Describe every bucket in full from now on: called when the receivers may not all
+        hold what earlier syncs described (an engine added, a sync that failed or skipped
+        one). Only transports that send "same as last time" handles need it."""
+
     @abstractmethod
     def close(self) -> None:
         """Free every slot. Called once, when the sender is done for good."""
