@@ -91,3 +91,15 @@ def test_an_aborted_update_resumes_the_servers_generation(setup):
     status, out = answers[0]
     assert status == 200, out
     assert [hammer.parse(out)[0]] == want
+
+
+def test_without_an_api_key_the_actor_makes_one_up_and_the_server_demands_it(setup):
+    """The engine here was launched without `api_key=`: the actor made one up, the server
+    refuses a request without it (401) or with another, and answers one that carries it."""
+    engine, _, model = setup
+    base, key = engine_server(engine)
+    assert len(key) >= 16
+    body = {"model": model, "prompt": prompt_ids()[0], "max_tokens": 1, "temperature": 0.0}
+    assert post_json(base, "/v1/completions", body, api_key=None)[0] == 401
+    assert post_json(base, "/v1/completions", body, api_key=key + "x")[0] == 401
+    assert post_json(base, "/v1/completions", body, api_key=key)[0] == 200
