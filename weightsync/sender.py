@@ -28,8 +28,7 @@ from weightsync.bucket import (
     tensor_view,
 )
 from weightsync.endpoint import Call, Endpoint, EngineCalls, EngineState
-from weightsync.fingerprint import Fingerprint, FingerprintBatch
-from weightsync.placement import WorkerPrints, sliced
+from weightsync.fingerprint import Fingerprint
 from weightsync.protocol import (
     BeginAnswer,
     EndReport,
@@ -40,7 +39,7 @@ from weightsync.protocol import (
     from_wire,
 )
 from weightsync.transports import SenderTransport
-from weightsync.verify import Verifier
+from weightsync.verify import SentPrints, Verifier
 from weightsync.wire import BucketDescriptor, TensorSpec, specs_to_dicts
 
 logger = logging.getLogger(__name__)
@@ -116,21 +115,7 @@ class WeightSender:
         attach = self.transport.attach if (self.transport.takes_tensors
                                            and write_bucket is None) else None
         in_flight: dict[int, list[Call]] = {}
-        sent: dict[str, Fingerprint] = {}
-        # Engines whose workers hold slices, placements known: their expected fingerprints
-        # are built from the tensors as they stream past.
-        workers = {n: WorkerPrints(self.engines[n].placements) for n in names
-                   if verify and not self._whole(n)}
-
-        batch, order = FingerprintBatch(), []
-
-        def record(tensor_names: list[str], bucket: list[torch.Tensor]) -> None:
-            for name, tensor in zip(tensor_names, bucket):
-                order.append(name)
-                batch.add(tensor)
-                for prints in workers.values():
-                    prints.add(name, tensor)
-            batch.flush()  # hashed before the bucket's memory is reused
+        sent = SentPrints(self.engines, names, self.verifier.specs) if verify else None
 
 
         load_s: dict[str, float] = {}
@@ -150,7 +135,7 @@ class WeightSender:
                 filled = _write_each(self.plans, get_buffer, write_bucket, num_slots)
             elif attach is not None:
                 filled = _attach_each(self.plans, tensors, wait_slot, attach,
-                                      record if verify else None)
+                                      sent.add if sent else None)
             else:
                 filled = fill_buckets(self.plans, tensors, get_buffer)
             for plan in filled:
@@ -161,19 +146,18 @@ class WeightSender:
                               else plan.descriptor(handle)).to_dict()
                 in_flight[slot] = [self.calls.submit(n, "load_bucket", descriptor) for n in names]
                 self.transport.send(slot, plan.nbytes)
-                if verify and attach is None:
+                if sent and attach is None:
                     buffer = self.transport.buffer(slot, plan.nbytes)
-                    record([meta.name for meta in plan.tensors],
-                           [tensor_view(buffer, meta) for meta in plan.tensors])
+                    sent.add([meta.name for meta in plan.tensors],
+                             [tensor_view(buffer, meta) for meta in plan.tensors])
             for slot in list(in_flight):
                 self._wait_loads(in_flight.pop(slot), load_s)
             checked = None
-            if verify:  # stage, verify, then commit: nothing failed is ever adopted
-                sent.update(zip(order, batch.read()))
+            if sent:  # stage, verify, then commit: nothing failed is ever adopted
                 staged = self.calls.call_all("stage", version, names=names)
                 checked = self.verifier.check_staged(
-                    dict(zip(names, staged)), sent, version=version,
-                    worker_sent={n: w.result() for n, w in workers.items()})
+                    dict(zip(names, staged)), sent.result(), version=version,
+                    worker_sent=sent.worker_results())
             ends: list[EndReport] = self.calls.call_all("end", version, names=names)
             for name, end in zip(names, ends):
                 # Engines that learn the tensor -> parameter map while loading report it here.
@@ -195,12 +179,6 @@ class WeightSender:
             engines={n: EngineSyncReport.of(e, path="buckets", load_s=load_s.get(n, 0.0))
                      for n, e in zip(names, ends)})
 
-    def _whole(self, name: str) -> bool:
-        """Whether engine `name`'s expected fingerprints follow from the sent tensors' own
-        (every tensor placed whole, or no placements known yet)."""
-        placements = self.engines[name].placements
-        return placements is None or not any(
-            sliced(p, self.verifier.specs) for p in placements)
 
     def sync_direct(self, write: Callable[[list[str], list[str]], dict[str, Any] | None], *,
                     version: str, engines: list[str], verify: bool = False,

@@ -22,16 +22,47 @@ at any other time. On the one-copy path the ranks read their own writes back ins
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightsync.endpoint import EngineCalls
 from weightsync.errors import VerificationFailed
-from weightsync.fingerprint import Fingerprint, expected_fingerprints
-from weightsync.placement import placed_params, prints_from_sent
+from weightsync.fingerprint import Fingerprint, FingerprintBatch, expected_fingerprints
+from weightsync.placement import WorkerPrints, placed_params, prints_from_sent, sliced
 from weightsync.protocol import StageReport
 from weightsync.wire import TensorSpec
 
+if TYPE_CHECKING:
+    import torch
+
 WorkerSent = dict[str, list[dict[str, Fingerprint]]]
+
+
+class SentPrints:
+    """What a verified sync sent, collected bucket by bucket as the tensors stream past: each
+    tensor's fingerprint (hashed in batches), and for engines whose workers hold slices (their
+    placements known) each worker's expected fingerprints (`placement.WorkerPrints`)."""
+
+    def __init__(self, engines: dict[str, Any], names: list[str],
+                 specs: dict[str, TensorSpec]) -> None:
+        self._batch, self._order = FingerprintBatch(), []
+        self._workers = {n: WorkerPrints(engines[n].placements) for n in names
+                         if engines[n].placements is not None
+                         and any(sliced(p, specs) for p in engines[n].placements)}
+
+    def add(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        """One bucket's tensors, hashed before its memory is reused."""
+        for name, tensor in zip(names, tensors):
+            self._order.append(name)
+            self._batch.add(tensor)
+            for prints in self._workers.values():
+                prints.add(name, tensor)
+        self._batch.flush()
+
+    def result(self) -> dict[str, Fingerprint]:
+        return dict(zip(self._order, self._batch.read()))
+
+    def worker_results(self) -> WorkerSent:
+        return {n: w.result() for n, w in self._workers.items()}
 
 
 class Verifier:
