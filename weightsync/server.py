@@ -3,6 +3,11 @@
 Used by both engine actors for their `mode="http"` delivery. The server binds 127.0.0.1 on a free
 port; every request carries the API key as a bearer token when one is set.
 
+The server runs under a small guard process (`_GUARD`, in the server's process group) that stops
+the whole group when the process that started it is gone, however it went: an engine actor
+killed by Ray (an out-of-memory kill, a test that failed mid-start) must not leave its server,
+and the server's own children, behind.
+
 The port is found by binding a socket to port 0 and closing it, then handed to the server: the
 engines' servers take a port number, not a socket, and derive other ports from it (SGLang), so
 they cannot be started on port 0 and asked which port they got. Another process can take the
@@ -17,12 +22,31 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 _START_ATTEMPTS = 3
+
+_GUARD = """
+import os, signal, subprocess, sys, time
+owner = int(sys.argv[1])
+server = subprocess.Popen(sys.argv[2:])
+while server.poll() is None:
+    if os.getppid() != owner:  # the starting process died: stop the group, this guard too
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.killpg(0, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(0, signal.SIGKILL)
+    time.sleep(0.5)
+sys.exit(server.returncode)
+"""
+"""Run as `python -c _GUARD <owner pid> <server command...>`: the server as its child, exiting
+with its code; both stopped once the owner is gone."""
 
 
 def _free_port() -> int:
@@ -82,9 +106,10 @@ class LocalServer:
         for attempt in range(1, _START_ATTEMPTS + 1):
             port = _free_port()
             self.base = f"http://127.0.0.1:{port}"
-            self.proc = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)],
-                                         env={**os.environ, **(env or {})},
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _GUARD, str(os.getpid()), *command,
+                 "--host", "127.0.0.1", "--port", str(port)],
+                env={**os.environ, **(env or {})}, start_new_session=True)
             if self._wait_healthy(startup_timeout_s):
                 return
             try:  # what it started goes with it, and frees the port if it was the holder

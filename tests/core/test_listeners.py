@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import ipaddress
 import multiprocessing as mp
+import os
+import signal
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -192,3 +195,35 @@ def test_an_engine_server_whose_port_was_taken_starts_again_on_another(monkeypat
     finally:
         local.shutdown()
         taken.close()
+
+
+def _start_server_and_wait(queue) -> None:
+    local = server.LocalServer([sys.executable, "-c", _HEALTH_SERVER], name="health")
+    queue.put((local.proc.pid, local.base))
+    time.sleep(600)  # killed by the test long before
+
+
+def test_an_engine_server_stops_when_the_process_that_started_it_is_killed():
+    """An engine actor killed outright (SIGKILL: no clean-up runs in it) takes its server's
+    whole process group with it, within seconds, instead of leaving it listening."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    owner = ctx.Process(target=_start_server_and_wait, args=(queue,))
+    owner.start()
+    group, base = queue.get(timeout=120)
+    members = [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == group]
+    assert len(members) >= 2  # the guard and the server
+    assert server.http_json("GET", base + "/health", timeout=5)[0] == 200
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.join(timeout=30)
+    gone, alive = psutil.wait_procs(members, timeout=20)
+    assert not alive, f"still running 20 s after their owner was killed: {alive}"
+    with pytest.raises(OSError):
+        server.http_json("GET", base + "/health", timeout=5)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
