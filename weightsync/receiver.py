@@ -339,8 +339,8 @@ class EngineSession(WeightReceiver):
     hooks; an in-process engine keeps them no-ops, since its actor runs one call at a time and
     its own `generate` refuses during an update, but an engine's HTTP server also serves
     clients that call it directly. Whatever closes the update resumes (`abort` in a `finally`),
-    so no error leaves the engine paused once its update is closed. While paused, a watchdog thread expires an update whose sender went silent, so a
-    dead trainer does not leave the server paused until someone calls the actor.
+    so no error leaves the engine paused once its update is closed. While paused, a watchdog
+    expires an update whose sender went silent (`GenerationPause`).
     """
 
     engine_name = "engine"
@@ -356,10 +356,9 @@ class EngineSession(WeightReceiver):
         self._begin_t = 0.0
         self._last_call = 0.0
         self._direct = False
-        self._paused = False
-        self._num_pauses = 0
         # Taken by every method that changes the session, as the watchdog thread calls `abort`.
         self._lock = threading.RLock()
+        self._pausing = GenerationPause(self)
 
     def _pause(self) -> bool:
         """Stop the engine generating before its parameters are written or probed; whether it
@@ -473,7 +472,7 @@ class EngineSession(WeightReceiver):
     def share_params(self) -> dict:
         """Generation is paused while the engine moves its parameters and probes them."""
         with self._lock:
-            paused_here = not self._paused
+            paused_here = not self._pausing.paused
             self._pause_generation()
             try:
                 return self._engine_share()
@@ -482,37 +481,10 @@ class EngineSession(WeightReceiver):
                     self._resume_generation()
 
     def _pause_generation(self) -> None:
-        if self._paused:
-            return
-        self._paused = self._pause()
-        if self._paused:
-            self._num_pauses += 1
-            threading.Thread(target=self._watch_idle, args=(self._num_pauses,), daemon=True,
-                             name=f"{self.engine_name}-idle-watchdog").start()
+        self._pausing.pause()
 
     def _resume_generation(self) -> None:
-        if not self._paused:
-            return
-        self._paused = False
-        try:
-            self._resume()
-        except Exception as exc:
-            raise RuntimeError(f"{self.engine_name}: resuming generation failed ({exc}); the "
-                               f"engine may stay paused until the next update ends") from exc
-
-    def _watch_idle(self, pause: int) -> None:
-        """While pause number `pause` lasts: expire a silent update without waiting for a call
-        to the actor."""
-        while True:
-            time.sleep(min(1.0, self.idle_timeout_s / 4))
-            with self._lock:
-                if not self._paused or self._num_pauses != pause:
-                    return
-                try:
-                    self._expire_idle()
-                except Exception:
-                    logger.exception("%s: expiring a silent update failed", self.engine_name)
-                    return
+        self._pausing.resume()
 
     def weight_version(self) -> str | None:
         self._expire_idle()
@@ -533,3 +505,50 @@ class EngineSession(WeightReceiver):
         if self._open:
             raise RuntimeError(f"{self.engine_name} engine does not serve during update "
                                f"{self._open!r}")
+
+
+class GenerationPause:
+    """An `EngineSession`'s generation pause: its `_pause`/`_resume` hooks called once per
+    pause, and while paused a watchdog thread that expires an update whose sender went
+    silent (`_expire_idle`), so a dead trainer does not leave the server paused until
+    someone calls the actor."""
+
+    def __init__(self, session: EngineSession) -> None:
+        self.session = session
+        self.paused = False
+        self._count = 0  # pauses so far: a watchdog serves only its own
+
+    def pause(self) -> None:
+        if self.paused:
+            return
+        self.paused = self.session._pause()
+        if self.paused:
+            self._count += 1
+            threading.Thread(target=self._watch, args=(self._count,), daemon=True,
+                             name=f"{self.session.engine_name}-idle-watchdog").start()
+
+    def resume(self) -> None:
+        if not self.paused:
+            return
+        self.paused = False
+        try:
+            self.session._resume()
+        except Exception as exc:
+            raise RuntimeError(f"{self.session.engine_name}: resuming generation failed "
+                               f"({exc}); the engine may stay paused until the next update "
+                               f"ends") from exc
+
+    def _watch(self, pause: int) -> None:
+        """While pause number `pause` lasts: expire a silent update without waiting for a
+        call to the actor."""
+        session = self.session
+        while True:
+            time.sleep(min(1.0, session.idle_timeout_s / 4))
+            with session._lock:
+                if not self.paused or self._count != pause:
+                    return
+                try:
+                    session._expire_idle()
+                except Exception:
+                    logger.exception("%s: expiring a silent update failed", session.engine_name)
+                    return
