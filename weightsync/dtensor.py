@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,88 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor() if full_tensor is not None else tensor
 
 
+class CheckpointFormat:
+    """The tensors that transformers stores differently in a model and in its checkpoints.
+
+    transformers 5 builds some modules from several checkpoint tensors and splits them again
+    in `save_pretrained` (`revert_weight_conversion`): a MoE layer's experts are two grouped
+    parameters, `mlp.experts.gate_up_proj` (experts, 2 * ffn, hidden) and
+    `mlp.experts.down_proj` (experts, hidden, ffn), which a checkpoint, and so an engine's
+    loader, holds per expert: `mlp.experts.{e}.gate_proj.weight`, `.up_proj.weight`,
+    `.down_proj.weight`. Engines receive what `save_pretrained` would write.
+
+    `layouts`: native name -> {checkpoint name: "meta" tensor of its shape}, for the native
+    tensors that convert (the others go as they are). `runs(name)`: where each checkpoint
+    tensor lies in the native one, as the first element of one contiguous run (row-major), or
+    None where it is not one run; the expert split is one run per checkpoint tensor, so a rank
+    holding a dim-0 shard of the grouped tensor writes the experts it holds itself.
+    """
+
+    def __init__(self, model: nn.Module, native: dict[str, torch.Tensor]) -> None:
+        self.model = model
+        self.layouts: dict[str, dict[str, torch.Tensor]] = {}
+        self._runs: dict[tuple[str, tuple[int, ...]], list[int | None]] = {}
+        self._revert = _transformers_revert(model)
+        if self._revert is None:
+            return
+        meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                for name, t in native.items()}
+        whole = self._revert(model, dict(meta))
+        changed = [name for name, t in meta.items()
+                   if name not in whole or tuple(whole[name].shape) != tuple(t.shape)]
+        made: set[str] = set()
+        for name in changed:
+            layout = self._revert(model, {name: meta[name]})
+            if not set(layout) <= set(whole) or set(layout) & made:
+                raise ValueError(
+                    f"tensor {name!r}: transformers converts it to checkpoint tensors "
+                    f"{sorted(layout)[:4]} only together with other tensors; give the model a "
+                    f"state_dict_adapter whose to_hf() maps each tensor on its own")
+            made |= set(layout)
+            self.layouts[name] = layout
+
+    def to_checkpoint(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of the full native tensor `name`."""
+        return self._revert(self.model, {name: tensor})
+
+    def runs(self, name: str, shape: tuple[int, ...]) -> list[int | None]:
+        """Each checkpoint tensor of `name` (in `layouts[name]` order): the index of its first
+        element in the flattened native tensor when it is one contiguous run of it, else None.
+        Learned once per layout (layers share one) by converting a tensor whose every element
+        holds its own index."""
+        key = (re.sub(r"\d+", "#", name), shape)
+        runs = self._runs.get(key)
+        if runs is None:
+            numel = math.prod(shape)
+            index_dtype = torch.int32 if numel < 2**31 else torch.int64
+            probe = torch.arange(numel, dtype=index_dtype).view(shape)
+            runs = []
+            for out in self.to_checkpoint(name, probe).values():
+                flat = out.reshape(-1)
+                start = int(flat[0]) if flat.numel() else 0
+                expected = torch.arange(start, start + flat.numel(), dtype=index_dtype)
+                runs.append(start if torch.equal(flat, expected) else None)
+            self._runs[key] = runs
+        return runs
+
+
+def _transformers_revert(model: nn.Module):
+    """transformers' `revert_weight_conversion(model, state_dict)` when `model` is a
+    transformers model with tensors to convert, else None."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4.x keeps checkpoint layouts in its modules
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    if getattr(model, "_weight_conversions", None) is None and \
+            not get_model_conversion_mapping(model, add_legacy=False):
+        return None
+    return revert_weight_conversion
+
+
 class DTensorV2Source:
     """Names, specs and gathered tensors of a (possibly sharded) model, in HF naming.
 
@@ -65,6 +148,10 @@ class DTensorV2Source:
         from torch.distributed.fsdp import FSDPModule
 
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        # Without an adapter, the tensors transformers converts between its modules and its
+        # checkpoints (grouped experts) are sent as the checkpoint holds them.
+        self.checkpoint_format = (CheckpointFormat(model, self._native())
+                                  if self.adapter is None else None)
 
     def _native(self) -> dict[str, torch.Tensor]:
         """The model's own state dict (training names), tied aliases left out.
@@ -81,19 +168,30 @@ class DTensorV2Source:
             state.pop(alias, None)
         return state
 
+    def converts(self, name: str) -> bool:
+        """Whether native tensor `name` reaches the engines renamed or split."""
+        if self.adapter is not None:
+            return True
+        return self.checkpoint_format is not None and name in self.checkpoint_format.layouts
+
     def _to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """The HF tensors of one native tensor, which must be full (or on "meta"): given a
         grouped-expert DTensor sharded on the expert dim, nemo-automodel's MoE adapters return
         only this rank's experts (rank 0 of 2 would send experts 0-3 of 8)."""
-        if self.adapter is None:
-            return {name: tensor}
-        return self.adapter.to_hf({name: tensor})
+        if self.adapter is not None:
+            return self.adapter.to_hf({name: tensor})
+        if self.converts(name):
+            return self.checkpoint_format.to_checkpoint(name, tensor)
+        return {name: tensor}
 
     def _hf_layout(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """What `_to_hf` makes of `tensor`, as "meta" tensors of the global shape."""
-        if self.adapter is None:
-            return {name: tensor}
-        return self._to_hf(name, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
+        if self.adapter is not None:
+            return self._to_hf(name, torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                 device="meta"))
+        if self.converts(name):
+            return self.checkpoint_format.layouts[name]
+        return {name: tensor}
 
     def _out_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         if self.dtype is not None and tensor.dtype.is_floating_point:
@@ -173,18 +271,36 @@ def close_trainer_group() -> None:
     dist.destroy_process_group()
 
 
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The outermost modules whose class names a transformer block ("...Block",
+    "...DecoderLayer"), in module order. A block nested in one of them (a MoE layer's
+    "Qwen3MoeSparseMoeBlock") is not a block of its own: its parameters are its layer's."""
+    blocks: list[nn.Module] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in taken):
+            continue
+        if type(module).__name__.endswith(("Block", "DecoderLayer")):
+            blocks.append(module)
+            taken.append(name + ".")
+    return blocks
+
+
 def shard_model(model: nn.Module, *, device: str = "cpu") -> nn.Module:
     """FSDP2-shard `model` over all ranks the way nemo-automodel does: each transformer block,
-    then the root. Parameters become DTensors sharded on dim 0."""
+    then the root. Parameters become DTensors sharded on dim 0 (a MoE layer's grouped expert
+    tensors, (experts, rows, cols), on the expert dim)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     model.to(device)
-    for module in model.modules():
-        if type(module).__name__.endswith(("Block", "DecoderLayer")):
-            fully_shard(module, mesh=mesh)
+    # Outermost blocks only: fully_shard of a module nested in a sharded block would take its
+    # parameters, already DTensors, for tensor-parallel ones and fail in
+    # DeviceMesh._concatenate (the 1-D mesh has no dim names).
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
@@ -236,13 +352,10 @@ class ShardPieces:
         source = self.source
         for name, tensor in source._native().items():
             tensor = tensor.detach()
-            if source.adapter is not None:
+            if source.converts(name):
                 layout = source._hf_layout(name, tensor)
                 if list(layout) != [name] or layout[name].shape != tensor.shape:
-                    # Renamed or split by the adapter: gathered, converted, written by rank 0.
-                    for hf_name, full in source._to_hf(name, _full(tensor)).items():
-                        data = full.to(source._out_dtype(full)).contiguous()
-                        yield hf_name, (data if self.rank == 0 else None), 0
+                    yield from self._converted(name, tensor, layout)
                     continue
             out_dtype = source._out_dtype(tensor)
             if _dim0_sharded(tensor):
@@ -255,3 +368,30 @@ class ShardPieces:
             else:
                 full = tensor.full_tensor().to(out_dtype).contiguous()
                 yield name, (full if self.rank == 0 else None), 0
+
+    def _converted(self, name: str, tensor: torch.Tensor, layout: dict[str, torch.Tensor]
+                   ) -> Iterator[tuple[str, torch.Tensor | None, int]]:
+        """The pieces of a native tensor that reaches the engines renamed or split. Checkpoint
+        tensors that are each one contiguous run of a dim-0 sharded tensor (grouped experts):
+        each rank writes the part of each run it holds. Otherwise (an adapter's conversion):
+        gathered, converted and written by rank 0."""
+        source = self.source
+        fmt = source.checkpoint_format
+        runs = fmt.runs(name, tuple(tensor.shape)) if source.adapter is None else [None]
+        assert source.adapter is not None or len(runs) == len(layout), (name, runs, list(layout))
+        if None in runs or not _dim0_sharded(tensor):
+            for hf_name, full in source._to_hf(name, _full(tensor)).items():
+                data = full.to(source._out_dtype(full)).contiguous()
+                yield hf_name, (data if self.rank == 0 else None), 0
+            return
+        out_dtype = source._out_dtype(tensor)
+        local = tensor.to_local().reshape(-1)
+        low = self._offset(name, tensor, out_dtype) // out_dtype.itemsize
+        high = low + local.numel()
+        for (hf_name, meta), start in zip(layout.items(), runs):
+            first, last = max(start, low), min(start + meta.numel(), high)
+            if first >= last:
+                yield hf_name, None, 0
+                continue
+            data = local[first - low:last - low].to(out_dtype).contiguous()
+            yield hf_name, data, (first - start) * out_dtype.itemsize
