@@ -6,6 +6,9 @@ of per-expert matrices), so benchmarks run these layouts as well as uniform larg
 - "qwen3-30b-a3b": Qwen3-30B-A3B (48 layers, 128 experts of 768, q/k norms): 18867 tensors,
   61.1 GB in bf16; `num_layers` cuts it (24 layers: 9435 tensors).
 - "uniform": `num_tensors` square-ish tensors of `tensor_bytes` each.
+`shrink` divides every width of a real layout (hidden size, head counts, intermediate sizes,
+vocabulary) and keeps its tensor count, so a host with little memory runs the same many-tensor
+layout at about 1/shrink**2 of its bytes (CPU benchmarks: scripts/cpu_layout_bench.py).
 """
 
 from __future__ import annotations
@@ -34,18 +37,24 @@ def _dense_layer(i: int, *, hidden: int, heads: int, kv_heads: int, head_dim: in
     ]
 
 
-def llama8b(num_layers: int = 32) -> Layout:
-    hidden, vocab = 4096, 128256
+def _shrunk(shrink: int, *widths: int) -> list[int]:
+    if not isinstance(shrink, int) or shrink < 1:
+        raise ValueError(f"shrink={shrink!r}: must be an int >= 1 (1 keeps the real widths)")
+    return [max(1, w // shrink) for w in widths]
+
+
+def llama8b(num_layers: int = 32, *, shrink: int = 1) -> Layout:
+    hidden, vocab, heads, kv_heads, intermediate = _shrunk(shrink, 4096, 128256, 32, 8, 14336)
     out: Layout = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(num_layers):
-        out += _dense_layer(i, hidden=hidden, heads=32, kv_heads=8, head_dim=128,
-                            intermediate=14336)
+        out += _dense_layer(i, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=128,
+                            intermediate=intermediate)
     return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
 
 
-def qwen3_30b_a3b(num_layers: int = 48) -> Layout:
-    hidden, vocab, heads, kv_heads, head_dim = 2048, 151936, 32, 4, 128
-    experts, moe_intermediate = 128, 768
+def qwen3_30b_a3b(num_layers: int = 48, *, shrink: int = 1) -> Layout:
+    hidden, vocab, heads, kv_heads, moe_intermediate = _shrunk(shrink, 2048, 151936, 32, 4, 768)
+    head_dim, experts = 128, 128
     out: Layout = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(num_layers):
         p = f"model.layers.{i}"
@@ -75,12 +84,12 @@ def uniform(num_tensors: int, tensor_bytes: int, element_bytes: int = 2) -> Layo
 
 
 def layout(name: str, *, num_layers: int | None = None, num_tensors: int = 64,
-           tensor_bytes: int = 256 << 20) -> Layout:
-    """The layout called `name` (one of LAYOUTS)."""
+           tensor_bytes: int = 256 << 20, shrink: int = 1) -> Layout:
+    """The layout called `name` (one of LAYOUTS); `shrink` divides a real layout's widths."""
     if name == "llama8b":
-        return llama8b(32 if num_layers is None else num_layers)
+        return llama8b(32 if num_layers is None else num_layers, shrink=shrink)
     if name == "qwen3-30b-a3b":
-        return qwen3_30b_a3b(48 if num_layers is None else num_layers)
+        return qwen3_30b_a3b(48 if num_layers is None else num_layers, shrink=shrink)
     if name == "uniform":
         return uniform(num_tensors, tensor_bytes)
     raise ValueError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUTS)}")

@@ -1,0 +1,297 @@
+"""CPU syncs of real checkpoint layouts (thousands of tensors), by buckets and by the one-copy
+path, beside a memcpy of the same bytes measured in the same run.
+
+  python scripts/cpu_layout_bench.py --layout qwen3-30b-a3b --layers 16 --shrink 4
+  python scripts/cpu_layout_bench.py --layout llama8b --shrink 4
+
+The trainer is `TrainerSync` on 2 FSDP2 ranks (gloo, bf16, one thread each), over a model with
+the names and shapes of weightsync/layouts.py (`--shrink` divides every width, the tensor count
+stays the real model's; random values). The receiver is a `ModuleWeightReceiver` holding
+parameters of the same names in another process, reached over a pipe. Each path gets a fresh
+receiver and trainer sync:
+- buckets: both ranks write their shards into shared-memory buckets, the receiver copies every
+  tensor out into its parameters (two copies of every byte);
+- one_copy: after two warm-up syncs (the first by buckets, after which the receiver shares its
+  parameters; the second maps them into the ranks) both ranks write their shards straight into
+  the receiver's parameters (weightsync/direct.py; one copy of every byte).
+Measured per path:
+- memcpy: one torch `copy_` of a buffer of the layout's size in rank 0's process, on all cores,
+  best of `--repeats + 2`, just before the path's syncs;
+- sync: rank 0's wall time of `TrainerSync.sync()` (everything: the plan broadcast, begin, both
+  ranks' writes, the receiver's copies on the bucket path, end), best of `--repeats`, the ranks
+  lined up by a barrier before each; ratio = memcpy seconds / sync seconds;
+- each rank's CPU seconds in a sync (its process, best of `--repeats`): on a loaded host the
+  wall clock counts other processes' turns too, CPU seconds do not;
+- peak RSS growth of each process during the timed syncs, and the shared-memory segments the
+  three processes hold (buckets, the receiver's shared parameters).
+`--profile DIR` writes each rank's cProfile (CPU time) of the timed syncs of each path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import PipeEndpoint, stop_receiver  # noqa: E402
+
+from weightsync import layouts  # noqa: E402
+from weightsync.endpoint import Endpoint  # noqa: E402
+
+PATHS = ("buckets", "one_copy")
+
+
+class _PipeEndpoint(PipeEndpoint, Endpoint):
+    """gpu_bench's pipe endpoint, as the `Endpoint` that `TrainerSync.connect` takes."""
+
+
+def _receiver_main(shapes: layouts.Layout, conn) -> None:
+    from weightsync.errors import error_to_wire
+    from weightsync.receiver import ModuleWeightReceiver
+
+    torch.set_num_threads(1)
+    receiver = ModuleWeightReceiver(layouts.build_module(shapes), name="receiver")
+    while (item := conn.recv()) is not None:
+        method, args = item
+        try:
+            result = os.getpid() if method == "pid" else getattr(receiver, method)(*args)
+            conn.send(("ok", result))
+        except Exception as exc:  # reported to the sender as plain data
+            conn.send(("error", error_to_wire(exc)))
+    receiver.receiver.close()
+
+
+def memcpy_s(nbytes: int, repeats: int) -> float:
+    """Seconds of one torch copy_ of `nbytes` bytes between two buffers, best of `repeats`, on
+    all of this host's cores (as fast as or faster than on one: the stricter floor)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of the destination's pages
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(threads)
+    return best
+
+
+def _reset_peak_rss(pids: list[int]) -> list[int]:
+    """Reset each process's resident-memory high-water mark; its resident bytes now."""
+    for pid in pids:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    return [psutil.Process(pid).memory_info().rss for pid in pids]
+
+
+def _peak_rss(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        with open(f"/proc/{pid}/status") as f:
+            out += [int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:")]
+    return out
+
+
+def _segment_bytes(pids: list[int]) -> int:
+    """Bytes of the weightsync shared-memory segments these processes made (buckets, or the
+    receiver's shared parameters)."""
+    from weightsync.transports.shm import PREFIX, SHM_DIR, list_segments
+
+    ours = tuple(f"{PREFIX}{pid}-" for pid in pids)
+    return sum(os.path.getsize(os.path.join(SHM_DIR, n)) for n in list_segments()
+               if n.startswith(ours))
+
+
+def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, rank: int,
+                args: argparse.Namespace, trainer_pids: list[int]) -> dict | None:
+    import torch.distributed as dist
+
+    from weightsync import SyncOptions, TrainerSync
+
+    sync = TrainerSync(model, options=SyncOptions(bucket_bytes=args.bucket_mb << 20,
+                                                  one_copy=path == "one_copy", timeout_s=600))
+    engines, child = {}, None
+    if rank == 0:
+        ctx = mp.get_context("spawn")
+        here, there = ctx.Pipe()
+        # daemon: should this rank fail, its exit does not wait for the receiver
+        child = ctx.Process(target=_receiver_main, args=(shapes, there), daemon=True)
+        child.start()
+        engines = {"receiver": _PipeEndpoint(here, "receiver")}
+    sync.connect(engines)
+    expected = "direct" if path == "one_copy" else "buckets"
+    warm = [sync.sync(f"warm-{i}") for i in range(2)]
+    pids = trainer_pids + ([engines["receiver"].call("pid", timeout_s=60)] if rank == 0 else [])
+    dist.barrier()
+    rss = _reset_peak_rss(pids) if rank == 0 else []
+    # CPU time, not wall: on a shared host the wall clock also counts other processes' turns.
+    profile = cProfile.Profile(time.process_time) if args.profile else None
+    times, cpu_times, reports = [], [], []
+    for i in range(args.repeats):
+        dist.barrier()
+        if profile is not None:
+            profile.enable()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        report = sync.sync(f"v{i}")
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - start_cpu)
+        if profile is not None:
+            profile.disable()
+        reports.append(report)
+    rank_cpu_s: list[float] = [0.0, 0.0]
+    dist.all_gather_object(rank_cpu_s, min(cpu_times))
+    if profile is not None:
+        os.makedirs(args.profile, exist_ok=True)
+        profile.dump_stats(os.path.join(args.profile, f"{path}-rank{rank}.prof"))
+    peak = _peak_rss(pids) if rank == 0 else []
+    segments = _segment_bytes(pids) if rank == 0 else 0
+    checked = sync.sync("checked", verify=True)
+    sync.close()
+    if rank != 0:
+        return None
+    stop_receiver(engines["receiver"], child)
+    paths = sorted({r["path"] for r in reports})
+    if paths != [expected]:
+        raise RuntimeError(f"{path}: the timed syncs took {paths}, expected [{expected!r}]")
+    best = min(range(len(times)), key=times.__getitem__)
+    return {"sync_s": times[best], "report_sync_s": reports[best]["sync_s"],
+            "phases_s": reports[best].get("phases_s"), "times_s": times,
+            "rank_cpu_s": rank_cpu_s, "verified": checked["verify"]["receiver"]["verified"],
+            "share_s": warm[0]["engines"]["receiver"].get("share_s"),
+            "peak_rss_growth_bytes": {name: p - r for name, p, r in
+                                      zip(("rank0", "rank1", "receiver"), peak, rss)},
+            "segment_bytes": segments}
+
+
+def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
+    try:
+        _rank(rank, port, args, results)
+    except BaseException:
+        import traceback
+
+        results.put({"error": f"rank {rank}: {traceback.format_exc()}"})
+        raise
+
+
+def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
+    import torch.distributed as dist
+
+    from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
+
+    torch.set_num_threads(1)
+    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    shapes = layouts.layout(args.layout, num_layers=args.layers, shrink=args.shrink)
+    nbytes = layouts.nbytes(shapes)
+    start = time.perf_counter()
+    model = shard_model(layouts.build_module(shapes, fill=True, seed=0), device="cpu")
+    built_s = time.perf_counter() - start
+    pids: list[int] = [0, 0]
+    dist.all_gather_object(pids, os.getpid())
+    out = {"layout": args.layout, "layers": args.layers, "shrink": args.shrink,
+           "tensors": len(shapes), "gb": nbytes / 1e9, "bucket_mb": args.bucket_mb,
+           "repeats": args.repeats, "build_and_shard_s": built_s, "paths": {}}
+    for path in args.paths:
+        if rank == 0:  # measured beside each path, in the same conditions
+            out["paths"][path] = {"memcpy_s": memcpy_s(nbytes, args.repeats + 2)}
+        dist.barrier()
+        result = _bench_path(path, model, shapes, rank=rank, args=args, trainer_pids=pids)
+        if rank == 0:
+            out["paths"][path].update(result)
+    close_trainer_group()
+    if rank == 0:
+        results.put(out)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: argparse.Namespace) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    ranks = [ctx.Process(target=_rank_main, args=(r, port, args, results)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    out = results.get(timeout=3600)
+    if "error" in out:  # the other rank waits in a collective: end both
+        for p in ranks:
+            p.kill()
+        raise RuntimeError(out["error"])
+    for p in ranks:
+        p.join(timeout=120)
+        if p.exitcode != 0:
+            raise RuntimeError(f"trainer rank process {p.pid} exited with {p.exitcode}")
+    return out
+
+
+def _table(out: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{out['layout']}, {out['layers'] or 'all'} layers, widths / "
+                        f"{out['shrink']}: {out['tensors']} tensors, {out['gb']:.3f} GB bf16; "
+                        f"best of {out['repeats']}")
+    for col in ("path", "sync s (TrainerSync.sync wall, rank 0)", "memcpy s (same bytes)",
+                "ratio (memcpy s / sync s)", "us per tensor beyond memcpy",
+                "phases s (begin / write / end)", "rank CPU s (0 / 1)", "verified",
+                "peak RSS growth MB (rank0 / rank1 / receiver)", "shm segments MB"):
+        table.add_column(col, justify="left" if col in ("path", "verified") else "right")
+    for path, r in out["paths"].items():
+        phases = r["phases_s"] or {}
+        growth = r["peak_rss_growth_bytes"]
+        table.add_row(
+            path, f"{r['sync_s']:.3f}", f"{r['memcpy_s']:.3f}",
+            f"{r['memcpy_s'] / r['sync_s']:.2f}",
+            f"{(r['sync_s'] - r['memcpy_s']) / out['tensors'] * 1e6:.0f}",
+            " / ".join(f"{phases[k]:.3f}" for k in ("begin", "write", "end") if k in phases)
+            or "-",
+            " / ".join(f"{c:.3f}" for c in r["rank_cpu_s"]), str(r["verified"]),
+            " / ".join(f"{growth[k] / 1e6:.0f}" for k in ("rank0", "rank1", "receiver")),
+            f"{r['segment_bytes'] / 1e6:.0f}")
+    Console(width=200).print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--layout", choices=[n for n in layouts.LAYOUTS if n != "uniform"],
+                        default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layer count (default: the model's own)")
+    parser.add_argument("--shrink", type=int, default=4,
+                        help="divide every width (hidden, heads, intermediate, vocabulary) by this")
+    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated: buckets,one_copy")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--profile", metavar="DIR", help="write each rank's cProfile of the "
+                                                         "timed syncs of each path here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object, no table")
+    args = parser.parse_args()
+    args.paths = [p for p in args.paths.split(",") if p]
+    unknown = sorted(set(args.paths) - set(PATHS))
+    if unknown:
+        raise SystemExit(f"--paths: unknown {unknown}; choose from {list(PATHS)}")
+    out = run(args)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        _table(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Checkpoint layouts for benchmarks (weightsync/layouts.py): the real models' counts and sizes,
+and `shrink`, which CPU benchmarks rely on to run the same many-tensor layouts in little memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightsync import layouts
+
+
+def test_real_layouts_have_the_checkpoints_tensor_counts_and_sizes():
+    llama = layouts.layout("llama8b")
+    moe = layouts.layout("qwen3-30b-a3b")
+    assert (len(llama), round(layouts.nbytes(llama) / 1e9, 1)) == (291, 16.1)
+    assert (len(moe), round(layouts.nbytes(moe) / 1e9, 1)) == (18867, 61.1)
+    assert len(layouts.layout("qwen3-30b-a3b", num_layers=24)) == 9435
+
+
+@pytest.mark.parametrize("name", ["llama8b", "qwen3-30b-a3b"])
+def test_shrink_keeps_every_name_and_divides_the_bytes_by_about_its_square(name):
+    real = layouts.layout(name, num_layers=4)
+    small = layouts.layout(name, num_layers=4, shrink=4)
+    assert [n for n, _ in small] == [n for n, _ in real]
+    assert all(len(s) == len(r) and all(a <= b for a, b in zip(s, r))
+               for (_, s), (_, r) in zip(small, real))
+    ratio = layouts.nbytes(real) / layouts.nbytes(small)
+    assert 12 < ratio <= 16, ratio
+
+
+def test_shrink_below_one_is_refused_naming_the_value():
+    with pytest.raises(ValueError, match=r"shrink=0: must be an int >= 1"):
+        layouts.layout("llama8b", shrink=0)
