@@ -162,9 +162,11 @@ class SharedParameters:
     def moved(self) -> list[str]:
         """Parameters whose storage is no longer their place in the segment."""
         base = self.segment.tensor.data_ptr()
+        # The parameter's own data_ptr, not `.data`'s: the same storage, without making a
+        # tensor per parameter (checked twice a sync, thousands of parameters in an MoE).
         return sorted(p for p, param in self.params.items()
-                      if param.data.data_ptr() != base + self.param_offsets[p]
-                      or not param.data.is_contiguous())
+                      if param.data_ptr() != base + self.param_offsets[p]
+                      or not param.is_contiguous())
 
     def check(self) -> None:
         """Raise `NotShared` unless every parameter still lives at its place in the segment."""
@@ -224,7 +226,8 @@ class DirectTarget:
         them back (`copy_checked`) and return whether they arrived intact. A placed tensor
         (a tensor-parallel worker's) gets only the elements the worker holds, where it holds
         them."""
-        raw = src.reshape(-1).view(torch.uint8)
+        raw = src if src.dtype == torch.uint8 and src.dim() == 1 else \
+            src.reshape(-1).view(torch.uint8)
         if name in self.placed:
             return self._write_placed(name, offset, raw, check=check)
         start = self.offsets[name] + offset

@@ -115,9 +115,11 @@ class OneCopyWriter:
         pieces, mismatched = 0, set()
         start = time.perf_counter()
         hook = self.before_write if self.group.rank == 0 else None
-        if targets:
-            for index, (name, data, offset) in enumerate(ShardPieces(self.source,
-                                                                      rank=self.group.rank)):
+        # Without autograd a DTensor's to_local() is its local tensor, not an autograd call:
+        # ~5 us less per tensor, which counts with thousands of them (MoE experts).
+        with torch.no_grad():
+            for index, (name, data, offset) in enumerate(
+                    ShardPieces(self.source, rank=self.group.rank) if targets else ()):
                 if hook is not None:
                     hook("piece", index)
                 if data is None:
