@@ -163,7 +163,9 @@ class DTensorV2Source:
         its backward)."""
         for module in self._fsdp_modules:
             module.reshard()
-        state = self.model.state_dict()
+        # The parameters themselves (no DTensor detach per tensor, ~8 us each); readers only
+        # read, without autograd (`detach` or `torch.no_grad` where they compute).
+        state = self.model.state_dict(keep_vars=True)
         for alias in self.aliases:
             state.pop(alias, None)
         return state
@@ -351,23 +353,28 @@ class ShardPieces:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None, int]]:
         source = self.source
         for name, tensor in source._native().items():
-            tensor = tensor.detach()
-            if source.converts(name):
-                layout = source._hf_layout(name, tensor)
-                if list(layout) != [name] or layout[name].shape != tensor.shape:
-                    yield from self._converted(name, tensor, layout)
-                    continue
-            out_dtype = source._out_dtype(tensor)
-            if _dim0_sharded(tensor):
-                local = tensor.to_local()
-                data = local.to(out_dtype).contiguous() if local.numel() else None
-                yield name, data, self._offset(name, tensor, out_dtype)
-            elif _replicated(tensor) or not hasattr(tensor, "placements"):
-                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-                yield name, (local.to(out_dtype).contiguous() if self.rank == 0 else None), 0
-            else:
-                full = tensor.full_tensor().to(out_dtype).contiguous()
-                yield name, (full if self.rank == 0 else None), 0
+            with torch.no_grad():  # `_native` gives the parameters themselves
+                pieces = list(self._pieces(source, name, tensor))
+            yield from pieces
+
+    def _pieces(self, source: DTensorV2Source, name: str, tensor: torch.Tensor,
+                ) -> Iterator[tuple[str, torch.Tensor | None, int]]:
+        if source.converts(name):
+            layout = source._hf_layout(name, tensor)
+            if list(layout) != [name] or layout[name].shape != tensor.shape:
+                yield from self._converted(name, tensor, layout)
+                return
+        out_dtype = source._out_dtype(tensor)
+        if _dim0_sharded(tensor):
+            local = tensor.to_local()
+            data = local.to(out_dtype).contiguous() if local.numel() else None
+            yield name, data, self._offset(name, tensor, out_dtype)
+        elif _replicated(tensor) or not hasattr(tensor, "placements"):
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            yield name, (local.to(out_dtype).contiguous() if self.rank == 0 else None), 0
+        else:
+            full = tensor.full_tensor().to(out_dtype).contiguous()
+            yield name, (full if self.rank == 0 else None), 0
 
     def _converted(self, name: str, tensor: torch.Tensor, layout: dict[str, torch.Tensor]
                    ) -> Iterator[tuple[str, torch.Tensor | None, int]]:
