@@ -14,7 +14,25 @@ from weightsync.transports.collective import CollectiveSender
 from weightsync.wire import BucketDescriptor, TensorSpec
 
 
-def _receiver_process(requests, replies):
+def _refuse(*args, **kwargs):
+    raise AssertionError("the collective transport unpickled something from a peer")
+
+
+def _refuse_unpickling(patch) -> None:
+    """Every way torch or the standard library unpickles, replaced by a refusal (the test's
+    own multiprocessing queues keep theirs: they bound `pickle.loads` at import)."""
+    import pickle
+
+    import torch.distributed.distributed_c10d as c10d
+
+    patch(c10d, "_tensor_to_object", _refuse)
+    patch(pickle, "loads", _refuse)
+    patch(pickle, "Unpickler", _refuse)
+
+
+def _receiver_process(requests, replies, refuse_pickle=False):
+    if refuse_pickle:
+        _refuse_unpickling(setattr)
     receiver = make_receiver("gloo")
     while (item := requests.get()) is not None:
         desc = BucketDescriptor.from_dict(item)
@@ -24,12 +42,23 @@ def _receiver_process(requests, replies):
 
 
 def test_gloo_broadcast_reaches_two_receiving_processes():
+    _broadcast_to_two_receivers(refuse_pickle=False)
+
+
+def test_a_gloo_sync_unpickles_nothing_on_either_side(monkeypatch):
+    """The store (counters, strings) and the broadcasts (raw bytes) carry no pickle: the same
+    sync passes with unpickling refused in the sender and in both receivers."""
+    _refuse_unpickling(monkeypatch.setattr)
+    _broadcast_to_two_receivers(refuse_pickle=True)
+
+
+def _broadcast_to_two_receivers(*, refuse_pickle: bool) -> None:
     g = torch.Generator().manual_seed(2)
     tensors = [(f"w{i}", torch.randn(64 + i, 9, generator=g)) for i in range(12)]
     plans = plan_buckets([TensorSpec.of(n, t) for n, t in tensors], capacity_bytes=8192)
     ctx = mp.get_context("spawn")
     queues = [(ctx.Queue(), ctx.Queue()) for _ in range(2)]
-    children = [ctx.Process(target=_receiver_process, args=q) for q in queues]
+    children = [ctx.Process(target=_receiver_process, args=(*q, refuse_pickle)) for q in queues]
     for child in children:
         child.start()
     sender = CollectiveSender(num_receivers=2, backend="gloo", timeout_s=60)
