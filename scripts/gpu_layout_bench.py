@@ -32,8 +32,12 @@ from gpu_bench import PipeEndpoint, stop_receiver  # noqa: E402
 from weightsync import layouts  # noqa: E402
 
 
-def _receiver_main(shapes: layouts.Layout, conn) -> None:
+def _receiver_main(shapes: layouts.Layout, conn, one_copy_bytes: int | None = None) -> None:
     torch.cuda.set_device(0)
+    if one_copy_bytes is not None:
+        import weightsync.loading
+
+        weightsync.loading._ONE_COPY_BYTES = one_copy_bytes
     from weightsync.errors import error_to_wire
     from weightsync.receiver import ModuleWeightReceiver
 
@@ -84,7 +88,7 @@ def copy_rate(gb: float, repeats: int) -> float:
 
 
 def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
-        reference_gbps: float, replay: bool = True) -> dict:
+        reference_gbps: float, replay: bool = True, one_copy_bytes: int | None = None) -> dict:
     from weightsync.sender import WeightSender
     from weightsync.transports.cuda_ipc import CudaIpcSender
     from weightsync.wire import TensorSpec
@@ -95,7 +99,7 @@ def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
     source = _Source(layouts.build_module(shapes, device="cuda:0", fill=True))
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    child = ctx.Process(target=_receiver_main, args=(shapes, there))
+    child = ctx.Process(target=_receiver_main, args=(shapes, there, one_copy_bytes))
     child.start()
     endpoint = PipeEndpoint(here, "receiver")
     transport = CudaIpcSender(num_slots=2, replay=replay)
@@ -130,7 +134,8 @@ def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
             "bucket_mb": bucket_bytes >> 20, "sync_s": best, "sync_gbps": nbytes / best / 1e9,
             "copy_gbps": reference_gbps, "ratio": nbytes / best / 1e9 / reference_gbps,
             "verified_sync_s": verify_sync_s, "verify_added": verify_sync_s / best - 1,
-            "verified": verified, "replay": replay, "sender_peak_extra_gb": sender_peak / 1e9,
+            "verified": verified, "replay": replay, "one_copy_bytes": one_copy_bytes,
+            "sender_peak_extra_gb": sender_peak / 1e9,
             "receiver_peak_extra_gb": receiver_peak / 1e9}
 
 
@@ -143,6 +148,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=1024)
     parser.add_argument("--reference-gb", type=float, default=8.0)
+    parser.add_argument("--one-copy-mb", type=float, default=None,
+                        help="the receiver copies tensors this large one by one, smaller ones "
+                             "together (default: weightsync.loading's 4 MiB)")
     parser.add_argument("--no-replay", action="store_true",
                         help="describe every bucket in full every sync (CUDA IPC replay off)")
     args = parser.parse_args()
@@ -150,7 +158,9 @@ def main() -> None:
     for layers in [int(x) for x in args.layers.split(",") if x] or [None]:
         print(json.dumps(run(args.layout, layers, repeats=args.repeats,
                              bucket_bytes=args.bucket_mb << 20, reference_gbps=reference,
-                             replay=not args.no_replay)),
+                             replay=not args.no_replay,
+                             one_copy_bytes=None if args.one_copy_mb is None
+                             else int(args.one_copy_mb * (1 << 20)))),
               flush=True)
 
 
