@@ -116,8 +116,6 @@ class WeightSender:
                                            and write_bucket is None) else None
         in_flight: dict[int, list[Call]] = {}
         sent = SentPrints(self.engines, names, self.verifier.specs) if verify else None
-
-
         load_s: dict[str, float] = {}
         start = time.perf_counter()
         self.calls.call_all("begin", version, names=names)
