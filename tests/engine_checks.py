@@ -67,27 +67,32 @@ def check_repeated_syncs(engine, trainer, name: str, prefix: str, *, rounds: int
     assert out["tokens"] != before["tokens"]
 
 
-def check_server_on_loopback_demands_key(engine, path: str, *, key: str | None = None,
-                                         get_path: str | None = None) -> None:
-    """The server listens on 127.0.0.1 and answers 401 to a POST to `path` without a key; with
-    `key`, a GET of `get_path` is answered 200."""
+def check_server_on_loopback_demands_key(engine, paths: list[str], *, key: str,
+                                         get_path: str) -> None:
+    """The server listens on 127.0.0.1; a POST to each of `paths` without a key or with another
+    key is answered 401; a GET of `get_path` with `key` is answered 200; the key is on no
+    process's command line (readable by every local user)."""
     import urllib.error
     import urllib.request
 
+    import psutil
     import pytest
 
     base = ray.get(engine.server_url.remote())
     assert base.startswith("http://127.0.0.1:")
-    req = urllib.request.Request(base + path, data=b"{}", method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(req, timeout=30)
-    assert err.value.code == 401
-    if key is not None:
-        req = urllib.request.Request(base + get_path,
-                                     headers={"Authorization": f"Bearer {key}"})
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            assert resp.status == 200
+    for path in paths:
+        for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+            req = urllib.request.Request(base + path, data=b"{}", method="POST",
+                                         headers={"Content-Type": "application/json", **headers})
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=30)
+            assert err.value.code == 401, (path, headers)
+    req = urllib.request.Request(base + get_path, headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+    shown = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+             if any(key in arg for arg in (p.info["cmdline"] or ()))]
+    assert shown == [], f"the server's key is on the command line of processes {shown}"
 
 
 def half_update(engine, spec: dict, version: str = "half") -> None:

@@ -27,6 +27,12 @@ class NotShared(RuntimeError):
     writes into (weightsync/direct.py)."""
 
 
+class CollectiveFailed(RuntimeError):
+    """A wait of the collective transport (a group forming, a broadcast) failed or ran past its
+    deadline; the message names the peer, torch's words and what to check
+    (weightsync/transports/collective.py)."""
+
+
 class VerificationFailed(RuntimeError):
     """An update whose staged weights differ from what the trainer sent: it was aborted
     before any engine adopted it (weightsync/verify.py). `results`: the verification results

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from weightsync.backends.sglang.loader import LOADER
+from weightsync.backends.sglang.serve import KEY_VARIABLE
 from weightsync.preflight import refuse_unsupported_sglang
 from weightsync.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer, StageReport
 from weightsync.receiver import EngineSession
@@ -145,11 +146,11 @@ class _InProcess:
 class _Http:
     def __init__(self, model_path: str, engine_args: dict[str, Any], *,
                  api_key: str | None) -> None:
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-               "--custom-weight-loader", LOADER, *cli_flags(engine_args)]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        self.server = LocalServer(cmd, name="sglang", api_key=api_key)
+        # The key travels in the server's environment: a command line is readable by every user.
+        cmd = [sys.executable, "-m", "weightsync.backends.sglang.serve", "--model-path",
+               model_path, "--custom-weight-loader", LOADER, *cli_flags(engine_args)]
+        self.server = LocalServer(cmd, name="sglang", api_key=api_key,
+                                  env={KEY_VARIABLE: api_key} if api_key else None)
         self.tp_size = int(engine_args.get("tp_size") or 1)
         self.base = self.server.base
         self._request = self.server.request

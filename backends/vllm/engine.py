@@ -4,8 +4,9 @@ The receiving side runs inside vLLM's workers (backends/vllm/extension.py), reac
 collective_rpc with plain data; the bytes travel through the core's transport. Two deliveries:
 `mode="engine"` wraps an in-process `vllm.LLM`; `mode="http"` starts vLLM's OpenAI-compatible
 server on 127.0.0.1 with the extension and reaches it through its `/collective_rpc` endpoint
-(served only with VLLM_SERVER_DEV_MODE=1). vLLM's API key guards only its /v1 routes, not
-/collective_rpc: the server is bound to loopback for that reason, and the key is sent anyway.
+(served only with VLLM_SERVER_DEV_MODE=1). vLLM's API key guards only its /v1-style routes; the
+server also runs `guard.KeyOnEveryRoute`, which demands the key on every route but /health, and
+gets the key through its environment, not its command line.
 On a CPU machine vLLM needs `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache); the actor sets 1.
 """
 
@@ -19,6 +20,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from weightsync.backends.vllm.guard import KEY_VARIABLE
 from weightsync.preflight import cpu_binding, cuda_device_present, refuse_unsupported_vllm
 from weightsync.protocol import (
     EndReport,
@@ -37,6 +39,7 @@ from weightsync.wire import as_plain, unwrap_all
 logger = logging.getLogger(__name__)
 
 EXTENSION = "weightsync.backends.vllm.extension.WeightsyncWorkerExtension"
+GUARD = "weightsync.backends.vllm.guard.KeyOnEveryRoute"
 
 
 
@@ -79,14 +82,12 @@ class _InProcess:
 
 
 class _Http:
-    def __init__(self, model_path: str, args: dict[str, Any], *, api_key: str | None) -> None:
+    def __init__(self, model_path: str, args: dict[str, Any], *, api_key: str) -> None:
         self.model = model_path
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-               "--worker-extension-cls", EXTENSION, *cli_flags(args)]
-        if api_key:
-            cmd += ["--api-key", api_key]
+               "--worker-extension-cls", EXTENSION, "--middleware", GUARD, *cli_flags(args)]
         self.server = LocalServer(cmd, name="vllm", api_key=api_key,
-                                  env={"VLLM_SERVER_DEV_MODE": "1"})
+                                  env={"VLLM_SERVER_DEV_MODE": "1", KEY_VARIABLE: api_key})
         self.base = self.server.base
         self._request = self.server.request
 

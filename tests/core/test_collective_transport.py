@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from weightsync.bucket import fill_buckets, plan_buckets, unpack
+from weightsync.errors import CollectiveFailed
 from weightsync.fingerprint import fingerprint
 from weightsync.transports import make_receiver
 from weightsync.transports.collective import CollectiveSender
@@ -135,6 +136,28 @@ def test_a_receive_whose_broadcast_never_comes_fails_within_timeout_s(num_sent):
         if child.is_alive():
             child.kill()
     print(f"{outcome} after {waited_s:.1f} s: {message}")
-    assert outcome != "ok"
+    assert outcome == "CollectiveFailed"
     assert "4000ms" in message  # the deadline the handle carried, in gloo's / the store's words
+    # ... and in ours: the peer waited for, where it listens, what to check.
+    assert f"the trainer's gloo sender (rank 0) at 127.0.0.1:{sender.port}" in message
+    assert "within 4 s" in message and "SyncOptions.timeout_s" in message
+    assert "SyncOptions.collective_host" in message
     assert timeout_s <= waited_s < timeout_s + 5
+
+
+def test_a_sender_whose_receivers_never_join_fails_within_timeout_s_naming_them():
+    sender = CollectiveSender(num_receivers=2, backend="gloo", timeout_s=3.0)
+    try:
+        sender.buffer(0, 64).fill_(7)
+        start = time.perf_counter()
+        with pytest.raises(CollectiveFailed) as failure:
+            sender.send(0, 64)
+        waited_s = time.perf_counter() - start
+    finally:
+        sender.close()
+    message = str(failure.value)
+    print(f"after {waited_s:.1f} s: {message}")
+    assert f"the 2 engine process(es) of the gloo group at 127.0.0.1:{sender.port} did not " \
+           f"all join within 3 s" in message
+    assert "SyncOptions.collective_host" in message and "SyncOptions.timeout_s" in message
+    assert 3.0 <= waited_s < 3.0 + 5

@@ -45,5 +45,6 @@ def test_server_listens_on_loopback_and_demands_a_key_by_default(setup):
     engine, _ = setup
     key = ray.get(engine.server_api_key.remote())
     assert isinstance(key, str) and len(key) >= 24
-    check_server_on_loopback_demands_key(engine, "/update_weights_from_tensor", key=key,
-                                         get_path="/model_info")
+    check_server_on_loopback_demands_key(
+        engine, ["/update_weights_from_tensor", "/pause_generation", "/continue_generation",
+                 "/update_weight_version", "/generate"], key=key, get_path="/model_info")

@@ -43,5 +43,10 @@ def test_repeated_syncs_over_http_with_requests_in_between(setup):
 
 
 def test_server_listens_on_loopback_and_demands_the_api_key(setup):
+    """Every route weightsync drives demands the key, not only vLLM's own /v1 routes."""
     engine, _ = setup
-    check_server_on_loopback_demands_key(engine, "/v1/completions")
+    assert ray.get(engine.server_api_key.remote()) == API_KEY
+    check_server_on_loopback_demands_key(
+        engine, ["/v1/completions", "/collective_rpc", "/pause", "/resume",
+                 "/update_weight_version", "/reset_prefix_cache"], key=API_KEY,
+        get_path="/v1/models")

@@ -23,14 +23,17 @@ trainer's stream then waits for that broadcast before it can change the tensor.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from weightsync.bucket import BucketPlan, write_tensor
+from weightsync.errors import CollectiveFailed
 from weightsync.rendezvous import gloo_device, host_store
 from weightsync.transports import ReceiverTransport, SenderTransport
 
@@ -63,6 +66,17 @@ def _start_broadcast(group: Any, tensor: torch.Tensor, timeout: datetime.timedel
 
 def _broadcast(group: Any, tensor: torch.Tensor, timeout: datetime.timedelta) -> None:
     _start_broadcast(group, tensor, timeout).wait()
+
+
+@contextlib.contextmanager
+def _failing_as(what: str, fix: str) -> Iterator[None]:
+    """torch's error from a store or a collective (its text names neither the peer nor what to
+    do) raised again as `CollectiveFailed`: what was waited for, torch's words, the fix."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch's DistError, DistStoreError and gloo errors derive it
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise CollectiveFailed(f"{what}: {first}. {fix}") from exc
 
 
 class CollectiveSender(SenderTransport):
@@ -129,11 +143,18 @@ class CollectiveSender(SenderTransport):
                 "timeout_s": self.timeout.total_seconds(), "slot": slot}
 
     def send(self, slot: int, nbytes: int) -> None:
+        peers = (f"{self.world_size - 1} engine process(es) of the {self.backend} group at "
+                 f"{self.host}:{self.port}")
+        fix = (f"Is every engine alive, and does {self.host}:{self.port} reach this process "
+               f"from theirs (SyncOptions.collective_host)? A slow engine needs a larger "
+               f"SyncOptions.timeout_s (now {self.timeout.total_seconds():g} s).")
         if self.group is None:
             logger.info("forming %s group of %d on %s:%d", self.backend, self.world_size,
                         self.host, self.port)
-            self.group = _make_group(self.backend, self.store, 0, self.world_size, self.timeout,
-                                     self.host)
+            with _failing_as(f"{self.backend} sender: the {peers} did not all join within "
+                             f"{self.timeout.total_seconds():g} s", fix):
+                self.group = _make_group(self.backend, self.store, 0, self.world_size,
+                                         self.timeout, self.host)
         direct = self._direct[slot]
         if direct is not None:
             data = direct.reshape(-1).view(torch.uint8)[:nbytes]
@@ -144,7 +165,10 @@ class CollectiveSender(SenderTransport):
                                    f"or attach({slot}, ...); the slot holds nothing to send")
             data = buf[:nbytes]
         if self.backend != "nccl":
-            _broadcast(self.group, data, self.timeout)
+            with _failing_as(f"{self.backend} sender: bucket slot {slot} ({nbytes} bytes) did "
+                             f"not reach all {peers} within {self.timeout.total_seconds():g} s",
+                             fix):
+                _broadcast(self.group, data, self.timeout)
             return
         main = torch.cuda.current_stream(self.device)
         if self._stream is None:
@@ -200,7 +224,19 @@ class CollectiveReceiver(ReceiverTransport):
         return group
 
     def receive(self, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
-        group = self._group(handle)
+        timeout_s = float(handle.get("timeout_s", 60))
+        where = f"the trainer's {handle['backend']} sender (rank 0) at {handle['host']}:" \
+                f"{handle['port']}"
+        fix = (f"Is the trainer's rank 0 alive, and does {handle['host']} reach it from this "
+               f"process (SyncOptions.collective_host)? A slow trainer needs a larger "
+               f"SyncOptions.timeout_s (now {timeout_s:g} s).")
+        with _failing_as(f"engine receive: no group with {where} within {timeout_s:g} s", fix):
+            group = self._group(handle)
+        with _failing_as(f"engine receive: bucket slot {handle.get('slot', 0)} ({nbytes} bytes) "
+                         f"did not come from {where} within {timeout_s:g} s", fix):
+            return self._receive(group, handle, nbytes)
+
+    def _receive(self, group: Any, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
         if handle["backend"] == "nccl":
             return self._receive_nccl(group, handle, nbytes)
         device = torch.device("cpu")

@@ -1,0 +1,51 @@
+"""An ASGI middleware for vLLM's server that demands the API key on every route but /health.
+
+vLLM's own `--api-key` guards only /v1, /v2, /inference and /cohere; the routes weightsync drives
+(/collective_rpc, /pause, /resume, /update_weight_version, /reset_prefix_cache) stay open to every
+local user. The engine actor adds this class with `--middleware` and hands the key through the
+server's environment (`VLLM_API_KEY`, which vLLM reads too), so it never shows on a command line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+KEY_VARIABLE = "VLLM_API_KEY"
+OPEN_PATHS = frozenset({"/health"})
+
+_UNAUTHORIZED = json.dumps({"error": "Unauthorized: send 'Authorization: Bearer <key>'; "
+                                     "the engine actor's server_api_key() returns it"}).encode()
+
+
+class KeyOnEveryRoute:
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        key = os.environ.get(KEY_VARIABLE)
+        if not key:
+            raise RuntimeError(f"KeyOnEveryRoute needs the server's key in ${KEY_VARIABLE}; "
+                               "start the server through VllmEngineActor(mode='http')")
+        self.app = app
+        self._digest = hashlib.sha256(key.encode()).digest()
+
+    def _authorized(self, scope: dict[str, Any]) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name.lower() == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(
+                    hashlib.sha256(token.encode()).digest(), self._digest)
+        return False
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS \
+                or self._authorized(scope):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+        else:
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": _UNAUTHORIZED})
