@@ -84,6 +84,9 @@ class _InProcess:
 class _Http:
     def __init__(self, model_path: str, args: dict[str, Any], *, api_key: str) -> None:
         self.model = model_path
+        # Scale-out serves /inference/v1/generate, whose answers carry the weight version of
+        # every token (the version `set_version` gave, changed only while generation is paused).
+        args = {"enable_scale_out": True, **args}
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
                "--worker-extension-cls", EXTENSION, "--middleware", GUARD, *cli_flags(args)]
         self.server = LocalServer(cmd, name="vllm", api_key=api_key,

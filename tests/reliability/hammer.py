@@ -123,7 +123,8 @@ def check_answers(hammer: Hammer, refs: list[list[list[int]]],
                   windows: list[tuple[float, float]], *,
                   tag_of: Callable[[int], str | None] | None = None) -> dict[str, Any]:
     """Every complete answer equals the reference of a version live around it (and, with
-    `tag_of`, carries that version's engine tag). Returns the counts."""
+    `tag_of`, an answer that carries an engine tag carries that version's). Returns the
+    counts ("tagged": complete answers that carried a tag)."""
     inf = float("inf")
     # Version v is live from the start of sync v (which brings it) to the end of sync v + 1.
     live = [(-inf if v == 0 else windows[v - 1][0], inf if v == len(windows) else windows[v][1])
@@ -140,7 +141,8 @@ def check_answers(hammer: Hammer, refs: list[list[list[int]]],
             bad.append(f"prompt {a.prompt} at [{a.sent_s:.2f}, {a.done_s:.2f}] s: tokens "
                        f"{a.tokens} match no live version {candidates} (any version: "
                        f"{anywhere})")
-        elif tag_of is not None and a.tag not in [tag_of(v) for v in matches]:
+        elif tag_of is not None and a.tag is not None and a.tag not in [tag_of(v)
+                                                                        for v in matches]:
             bad.append(f"prompt {a.prompt}: the tokens of version(s) {matches} came tagged "
                        f"{a.tag!r}")
     counts = {
@@ -149,6 +151,7 @@ def check_answers(hammer: Hammer, refs: list[list[list[int]]],
         "aborted": sum(a.outcome == "aborted" for a in hammer.answers),
         "failed": sum(a.outcome.startswith("failed") for a in hammer.answers),
         "mixed_or_stale": len(bad),
+        "tagged": sum(a.tag is not None for a in complete),
     }
     print(f"answers: {counts}")
     for line in bad[:10]:
@@ -165,3 +168,32 @@ def engine_server(engine) -> tuple[str, str]:
     key = ray.get(engine.server_api_key.remote())
     assert base and key, (base, key)
     return base, key
+
+
+def check_a_request_waits_for_the_open_update(engine, trainer, hammer: Hammer,
+                                              close: Callable[[], None], *,
+                                              wait_s: float = 120.0) -> tuple[float, str | None]:
+    """Open an update (nothing loaded), send one request straight to the server: it is not
+    answered while the update is open. `close()` ends the update (the sender's abort, or
+    nothing: the idle watchdog), then the request is answered on the weights held before,
+    equal to the trainer's reference. Returns (seconds from `begin` to the answer, the engine's
+    version tag of the answer). Nothing calls the actor between `begin` and the answer."""
+    prompt = prompt_ids()[0]
+    want = trainer.call("reference_generate", [prompt], max_new_tokens=MAX_NEW_TOKENS)["tokens"]
+    answers: list = []
+    client = threading.Thread(target=lambda: answers.append(hammer.ask(prompt)), daemon=True)
+    ray.get(engine.begin.remote("never-ends"), timeout=120)
+    begun = time.monotonic()
+    try:
+        client.start()
+        client.join(timeout=5)
+        assert not answers, f"answered during an open update: {answers}"
+    finally:
+        close()
+    client.join(timeout=wait_s)
+    assert answers, f"no answer {wait_s:g} s after the update was closed: the server stayed paused"
+    status, out = answers[0]
+    assert status == 200, out
+    tokens, tag = hammer.parse(out)
+    assert [tokens] == want
+    return time.monotonic() - begun, tag

@@ -19,9 +19,11 @@ def test_an_engine_on_another_node_is_built_there_and_kept_in_step(tmp_path, mon
 
     model = make_tiny_model(str(tmp_path / "model"), arch="opt", seed=0)
     monkeypatch.setenv("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    # Each node's processes see their own node-local folder: what a separate machine without
+    # this checkout would use.
+    head_dir = tmp_path / "head-node"
+    monkeypatch.setenv("WEIGHTSYNC_NODE_DIR", str(head_dir))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    # The second node's processes see their own node-local folder: what a separate machine
-    # without this checkout would use.
     other_dir = tmp_path / "other-node"
     monkeypatch.setenv("WEIGHTSYNC_NODE_DIR", str(other_dir))
     other = cluster.add_node(num_cpus=2)
@@ -31,7 +33,10 @@ def test_an_engine_on_another_node_is_built_there_and_kept_in_step(tmp_path, mon
         head_id = ray.get_runtime_context().get_node_id()
         assert other.node_id != head_id and len([n for n in ray.nodes() if n["Alive"]]) == 2
 
-        built = launcher.build_env_on_node(NAME, other.node_id)
+        every = launcher.build_env_on_all_nodes(NAME)
+        assert set(every) == {head_id, other.node_id}
+        assert every[head_id]["python"].startswith(str(head_dir))
+        built = every[other.node_id]
         print(f"env {NAME} on the other node: {built['action']} in {built['seconds']:.1f} s, "
               f"{built['python']}")
         assert built["node_id"] == other.node_id
@@ -60,3 +65,4 @@ def test_an_engine_on_another_node_is_built_there_and_kept_in_step(tmp_path, mon
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(other_dir, ignore_errors=True)
+        shutil.rmtree(head_dir, ignore_errors=True)

@@ -27,8 +27,9 @@ LONG_RUN_SYNCS = 200
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="opt", seed=0)
     launcher.init_ray(num_cpus=2)
+    # keep_previous from the constructor: the first test relies on it; later tests set it.
     engine = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model,
-                             idle_timeout_s=IDLE_TIMEOUT_S)
+                             idle_timeout_s=IDLE_TIMEOUT_S, keep_previous=True)
     trainer = launcher.TrainerGroup(WORKER, model_path=model, bucket_bytes=1 << 20, seed=0,
                                     timeout_s=30)
     trainer.call("connect", {NAME: engine})
@@ -45,14 +46,14 @@ def _sync_recovers(engine, trainer, version: str) -> None:
 
 
 def _paused_trainer(model: str, engine, path: str = "buckets",
-                    pause_s: float = PAUSE_S) -> launcher.TrainerGroup:
+                    pause_s: float = PAUSE_S, **options) -> launcher.TrainerGroup:
     """A second trainer on the same engine whose rank 0 pauses mid-sync, so that a test can
     kill a process while an update is half done: before bucket 2 of each sync by buckets, or
     (path "direct") before writing piece 5 of each one-copy sync, once rank 1 wrote its
-    pieces into the engine's parameters."""
+    pieces into the engine's parameters. `options`: more `SyncOptions` fields."""
     pause = ("bucket", 2, pause_s) if path == "buckets" else ("piece", 5, pause_s)
     trainer = launcher.TrainerGroup(WORKER, model_path=model, bucket_bytes=1 << 20, seed=7,
-                                    timeout_s=SYNC_TIMEOUT_S, test_pause=pause)
+                                    timeout_s=SYNC_TIMEOUT_S, test_pause=pause, **options)
     trainer.call("connect", {NAME: engine})
     return trainer
 
@@ -68,6 +69,18 @@ def _unchanged(engine, prints, version):
     assert ray.get(engine.fingerprints.remote()) == prints
     assert ray.get(engine.weight_version.remote()) == version
     assert ray.get(engine.generate.remote(prompt_ids()))["weight_version"] == version
+
+
+def test_keep_previous_from_the_constructor_rolls_back_an_aborted_update(setup):
+    """The fixture's engine was made with `keep_previous=True` and nothing has set it since."""
+    engine, trainer, _ = setup
+    prints = ray.get(engine.fingerprints.remote())
+    served = ray.get(engine.generate.remote(prompt_ids()))
+    half_update(engine, trainer.call("refit_info")[0])
+    assert ray.get(engine.weight_version.remote()) == "v0"
+    assert ray.get(engine.fingerprints.remote()) == prints
+    assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
+    ray.get(engine.set_keep_previous.remote(False))  # the default, for the tests that follow
 
 
 @pytest.mark.parametrize("case", ["missing", "duplicate", "empty", "other_architecture",
@@ -179,8 +192,8 @@ def test_an_update_left_open_by_a_dead_sender_is_aborted_by_the_next(setup):
 @pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0-the-sender"])
 def test_a_trainer_rank_killed_mid_sync_fails_it_within_the_timeout(setup, victim, path):
     engine, trainer, model = setup
-    ray.get(engine.set_keep_previous.remote(True))
-    doomed = _paused_trainer(model, engine, path)
+    # keep_previous from the doomed trainer's SyncOptions: its connect sets it on the engine.
+    doomed = _paused_trainer(model, engine, path, keep_previous=True)
     version = f"before-kill-{victim}-{path}"
     # On the one-copy path the doomed trainer's own first sync (by buckets) comes first.
     before = (doomed if path == "direct" else trainer).call("sync", version, verify=True)

@@ -11,6 +11,7 @@ import ray
 from tests.reliability.hammer import (
     MAX_NEW_TOKENS,
     Hammer,
+    check_a_request_waits_for_the_open_update,
     check_answers,
     engine_server,
     post_json,
@@ -21,6 +22,7 @@ from weightsync.models import make_tiny_model
 
 NAME = "sglang-http"
 NUM_SYNCS = 50
+IDLE_TIMEOUT_S = 20.0  # the engine's: an update whose sender is silent this long is aborted
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="opt", seed=0)
     launcher.init_ray(num_cpus=2)
     engine = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model,
-                             mode="http")
+                             mode="http", idle_timeout_s=IDLE_TIMEOUT_S)
     trainer = launcher.TrainerGroup("weightsync.backends.sglang.worker."
                                     "SglDTensorV2WeightSyncWorker",
                                     model_path=model, bucket_bytes=1 << 20, seed=0)
@@ -67,4 +69,32 @@ def test_direct_http_clients_never_see_half_written_weights_during_many_syncs(se
     # SGLang tags each answer with its weight version: "default" before the first sync.
     counts = check_answers(hammer, run["refs"], run["windows"],
                            tag_of=lambda v: f"v{v}" if v else "default")
+    assert counts["tagged"] == counts["complete"]
     print(f"{NUM_SYNCS} syncs, {counts}, {time.monotonic() - start:.0f} s")
+
+
+def test_an_aborted_update_resumes_the_servers_generation(setup):
+    """A request sent straight to the server while an update is open waits; the sender's
+    `abort` resumes the server, which answers it on the weights it held before."""
+    engine, trainer = setup
+    version = ray.get(engine.engine_weight_version.remote())  # SGLang's own tag
+    _, tag = check_a_request_waits_for_the_open_update(
+        engine, trainer, _hammer(engine),
+        lambda: ray.get(engine.abort.remote("the trainer gave up"), timeout=120))
+    assert tag == version
+
+
+def test_a_silent_update_is_expired_by_the_watchdog_and_the_server_resumes(setup):
+    """Nobody calls the actor after `begin` (a dead trainer): the watchdog aborts the update
+    after idle_timeout_s and resumes the server; the waiting request is answered on the
+    previous weights, and the next sync lands verified."""
+    engine, trainer = setup
+    version = ray.get(engine.engine_weight_version.remote())  # SGLang's own tag
+    waited_s, tag = check_a_request_waits_for_the_open_update(
+        engine, trainer, _hammer(engine), lambda: None, wait_s=IDLE_TIMEOUT_S + 60)
+    print(f"answered {waited_s:.1f} s after begin (idle_timeout_s {IDLE_TIMEOUT_S:g})")
+    assert IDLE_TIMEOUT_S <= waited_s < IDLE_TIMEOUT_S + 60
+    assert tag == version
+    assert ray.get(engine.engine_weight_version.remote()) == version
+    report = trainer.call("sync", "after-watchdog", verify=True)
+    assert report["verify"][NAME]["verified"], report["verify"]

@@ -47,6 +47,22 @@ def test_connect_counts_every_worker_process(setup):
     assert answer["tp1"]["num_receivers"] == 1
 
 
+def test_an_update_before_the_engine_learned_where_tensors_land_is_rolled_back(setup):
+    """tp2 has loaded no tensor yet, so it cannot know which parameters a tensor lands in (q_proj
+    lands inside the fused qkv_proj): with keep_previous it copies every parameter before the
+    load, and an update aborted after it is undone in both workers."""
+    engines, trainer, *_ = setup
+    tp2 = engines["tp2"]
+    version = ray.get(tp2.weight_version.remote())
+    prints = ray.get(tp2.worker_fingerprints.remote())
+    served = ray.get(tp2.generate.remote(prompt_ids()))
+    half_update(tp2, next(s for s in trainer.call("refit_info")
+                          if s["name"].endswith("layers.1.self_attn.q_proj.weight")))
+    assert ray.get(tp2.weight_version.remote()) == version
+    assert ray.get(tp2.worker_fingerprints.remote()) == prints
+    assert ray.get(tp2.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
+
+
 def test_one_sync_serves_both_replicas_each_tp_worker_verified(setup):
     engines, trainer, *_ = setup
     for step in range(2):
