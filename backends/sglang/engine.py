@@ -1,8 +1,8 @@
 """The SGLang engine actor: a real SGLang engine that generates and receives weights.
 
 Two deliveries, one protocol. `mode="engine"` wraps an in-process `sglang.Engine`; `mode="http"`
-starts `python -m sglang.launch_server` on loopback and talks to its HTTP API (with the API key
-when one is set). Either way each weightsync step is one `update_weights_from_tensor` call whose
+starts SGLang's HTTP server on loopback (through backends/sglang/serve.py, which hands it the API
+key from its environment) and talks to its HTTP API with that key. Either way each weightsync step is one `update_weights_from_tensor` call whose
 load_format is our loader (backends/sglang/loader.py), carrying a JSON control message; the
 bytes themselves travel through the core's transport. SGLang's own update session
 (begin_weight_update / end_weight_update) wraps every sync when the engine has it.
