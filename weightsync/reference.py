@@ -21,8 +21,13 @@ def reference_generate(model_path: str, state: dict[str, torch.Tensor],
     # Built on the CPU, not on "meta": non-persistent buffers (a rope model's inv_freq) are
     # computed at construction and are not in `state`.
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, _ = reference.load_state_dict({k: v.float().cpu() for k, v in state.items()},
-                                           strict=False)
+    state = {k: v.float().cpu() for k, v in state.items()}
+    if set(state) - set(reference.state_dict()):
+        # Checkpoint names (a MoE's experts one by one): loaded as transformers loads any
+        # checkpoint, which converts them to the model's layout (the experts grouped again).
+        reference, missing = _from_checkpoint_state(model_path, state)
+    else:
+        missing, _ = reference.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied:
         raise ValueError(f"the trainer's state lacks {sorted(set(missing) - tied)[:5]} of the "
@@ -41,3 +46,26 @@ def reference_generate(model_path: str, state: dict[str, torch.Tensor],
             logprobs.append([float(torch.log_softmax(s[0].float(), -1)[t])
                              for s, t in zip(out.scores, new)])
     return {"tokens": tokens, "logprobs": logprobs}
+
+
+def _from_checkpoint_state(model_path: str, state: dict[str, torch.Tensor]) -> tuple[Any, list]:
+    """`state` written as a safetensors checkpoint beside the config of `model_path`, loaded
+    back with `from_pretrained` in float32: (the model, the names it found no weight for)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="weightsync-reference-") as tmp:
+        save_file({name: t.contiguous() for name, t in state.items()},
+                  str(Path(tmp) / "model.safetensors"))
+        shutil.copy(Path(model_path) / "config.json", Path(tmp) / "config.json")
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32,
+                                                               output_loading_info=True)
+        except RuntimeError as exc:  # transformers' conversion found pieces that do not fit
+            raise ValueError(f"the trainer's state does not load as a checkpoint of the "
+                             f"architecture at {model_path}: {str(exc).splitlines()[0]}") from exc
+        return model, list(info["missing_keys"])

@@ -124,3 +124,20 @@ def test_each_rank_writes_the_experts_it_holds_and_the_pieces_rebuild_the_checkp
         name = f"model.layers.0.mlp.experts.{expert}.gate_proj.weight"
         owner = 0 if expert < NUM_EXPERTS // 2 else 1
         assert pieces[owner][name] is not None and pieces[1 - owner][name] is None, name
+
+
+def test_the_reference_takes_a_state_under_checkpoint_names(tmp_path, checkpoint):
+    """`reference_generate` given the per-expert state the trainer sends answers as the model
+    whose grouped parameters hold the same values; a state lacking an expert is refused."""
+    from weightsync.models import make_tiny_model
+    from weightsync.reference import reference_generate
+
+    path = make_tiny_model(str(tmp_path / "m"), arch="qwen3_moe", seed=3)
+    model = build_model("qwen3_moe", "tiny", seed=3)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    want = reference_generate(path, model.state_dict(), prompts, max_new_tokens=4)
+    got = reference_generate(path, checkpoint, prompts, max_new_tokens=4)
+    assert got == want
+    lacking = {k: v for k, v in checkpoint.items() if ".experts.3.up_proj" not in k}
+    with pytest.raises(ValueError, match="does not load as a checkpoint"):
+        reference_generate(path, lacking, prompts, max_new_tokens=4)
