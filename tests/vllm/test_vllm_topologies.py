@@ -54,13 +54,18 @@ def test_an_update_before_the_engine_learned_where_tensors_land_is_rolled_back(s
     engines, trainer, *_ = setup
     tp2 = engines["tp2"]
     version = ray.get(tp2.weight_version.remote())
-    prints = ray.get(tp2.worker_fingerprints.remote())
+    # No fingerprints to compare: an engine reports those of parameters it knows a tensor
+    # lands in, and it knows none yet. The answers show the weights: random values half
+    # loaded into q_proj would change every logprob.
     served = ray.get(tp2.generate.remote(prompt_ids()))
     half_update(tp2, next(s for s in trainer.call("refit_info")
                           if s["name"].endswith("layers.1.self_attn.q_proj.weight")))
     assert ray.get(tp2.weight_version.remote()) == version
-    assert ray.get(tp2.worker_fingerprints.remote()) == prints
-    assert ray.get(tp2.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
+    ray.get(tp2.settle.remote(), timeout=300)  # GEMMs re-packed from the restored weights
+    got = ray.get(tp2.generate.remote(prompt_ids()))
+    assert got["tokens"] == served["tokens"]
+    for g_row, s_row in zip(got["logprobs"], served["logprobs"]):
+        assert g_row == pytest.approx(s_row, abs=1e-4)
 
 
 def test_one_sync_serves_both_replicas_each_tp_worker_verified(setup):
