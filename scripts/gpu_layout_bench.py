@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,11 +33,15 @@ from gpu_bench import PipeEndpoint, stop_receiver  # noqa: E402
 from weightsync import layouts  # noqa: E402
 
 
-def _receiver_main(shapes: layouts.Layout, conn, one_copy_bytes: int | None = None) -> None:
+def _receiver_main(shapes: layouts.Layout, conn, one_copy_bytes: int | None = None,
+                   graphs: bool = True) -> None:
     torch.cuda.set_device(0)
-    if one_copy_bytes is not None:
-        import weightsync.loading
+    import weightsync.loading
 
+    weightsync.loading._GRAPHS = graphs
+    if os.environ.get("WS_GRAPH_BRANCHES"):  # experiments only
+        weightsync.loading._GRAPH_BRANCHES = int(os.environ["WS_GRAPH_BRANCHES"])
+    if one_copy_bytes is not None:
         weightsync.loading._ONE_COPY_BYTES = one_copy_bytes
     from weightsync.errors import error_to_wire
     from weightsync.receiver import ModuleWeightReceiver
@@ -52,6 +57,26 @@ def _receiver_main(shapes: layouts.Layout, conn, one_copy_bytes: int | None = No
                 result = torch.cuda.memory_allocated()
             elif method == "peak":
                 result = torch.cuda.max_memory_allocated()
+            elif method == "prof_start":  # --profile: host (cProfile) and device time
+                import cProfile
+
+                prof = cProfile.Profile()
+                tprof = torch.profiler.profile(activities=[
+                    torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                tprof.__enter__()
+                prof.enable()
+                result = None
+            elif method == "prof_stop":
+                import io
+                import pstats
+
+                prof.disable()
+                torch.cuda.synchronize()
+                tprof.__exit__(None, None, None)
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+                result = out.getvalue() + tprof.key_averages().table(
+                    sort_by="self_cuda_time_total", row_limit=12)
             else:
                 result = getattr(receiver, method)(*args)
                 if method == "end":  # the update is done once its copies are
@@ -88,7 +113,8 @@ def copy_rate(gb: float, repeats: int) -> float:
 
 
 def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
-        reference_gbps: float, replay: bool = True, one_copy_bytes: int | None = None) -> dict:
+        reference_gbps: float, replay: bool = True, one_copy_bytes: int | None = None,
+        profile: bool = False, graphs: bool = True) -> dict:
     from weightsync.sender import WeightSender
     from weightsync.transports.cuda_ipc import CudaIpcSender
     from weightsync.wire import TensorSpec
@@ -99,7 +125,7 @@ def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
     source = _Source(layouts.build_module(shapes, device="cuda:0", fill=True))
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    child = ctx.Process(target=_receiver_main, args=(shapes, there, one_copy_bytes))
+    child = ctx.Process(target=_receiver_main, args=(shapes, there, one_copy_bytes, graphs))
     child.start()
     endpoint = PipeEndpoint(here, "receiver")
     transport = CudaIpcSender(num_slots=2, replay=replay)
@@ -111,14 +137,29 @@ def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     receiver_base = endpoint.call("peak_reset", timeout_s=60)
-    times = []
+    times, load_s = [], []
     for i in range(repeats):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        sender.sync(source.tensors(), version=f"v{i}")
+        report = sender.sync(source.tensors(), version=f"v{i}")
         times.append(time.perf_counter() - start)
+        load_s.append(report.engines[endpoint.name].load_s)
+    if profile:  # one more replay sync, profiled on both sides (after the timed ones)
+        import cProfile
+        import pstats
+
+        endpoint.call("prof_start", timeout_s=60)
+        prof = cProfile.Profile()
+        prof.enable()
+        sender.sync(source.tensors(), version="profiled")
+        prof.disable()
+        print("== sender", file=sys.stderr)
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(18)
+        print("== receiver\n" + endpoint.call("prof_stop", timeout_s=600), file=sys.stderr)
     sender_peak = torch.cuda.max_memory_allocated() - base
     receiver_peak = endpoint.call("peak", timeout_s=60) - receiver_base
+    for _, tensor in source.params:  # new values at the same places: replayed syncs must
+        tensor.neg_()                # carry them (checked by the verified syncs below)
     verified_times = []
     for i in range(repeats):  # the first also builds each side's fingerprint tables
         torch.cuda.synchronize()
@@ -131,10 +172,12 @@ def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
     sender.close()
     best = min(times)
     return {"layout": layout, "layers": num_layers, "tensors": len(shapes), "gb": nbytes / 1e9,
-            "bucket_mb": bucket_bytes >> 20, "sync_s": best, "sync_gbps": nbytes / best / 1e9,
+            "bucket_mb": bucket_bytes >> 20, "sync_s": best,
+            "receiver_load_s": load_s[times.index(best)], "sync_gbps": nbytes / best / 1e9,
             "copy_gbps": reference_gbps, "ratio": nbytes / best / 1e9 / reference_gbps,
             "verified_sync_s": verify_sync_s, "verify_added": verify_sync_s / best - 1,
-            "verified": verified, "replay": replay, "one_copy_bytes": one_copy_bytes,
+            "verified": verified, "replay": replay, "graphs": graphs,
+            "one_copy_bytes": one_copy_bytes,
             "sender_peak_extra_gb": sender_peak / 1e9,
             "receiver_peak_extra_gb": receiver_peak / 1e9}
 
@@ -151,6 +194,12 @@ def main() -> None:
     parser.add_argument("--one-copy-mb", type=float, default=None,
                         help="the receiver copies tensors this large one by one, smaller ones "
                              "together (default: weightsync.loading's 4 MiB)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed syncs, profile one more (cProfile on both sides, "
+                             "torch.profiler's device time on the receiver) to stderr")
+    parser.add_argument("--no-graphs", action="store_true",
+                        help="the receiver issues a replayed bucket's copies one by one instead "
+                             "of as one CUDA graph")
     parser.add_argument("--no-replay", action="store_true",
                         help="describe every bucket in full every sync (CUDA IPC replay off)")
     args = parser.parse_args()
@@ -158,7 +207,8 @@ def main() -> None:
     for layers in [int(x) for x in args.layers.split(",") if x] or [None]:
         print(json.dumps(run(args.layout, layers, repeats=args.repeats,
                              bucket_bytes=args.bucket_mb << 20, reference_gbps=reference,
-                             replay=not args.no_replay,
+                             replay=not args.no_replay, profile=args.profile,
+                             graphs=not args.no_graphs,
                              one_copy_bytes=None if args.one_copy_mb is None
                              else int(args.one_copy_mb * (1 << 20)))),
               flush=True)

@@ -7,8 +7,10 @@ the buckets in flight. A tensor larger than the capacity gets a bucket of its ow
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +34,8 @@ class BucketPlan:
     index: int
     nbytes: int
     tensors: list[TensorMeta]
+    # (names, shapes, torch dtypes) of `tensors`, for `take_bucket`'s check in bulk
+    _expected: tuple[list, list, list] | None = field(default=None, repr=False, compare=False)
 
     def descriptor(self, handle: dict | None = None) -> BucketDescriptor:
         return BucketDescriptor(index=self.index, nbytes=self.nbytes, tensors=list(self.tensors),
@@ -165,13 +169,26 @@ def take_bucket(plan: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]]
                 ) -> list[torch.Tensor]:
     """The next tensors of the stream `tensors` that make up `plan`, checked against it, for
     transports that pass tensors in place instead of copying them into a bucket (same errors
-    as `fill_buckets`)."""
-    taken = []
-    for meta in plan.tensors:
-        tensor = _next_tensor(plan, meta, tensors)
-        check_tensor(meta, tensor)
-        taken.append(tensor)
+    as `fill_buckets`). Names, shapes and dtypes are compared in bulk (no Python per tensor);
+    only a mismatch walks the tensors one by one to name it."""
+    expected = plan._expected
+    if expected is None:
+        expected = plan._expected = (
+            [m.name for m in plan.tensors], [torch.Size(m.shape) for m in plan.tensors],
+            [dtype_from_str(m.dtype) for m in plan.tensors])
+    items = list(itertools.islice(tensors, len(expected[0])))
+    taken = [t for _, t in items]
+    if [n for n, _ in items] == expected[0] and list(map(_size, taken)) == expected[1] \
+            and list(map(_dtype, taken)) == expected[2]:
+        return taken
+    stream = iter(items)
+    for meta in plan.tensors:  # raises naming the first mismatch
+        check_tensor(meta, _next_tensor(plan, meta, stream))
     return taken
+
+
+_size = torch.Tensor.size
+_dtype = operator.attrgetter("dtype")
 
 
 def check_stream_end(tensors: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -17,8 +17,8 @@ and strides, and no exported storage died since, so every storage is the one des
 announced as {"same": True} with no views and no tensor list, and the receiver hands back the
 views it made for that bucket then (their storages stay open). The per-tensor work of a sync
 (exports, view lists, descriptors, their pickling, checks and views on the receiver) then happens
-once, on the first sync; later ones pay a pointer comparison per tensor on the sender and a list
-lookup per bucket on the receiver. `forget_replays()` (an engine added, a sync that failed)
+once, on the first sync; later ones pay a pointer and strides comparison per tensor on the sender (in bulk: no Python per
+tensor) and a list lookup per bucket on the receiver. `forget_replays()` (an engine added, a sync that failed)
 sends every bucket in full again.
 
 Only plain data crosses: handles as base64 text, offsets, strides and sizes as ints. Ordering:
@@ -44,6 +44,8 @@ from weightsync.transports import ReceiverTransport, SenderTransport
 from weightsync.wire import BucketDescriptor, dtype_from_str, element_size
 
 _uids = itertools.count()
+_data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
 
 
 def _export(storage: torch.UntypedStorage) -> dict[str, Any]:
@@ -72,7 +74,7 @@ class CudaIpcSender(SenderTransport):
         self.device = torch.cuda.current_device() if device is None else device
         self.zero_copy = zero_copy
         self.replay = replay
-        # plan index -> ([(data_ptr, strides)] of its tensors, deaths seen, views, exports)
+        # plan index -> (([data_ptr], [strides]) of its tensors, deaths seen, views, exports)
         self._last: dict[int, tuple[list, int, list, dict]] = {}
         self._same: list[bool] = [False] * num_slots
         self._deaths = 0
@@ -140,7 +142,8 @@ class CudaIpcSender(SenderTransport):
             self._sync += 1
         self._held[slot] = None  # the slot's previous tensors may go (and their exports die)
         self._same[slot] = False
-        signature = [(t.data_ptr(), t.stride()) for t in tensors] if self.replay else None
+        signature = (list(map(_data_ptr, tensors)), list(map(_stride, tensors))) \
+            if self.replay else None
         last = self._last.get(plan.index)
         if last is not None and last[0] == signature and last[1] == self._deaths:
             self._held[slot], self._views[slot], self._slot_exports[slot] = tensors, last[2], {}
