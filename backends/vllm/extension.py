@@ -239,8 +239,14 @@ class WeightsyncWorkerExtension:
         state = self._ws_state()
         # At TP > 1 the trainer writes each worker's slices through their placements.
         placements = state["receiver"].placements if self._ws_tp()[1] > 1 else None
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            return state["receiver"].share(placements).to_dict()
+        # The probe writes random bytes into the parameters: a re-pack running meanwhile would
+        # pack them into a GEMM that then serves (the layer would leave `stale` with garbage).
+        state["repacker"].stop()
+        try:
+            with set_current_vllm_config(self.vllm_config), torch.no_grad():
+                return state["receiver"].share(placements).to_dict()
+        finally:
+            state["repacker"].start()  # what was still pending, from the restored parameters
 
 
     def _ws_gemms(self) -> dict[str, list[_Gemm]]:
