@@ -23,7 +23,9 @@ Measured per path:
 - each rank's CPU seconds in a sync (its process, best of `--repeats`): on a loaded host the
   wall clock counts other processes' turns too, CPU seconds do not;
 - peak RSS growth of each process during the timed syncs, and the shared-memory segments the
-  three processes hold (buckets, the receiver's shared parameters).
+  three processes hold (buckets, the receiver's shared parameters);
+- whether an unverified sync like the timed ones, after every parameter was negated in place,
+  left the receiver holding the new values (`TrainerSync.verify`), and a verified sync.
 `--profile DIR` writes each rank's cProfile (CPU time) of the timed syncs of each path.
 """
 
@@ -157,6 +159,13 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
         profile.dump_stats(os.path.join(args.profile, f"{path}-rank{rank}.prof"))
     peak = _peak_rss(pids) if rank == 0 else []
     segments = _segment_bytes(pids) if rank == 0 else 0
+    # What the timed (unverified) syncs write, checked: new values in place, one more such
+    # sync, then a verification that writes nothing.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().neg_()
+    sync.sync("negated")
+    after_timed = sync.verify()
     checked = sync.sync("checked", verify=True)
     sync.close()
     if rank != 0:
@@ -169,6 +178,7 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
     return {"sync_s": times[best], "report_sync_s": reports[best]["sync_s"],
             "phases_s": reports[best].get("phases_s"), "times_s": times,
             "rank_cpu_s": rank_cpu_s, "verified": checked["verify"]["receiver"]["verified"],
+            "unverified_sync_checked": after_timed["receiver"]["verified"],
             "share_s": warm[0]["engines"]["receiver"].get("share_s"),
             "peak_rss_growth_bytes": {name: p - r for name, p, r in
                                       zip(("rank0", "rank1", "receiver"), peak, rss)},
@@ -248,9 +258,10 @@ def _table(out: dict) -> None:
                         f"best of {out['repeats']}")
     for col in ("path", "sync s (TrainerSync.sync wall, rank 0)", "memcpy s (same bytes)",
                 "ratio (memcpy s / sync s)", "us per tensor beyond memcpy",
-                "phases s (begin / write / end)", "rank CPU s (0 / 1)", "verified",
+                "phases s (begin / write / end)", "rank CPU s (0 / 1)", "verified (after / sync)",
                 "peak RSS growth MB (rank0 / rank1 / receiver)", "shm segments MB"):
-        table.add_column(col, justify="left" if col in ("path", "verified") else "right")
+        left = col in ("path", "verified (after / sync)")
+        table.add_column(col, justify="left" if left else "right")
     for path, r in out["paths"].items():
         phases = r["phases_s"] or {}
         growth = r["peak_rss_growth_bytes"]
@@ -260,7 +271,8 @@ def _table(out: dict) -> None:
             f"{(r['sync_s'] - r['memcpy_s']) / out['tensors'] * 1e6:.0f}",
             " / ".join(f"{phases[k]:.3f}" for k in ("begin", "write", "end") if k in phases)
             or "-",
-            " / ".join(f"{c:.3f}" for c in r["rank_cpu_s"]), str(r["verified"]),
+            " / ".join(f"{c:.3f}" for c in r["rank_cpu_s"]),
+            f"{r.get('unverified_sync_checked')} / {r['verified']}",
             " / ".join(f"{growth[k] / 1e6:.0f}" for k in ("rank0", "rank1", "receiver")),
             f"{r['segment_bytes'] / 1e6:.0f}")
     Console(width=200).print(table)

@@ -239,20 +239,38 @@ class DirectTarget:
         return True
 
     def _write_placed(self, name: str, offset: int, raw: torch.Tensor, *, check: bool) -> bool:
+        intact = True
+        for d_view, s_view in self._placed_views(name, offset, raw):
+            d_view.copy_(s_view)
+            self.written += d_view.numel() * d_view.element_size()
+            if check:
+                intact = intact and torch.equal(d_view, s_view)
+        return intact
+
+    def _placed_views(self, name: str, offset: int, raw: torch.Tensor
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         size, pats = self.placed[name]
         if offset % size or raw.numel() % size:
             raise ValueError(f"{name!r}: a piece at byte {offset} of {raw.numel()} bytes is not "
                              f"whole {size}-byte elements")
         word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-        src = raw.view(word)
         dst = self.segment.tensor[self.offsets[name]:].view(word)  # the parameter from here on
-        intact = True
-        for d_view, s_view in placed_pieces(dst, src, offset // size, pats):
-            d_view.copy_(s_view)
-            self.written += d_view.numel() * size
-            if check:
-                intact = intact and torch.equal(d_view, s_view)
-        return intact
+        return placed_pieces(dst, raw.view(word), offset // size, pats)
+
+    def copies(self, name: str, offset: int, src: torch.Tensor, dtype: torch.dtype,
+               ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """(destination, source) view pairs whose copies write `src`, converted to `dtype`, as
+        `write` would: kept by a write plan and copied again every sync. None where that
+        needs a converted copy of `src` per sync (a placed tensor changing dtype)."""
+        if name in self.placed:
+            if src.dtype != dtype or not src.is_contiguous():
+                return None
+            return self._placed_views(name, offset, src.reshape(-1).view(torch.uint8))
+        start = self.offsets[name] + offset
+        if start % dtype.itemsize:
+            return None
+        dst = self.segment.tensor[start:start + src.numel() * dtype.itemsize]
+        return [(dst.view(dtype).view(src.shape), src)]
 
     def close(self) -> None:
         self.segment.close()

@@ -13,7 +13,7 @@ import logging
 import math
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -161,14 +161,18 @@ class DTensorV2Source:
         output head. Their parameters are then plain tensors in the compute dtype, so each unit
         is resharded first (local, no communication; never call this between a forward and
         its backward)."""
-        for module in self._fsdp_modules:
-            module.reshard()
+        self.reshard()
         # The parameters themselves (no DTensor detach per tensor, ~8 us each); readers only
         # read, without autograd (`detach` or `torch.no_grad` where they compute).
         state = self.model.state_dict(keep_vars=True)
         for alias in self.aliases:
             state.pop(alias, None)
         return state
+
+    def reshard(self) -> None:
+        """Put every FSDP2 unit back in its sharded state (local, no communication)."""
+        for module in self._fsdp_modules:
+            module.reshard()
 
     def converts(self, name: str) -> bool:
         """Whether native tensor `name` reaches the engines renamed or split."""
@@ -323,6 +327,19 @@ def _replicated(tensor: torch.Tensor) -> bool:
     return placements is not None and all(isinstance(p, Replicate) for p in placements)
 
 
+class Piece(NamedTuple):
+    """One rank's part of one engine tensor, before conversion to the dtype the engines get."""
+
+    name: str
+    src: torch.Tensor | None  # None: another rank writes this one (or it is empty here)
+    offset: int  # byte offset of `src`'s bytes inside the full engine tensor
+    dtype: torch.dtype  # the dtype the engines receive
+    static: bool  # `src` is a view of the parameter's own storage (not gathered per sync)
+
+    def data(self) -> torch.Tensor | None:
+        return None if self.src is None else self.src.to(self.dtype).contiguous()
+
+
 class ShardPieces:
     """Each rank's own part of every tensor, with its byte offset inside the full tensor.
 
@@ -351,46 +368,69 @@ class ShardPieces:
         return offset
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None, int]]:
-        source = self.source
-        for name, tensor in source._native().items():
+        for name, tensor in self.source._native().items():
             with torch.no_grad():  # `_native` gives the parameters themselves
-                pieces = list(self._pieces(source, name, tensor))
+                pieces = [(p.name, p.data(), p.offset) for p in self.pieces(name, tensor)]
             yield from pieces
 
-    def _pieces(self, source: DTensorV2Source, name: str, tensor: torch.Tensor,
-                ) -> Iterator[tuple[str, torch.Tensor | None, int]]:
-        if source.converts(name):
-            layout = source._hf_layout(name, tensor)
+    def gathers(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether `pieces(name, tensor)` gathers the tensor (a collective; its pieces are then
+        made afresh every sync). Depends only on the layout, so it is the same on every rank."""
+        layout = self._split_layout(name, tensor)
+        if layout is not None:
+            return not self._runs_held(name, tensor)
+        return not (_dim0_sharded(tensor) or _replicated(tensor)
+                    or not hasattr(tensor, "placements"))
+
+    def _split_layout(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The engine tensors of a native tensor that reaches the engines renamed or split."""
+        if self.source.converts(name):
+            layout = self.source._hf_layout(name, tensor)
             if list(layout) != [name] or layout[name].shape != tensor.shape:
-                yield from self._converted(name, tensor, layout)
-                return
-        out_dtype = source._out_dtype(tensor)
+                return layout
+        return None
+
+    def _runs_held(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether each engine tensor of split tensor `name` is a contiguous run of it that the
+        ranks write from their dim-0 shards (grouped experts)."""
+        source = self.source
+        if source.adapter is not None or not _dim0_sharded(tensor):
+            return False
+        return None not in source.checkpoint_format.runs(name, tuple(tensor.shape))
+
+    def pieces(self, name: str, tensor: torch.Tensor) -> Iterator[Piece]:
+        """The pieces of native tensor `name`, unconverted. A collective where `gathers`:
+        every rank calls, in the same order."""
+        layout = self._split_layout(name, tensor)
+        if layout is not None:
+            yield from self._converted(name, tensor, layout)
+            return
+        out_dtype = self.source._out_dtype(tensor)
         if _dim0_sharded(tensor):
             local = tensor.to_local()
-            data = local.to(out_dtype).contiguous() if local.numel() else None
-            yield name, data, self._offset(name, tensor, out_dtype)
+            yield Piece(name, local if local.numel() else None,
+                        self._offset(name, tensor, out_dtype), out_dtype, True)
         elif _replicated(tensor) or not hasattr(tensor, "placements"):
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            yield name, (local.to(out_dtype).contiguous() if self.rank == 0 else None), 0
+            yield Piece(name, local if self.rank == 0 else None, 0, out_dtype, True)
         else:
-            full = tensor.full_tensor().to(out_dtype).contiguous()
-            yield name, (full if self.rank == 0 else None), 0
+            full = tensor.full_tensor()
+            yield Piece(name, full if self.rank == 0 else None, 0, out_dtype, False)
 
     def _converted(self, name: str, tensor: torch.Tensor, layout: dict[str, torch.Tensor]
-                   ) -> Iterator[tuple[str, torch.Tensor | None, int]]:
+                   ) -> Iterator[Piece]:
         """The pieces of a native tensor that reaches the engines renamed or split. Checkpoint
         tensors that are each one contiguous run of a dim-0 sharded tensor (grouped experts):
         each rank writes the part of each run it holds. Otherwise (an adapter's conversion):
         gathered, converted and written by rank 0."""
         source = self.source
-        fmt = source.checkpoint_format
-        runs = fmt.runs(name, tuple(tensor.shape)) if source.adapter is None else [None]
-        assert source.adapter is not None or len(runs) == len(layout), (name, runs, list(layout))
-        if None in runs or not _dim0_sharded(tensor):
+        if not self._runs_held(name, tensor):
             for hf_name, full in source._to_hf(name, _full(tensor)).items():
-                data = full.to(source._out_dtype(full)).contiguous()
-                yield hf_name, (data if self.rank == 0 else None), 0
+                yield Piece(hf_name, full if self.rank == 0 else None, 0,
+                            source._out_dtype(full), False)
             return
+        runs = source.checkpoint_format.runs(name, tuple(tensor.shape))
+        assert len(runs) == len(layout), (name, runs, list(layout))
         out_dtype = source._out_dtype(tensor)
         local = tensor.to_local().reshape(-1)
         low = self._offset(name, tensor, out_dtype) // out_dtype.itemsize
@@ -398,7 +438,7 @@ class ShardPieces:
         for (hf_name, meta), start in zip(layout.items(), runs):
             first, last = max(start, low), min(start + meta.numel(), high)
             if first >= last:
-                yield hf_name, None, 0
+                yield Piece(hf_name, None, 0, out_dtype, True)
                 continue
-            data = local[first - low:last - low].to(out_dtype).contiguous()
-            yield hf_name, data, (first - start) * out_dtype.itemsize
+            yield Piece(hf_name, local[first - low:last - low],
+                        (first - start) * out_dtype.itemsize, out_dtype, True)

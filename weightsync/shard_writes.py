@@ -19,6 +19,7 @@ from weightsync.bucket import BucketPlan, plan_buckets
 from weightsync.direct import DirectTarget
 from weightsync.dtensor import DTensorV2Source, ShardPieces
 from weightsync.sync_group import SyncGroup
+from weightsync.write_plan import WritePlan
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,20 @@ def worker_shares(shared: dict[str, Any] | list[dict[str, Any]]) -> list[dict[st
     return shared if isinstance(shared, list) else [shared]
 
 
+class _PieceByPiece:
+    """A write plan's stand-in for a model whose state dict cannot be planned."""
+
+    def __init__(self, writer: OneCopyWriter, targets: list[DirectTarget]) -> None:
+        self.writer, self.targets = writer, targets
+
+    def holds(self, targets: list[DirectTarget]) -> bool:
+        return len(targets) == len(self.targets) and all(
+            a is b for a, b in zip(targets, self.targets))
+
+    def write(self) -> int:
+        return self.writer._write_each(self.targets, None, verify=False)[0]
+
+
 class OneCopyWriter:
     """Every rank writes its own shards into the shared parameters of the engines it is told
     of, reading each chunk back when verifying (weightsync/direct.py)."""
@@ -101,6 +116,7 @@ class OneCopyWriter:
         self.before_write = before_write
         self.targets: dict[str, list[DirectTarget]] = {}  # engine -> each worker's parameters
         self.rank_write_s: list[float] = []  # rank 0: each rank's seconds in the last write
+        self.plan: Any = None  # WritePlan of the last unverified write
 
     def write(self, msg: dict[str, Any], *, verify: bool) -> dict[str, Any] | None:
         """Every rank, with rank 0's `msg` {"direct": engines, "new": {engine: shared}}.
@@ -112,23 +128,15 @@ class OneCopyWriter:
             self.targets[name] = [DirectTarget(s) for s in worker_shares(shared)]
         targets = [t for n in msg["direct"] for t in self.targets[n]]
         written_before = sum(t.written for t in targets)
-        pieces, mismatched = 0, set()
         start = time.perf_counter()
         hook = self.before_write if self.group.rank == 0 else None
         # Without autograd a DTensor's to_local() is its local tensor, not an autograd call:
         # ~5 us less per tensor, which counts with thousands of them (MoE experts).
         with torch.no_grad():
-            for index, (name, data, offset) in enumerate(
-                    ShardPieces(self.source, rank=self.group.rank) if targets else ()):
-                if hook is not None:
-                    hook("piece", index)
-                if data is None:
-                    continue
-                raw = data.reshape(-1).view(torch.uint8)
-                for target in targets:
-                    if not target.write(name, offset, raw, check=verify):
-                        mismatched.add(name)
-                pieces += 1
+            if verify or hook is not None or not targets:
+                pieces, mismatched = self._write_each(targets, hook, verify=verify)
+            else:
+                pieces, mismatched = self._planned(targets).write(), set()
         seconds = time.perf_counter() - start
         nbytes = sum(t.written for t in targets) - written_before
         gathered = self.group.gather((pieces, sorted(mismatched), seconds, nbytes))
@@ -139,7 +147,33 @@ class OneCopyWriter:
                 "mismatched": sorted({m for g in gathered for m in g[1]}),
                 "bytes": sum(g[3] for g in gathered)}
 
+    def _planned(self, targets: list[DirectTarget]) -> Any:
+        """This rank's write plan into `targets`, made again when the model's parameters or
+        the targets changed; piece by piece where the model cannot be planned."""
+        if self.plan is None or not self.plan.holds(targets):
+            pieces = ShardPieces(self.source, rank=self.group.rank)
+            self.plan = WritePlan.build(pieces, targets) or _PieceByPiece(self, targets)
+        return self.plan
+
+    def _write_each(self, targets: list[DirectTarget], hook: BeforeWrite | None, *,
+                    verify: bool) -> tuple[int, set[str]]:
+        """Cut and write every piece (reading each back with `verify`); (pieces, mismatched)."""
+        pieces, mismatched = 0, set()
+        for index, (name, data, offset) in enumerate(
+                ShardPieces(self.source, rank=self.group.rank) if targets else ()):
+            if hook is not None:
+                hook("piece", index)
+            if data is None:
+                continue
+            raw = data.reshape(-1).view(torch.uint8)
+            for target in targets:
+                if not target.write(name, offset, raw, check=verify):
+                    mismatched.add(name)
+            pieces += 1
+        return pieces, mismatched
+
     def forget(self, name: str) -> None:
+        self.plan = None  # its views point into the targets' segments
         for target in self.targets.pop(name, []):
             target.close()
 

@@ -86,8 +86,13 @@ def _rank_main(rank: int, port: int, results, options: dict) -> None:
         for param in model.parameters():
             param.to_local().mul_(1.5).add_(0.01)
     out["stale"] = sync.verify()
-    out["reports"].append(sync.sync("v3"))
+    out["reports"].append(sync.sync("v3"))  # unverified: through each rank's write plan
     out["fresh"] = sync.verify()
+    with torch.no_grad():  # another step: the plan copies again from the same storages
+        for param in model.parameters():
+            param.to_local().mul_(-0.5)
+    out["reports"].append(sync.sync("v4"))
+    out["fresh_again"] = sync.verify()
     full = dict(sync.source.tensors())
     if rank == 0:
         params = dict(engine.named_parameters())
@@ -106,19 +111,20 @@ def test_trainer_sync_takes_buckets_then_the_one_copy_path_and_verifies():
     out = _run_two_ranks()
     assert out["connect"]["ref"]["num_params"] > 0
     assert "unknown engine(s) ['nope']" in out["unknown_engine_error"]
-    first, second, third = out["reports"]
+    first, second, third, fourth = out["reports"]
     assert first["path"] == "buckets" and first["verify"]["ref"]["verified"]
     assert second["path"] == "direct" and second["verify"]["ref"]["verified"]
-    assert third["path"] == "direct"
+    assert third["path"] == fourth["path"] == "direct"
     # verify() compares the engine with the model as it is now: stale before the sync.
     assert not out["stale"]["ref"]["verified"] and out["stale"]["ref"]["mismatched"]
-    assert out["fresh"]["ref"]["verified"] and not out["fresh"]["ref"]["mismatched"]
+    for fresh in (out["fresh"], out["fresh_again"]):
+        assert fresh["ref"]["verified"] and not fresh["ref"]["mismatched"]
     assert out["equal"]
 
 
 def test_trainer_sync_without_one_copy_keeps_buckets_and_says_why_for_a_transport():
     out = _run_two_ranks(one_copy=False)
-    assert [r["path"] for r in out["reports"]] == ["buckets", "buckets", "buckets"]
+    assert [r["path"] for r in out["reports"]] == ["buckets"] * 4
     assert out["fresh"]["ref"]["verified"] and out["equal"]
 
 

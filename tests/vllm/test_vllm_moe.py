@@ -78,14 +78,16 @@ def test_before_any_sync_the_engine_serves_the_trainers_reference(setup):
 def test_syncs_into_vllm_cpu_moe_are_verified_and_serve_the_trainers_weights(setup):
     """vLLM on CPU computes its experts from a packed reordering of w13/w2 made at start-up:
     each update unpacks them when it opens and packs them again before the engine serves.
-    Three training steps, three verified syncs (by buckets, then one-copy writes straight into
-    the expert parameters): after each the greedy tokens equal the float32 reference."""
+    Three training steps, three syncs (by buckets, then one-copy writes straight into the
+    expert parameters; the last unverified, through the ranks' write plans, and verified after):
+    after each the greedy tokens equal the float32 reference."""
     engine, trainer, _, model = setup
     paths = []
     for step in range(3):
         trainer.call("train_step", training_batch(step))
-        report = trainer.call("sync", f"moe-{step}", verify=True)
-        assert report["verify"]["vllm"]["verified"], report["verify"]
+        report = trainer.call("sync", f"moe-{step}", verify=step < 2)
+        checked = report["verify"] if step < 2 else trainer.call("verify")
+        assert checked["vllm"]["verified"], checked
         paths.append(report["engines"]["vllm"]["path"])
         ray.get(engine.settle.remote(), timeout=300)
         assert_engine_serves_the_trainers_weights(engine, trainer, model)

@@ -1,0 +1,90 @@
+"""A trainer rank's write plan (weightsync/write_plan.py): the copies it replays every sync put
+the model's current bytes where a piece-by-piece write puts them, converted to the engines'
+dtype, and the plan notices when a parameter was replaced or moved to other storage."""
+
+from __future__ import annotations
+
+import torch
+
+from weightsync.direct import DirectTarget, SharedParameters, probe_destinations
+from weightsync.dtensor import DTensorV2Source, ShardPieces
+from weightsync.wire import TensorSpec, dtype_to_str
+from weightsync.write_plan import WritePlan
+
+
+def _trainer() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.inner = torch.nn.Module()
+    model.inner.a = torch.nn.Parameter(torch.randn(16, 8))  # float32: sent as bfloat16
+    model.b = torch.nn.Parameter(torch.randn(33))
+    model.inner.register_buffer("c", torch.randn(3, 5))
+    return model
+
+
+def _engine(source: DTensorV2Source):
+    """An engine whose loader fuses "inner.a" and "b" into one parameter, "inner.c" alone."""
+    params = {"ab": torch.zeros(16 * 8 + 33, dtype=torch.bfloat16),
+              "c": torch.zeros(3, 5, dtype=torch.bfloat16)}
+    where = {"inner.a": ("ab", 0), "b": ("ab", 16 * 8), "inner.c": ("c", 0)}
+
+    def load_one(name, tensor):
+        pname, start = where[name]
+        flat = params[pname].view(-1)
+        flat[start:start + tensor.numel()].copy_(tensor.reshape(-1))
+
+    specs = {s.name: s for s in source.specs()}
+    param_of = {name: [pname] for name, (pname, _) in where.items()}
+    shared = SharedParameters(params, probe_destinations(params, param_of, specs, load_one))
+    return params, shared
+
+
+def _engine_holds(params: dict[str, torch.Tensor], source: DTensorV2Source) -> bool:
+    full = dict(source.tensors())
+    ab = torch.cat([full["inner.a"].reshape(-1), full["b"]])
+    return torch.equal(params["ab"], ab) and torch.equal(params["c"], full["inner.c"])
+
+
+def test_a_write_plan_copies_current_bytes_and_notices_replaced_parameters():
+    model = _trainer()
+    source = DTensorV2Source(model, dtype="bfloat16")
+    assert {s.name: s.dtype for s in source.specs()} == {
+        "inner.a": dtype_to_str(torch.bfloat16), "b": "bfloat16", "inner.c": "bfloat16"}
+    params, shared = _engine(source)
+    target = DirectTarget(shared.describe())
+    try:
+        with torch.no_grad():
+            plan = WritePlan.build(ShardPieces(source, rank=0), [target])
+            assert plan is not None and plan.each_sync == [] and plan.count == 3
+            assert plan.write() == 3 and _engine_holds(params, source)
+            assert target.written == 2 * (16 * 8 + 33 + 15)
+            # A training step changes the values in place: same plan, the new bytes.
+            model.inner.a.mul_(-2)
+            model.inner.c.add_(1)
+            assert plan.holds([target])
+            plan.write()
+            assert _engine_holds(params, source)
+            # Replaced storage (`.data =`) and a replaced parameter object: the plan no longer
+            # holds; a new one writes what the model now is.
+            model.b.data = torch.randn(33)
+            assert not plan.holds([target])
+            plan = WritePlan.build(ShardPieces(source, rank=0), [target])
+            model.inner.a = torch.nn.Parameter(torch.randn(16, 8))
+            assert not plan.holds([target])
+            plan = WritePlan.build(ShardPieces(source, rank=0), [target])
+            assert plan.holds([target]) and not plan.holds([])
+            plan.write()
+            assert _engine_holds(params, source)
+    finally:
+        target.close()
+        shared.close()
+
+
+def test_a_state_dict_that_renames_its_entries_is_not_planned():
+    model = _trainer()
+    model._register_state_dict_hook(
+        lambda module, state, prefix, local: {f"x.{k}": v for k, v in state.items()})
+    source = DTensorV2Source(model)
+    spec = TensorSpec(name="x.b", dtype="float32", shape=(33,))
+    assert spec in source.specs()
+    assert WritePlan.build(ShardPieces(source, rank=0), []) is None

@@ -1,0 +1,124 @@
+"""A trainer rank's one-copy writes, worked out once and copied again every sync.
+
+Cutting a rank's shards into pieces and finding each piece's place costs ~35 us of Python a
+tensor (the state-dict walk, the DTensor placement checks, a view per piece and target): with
+thousands of tensors (an MoE's experts) more than the copying itself. A `WritePlan` keeps, for
+every piece the rank writes, its source (a view of the parameter's own storage, which the
+optimizer updates in place) and its destination view in each engine's shared parameters. A
+sync checks that every parameter is still the object and storage planned and issues the copies
+through one `torch._foreach_copy_` (which also converts the dtype). Tensors gathered per sync
+(tensor-parallel ones: a collective, on every rank in the same order) are cut each sync as
+without a plan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weightsync.direct import DirectTarget
+from weightsync.dtensor import ShardPieces
+
+
+def _slot(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> tuple[dict, str] | None:
+    """The dict (a module's `_parameters` or `_buffers`) and key under which state-dict entry
+    `name` lives, or None where the state dict renames it."""
+    prefix, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(prefix)
+    except AttributeError:
+        return None
+    for table in (module._parameters, module._buffers):
+        if table.get(attr) is tensor:
+            return table, attr
+    return None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    # Under no_grad, a DTensor's `to_local()` is its local tensor (no autograd call).
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class WritePlan:
+    """Where every piece of one rank goes in a fixed set of engine targets (see module doc).
+
+    Build it under `torch.no_grad()`. `None` from `build` means the model's state dict cannot
+    be planned (it renames entries): write piece by piece."""
+
+    def __init__(self, pieces: ShardPieces, targets: list[DirectTarget]) -> None:
+        self.pieces = pieces
+        self.targets = targets
+        self.slots: list[tuple[dict, str, torch.Tensor]] = []  # each planned tensor's home
+        self.storage: list[tuple[torch.Tensor, int]] = []  # its local tensor's data_ptr
+        self.dsts: list[torch.Tensor] = []
+        self.srcs: list[torch.Tensor] = []
+        self.each_sync: list[tuple[str, dict, str]] = []  # native tensors cut every sync
+        self.count = 0  # pieces copied through the plan
+        self.nbytes = [0] * len(targets)  # bytes copied into each target
+
+    @classmethod
+    def build(cls, pieces: ShardPieces, targets: list[DirectTarget]) -> WritePlan | None:
+        plan = cls(pieces, targets)
+        source = pieces.source
+        for name, tensor in source._native().items():
+            slot = _slot(source.model, name, tensor)
+            if slot is None:
+                return None
+            plan.slots.append((*slot, tensor))
+            local = _local(tensor)
+            plan.storage.append((tensor, local.data_ptr()))
+            if pieces.gathers(name, tensor) or not plan._add(name, tensor, local):
+                plan.each_sync.append((name, *slot))
+        return plan
+
+    def _add(self, name: str, tensor: torch.Tensor, local: torch.Tensor) -> bool:
+        """Plan every piece of native tensor `name`; False (nothing planned) where one cannot
+        be copied from a view of the parameter's storage."""
+        dsts, srcs, count, nbytes = [], [], 0, [0] * len(self.targets)
+        base = local.untyped_storage().data_ptr()
+        for piece in self.pieces.pieces(name, tensor):
+            if piece.src is None:
+                continue
+            if piece.src.untyped_storage().data_ptr() != base:
+                return False
+            for i, target in enumerate(self.targets):
+                pairs = target.copies(piece.name, piece.offset, piece.src, piece.dtype)
+                if pairs is None:
+                    return False
+                for dst, src in pairs:
+                    dsts.append(dst)
+                    srcs.append(src)
+                    nbytes[i] += dst.numel() * dst.element_size()
+            count += 1
+        self.dsts += dsts
+        self.srcs += srcs
+        self.count += count
+        self.nbytes = [a + b for a, b in zip(self.nbytes, nbytes)]
+        return True
+
+    def holds(self, targets: list[DirectTarget]) -> bool:
+        """Whether the plan still writes what a piece-by-piece write into `targets` would: the
+        same targets, every parameter the same object over the same storage."""
+        if len(targets) != len(self.targets) or any(
+                a is not b for a, b in zip(targets, self.targets)):
+            return False
+        self.pieces.source.reshard()
+        return (all(table.get(key) is tensor for table, key, tensor in self.slots)
+                and all(_local(t).data_ptr() == ptr for t, ptr in self.storage))
+
+    def write(self) -> int:
+        """Copy every piece into every target; how many pieces (this rank's) were written."""
+        if self.dsts:
+            torch._foreach_copy_(self.dsts, self.srcs)
+        for target, nbytes in zip(self.targets, self.nbytes):
+            target.written += nbytes
+        count = self.count
+        for name, table, key in self.each_sync:
+            for piece in self.pieces.pieces(name, table[key]):
+                data = piece.data()
+                if data is None:
+                    continue
+                raw = data.reshape(-1).view(torch.uint8)
+                for target in self.targets:
+                    target.write(piece.name, piece.offset, raw)
+                count += 1
+        return count
