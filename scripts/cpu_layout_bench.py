@@ -3,6 +3,11 @@ path, beside a memcpy of the same bytes measured in the same run.
 
   python scripts/cpu_layout_bench.py --layout qwen3-30b-a3b --layers 16 --shrink 4
   python scripts/cpu_layout_bench.py --layout llama8b --shrink 4
+  python scripts/cpu_layout_bench.py --device cuda --ranks 1 --shrink 1 --layout llama8b
+
+`--device cuda` runs the same on a GPU: ranks and receiver on GPUs, transport `cuda_ipc`, the
+one-copy path writing into the receiver's exported CUDA storages (weightsync/direct_cuda.py);
+memcpy is then a device-to-device copy, and peak GPU memory growth is reported on both sides.
 
 The trainer is `TrainerSync` on 2 FSDP2 ranks (gloo, bf16, one thread each), over a model with
 the names and shapes of weightsync/layouts.py (`--shrink` divides every width, the tensor count
@@ -57,25 +62,56 @@ class _PipeEndpoint(PipeEndpoint, Endpoint):
     """gpu_bench's pipe endpoint, as the `Endpoint` that `TrainerSync.connect` takes."""
 
 
-def _receiver_main(shapes: layouts.Layout, conn) -> None:
+def _gpu_reset() -> int:
+    """Reset this process's peak GPU memory; the bytes allocated now."""
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+# Calls the receiver process answers itself (not its receiver).
+_PROCESS_CALLS = {"pid": os.getpid, "gpu_reset": _gpu_reset,
+                  "gpu_peak": lambda: torch.cuda.max_memory_allocated()}
+
+
+def _receiver_main(shapes: layouts.Layout, conn, device: str = "cpu") -> None:
     from weightsync.errors import error_to_wire
     from weightsync.receiver import ModuleWeightReceiver
 
     torch.set_num_threads(1)
-    receiver = ModuleWeightReceiver(layouts.build_module(shapes), name="receiver")
+    receiver = ModuleWeightReceiver(layouts.build_module(shapes, device=device),
+                                    name="receiver")
     while (item := conn.recv()) is not None:
         method, args = item
         try:
-            result = os.getpid() if method == "pid" else getattr(receiver, method)(*args)
+            if method in _PROCESS_CALLS:
+                result = _PROCESS_CALLS[method]()
+            else:
+                result = getattr(receiver, method)(*args)
             conn.send(("ok", result))
         except Exception as exc:  # reported to the sender as plain data
             conn.send(("error", error_to_wire(exc)))
     receiver.receiver.close()
 
 
-def memcpy_s(nbytes: int, repeats: int) -> float:
+def memcpy_s(nbytes: int, repeats: int, device: str = "cpu") -> float:
     """Seconds of one torch copy_ of `nbytes` bytes between two buffers, best of `repeats`, on
-    all of this host's cores (as fast as or faster than on one: the stricter floor)."""
+    all of this host's cores (as fast as or faster than on one: the stricter floor). On a GPU:
+    a device-to-device copy of at most 8 GB, its rate scaled to `nbytes` (both models already
+    fill the GPU)."""
+    if device == "cuda":
+        size = min(nbytes, 8 << 30)
+        src = torch.ones(size, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        best = float("inf")
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        del src, dst
+        torch.cuda.empty_cache()
+        return best * nbytes / size
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
@@ -122,14 +158,17 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
 
     from weightsync import SyncOptions, TrainerSync
 
-    sync = TrainerSync(model, options=SyncOptions(bucket_bytes=args.bucket_mb << 20,
+    transport = "cuda_ipc" if args.device == "cuda" else "shm"
+    sync = TrainerSync(model, options=SyncOptions(transport=transport,
+                                                  bucket_bytes=args.bucket_mb << 20,
                                                   one_copy=path == "one_copy", timeout_s=600))
     engines, child = {}, None
     if rank == 0:
         ctx = mp.get_context("spawn")
         here, there = ctx.Pipe()
         # daemon: should this rank fail, its exit does not wait for the receiver
-        child = ctx.Process(target=_receiver_main, args=(shapes, there), daemon=True)
+        child = ctx.Process(target=_receiver_main, args=(shapes, there, args.device),
+                            daemon=True)
         child.start()
         engines = {"receiver": _PipeEndpoint(here, "receiver")}
     sync.connect(engines)
@@ -138,6 +177,10 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
     pids = trainer_pids + ([engines["receiver"].call("pid", timeout_s=60)] if rank == 0 else [])
     dist.barrier()
     rss = _reset_peak_rss(pids) if rank == 0 else []
+    gpu = args.device == "cuda"
+    gpu_base = [_gpu_reset()] if gpu else []
+    if gpu and rank == 0:
+        gpu_base.append(engines["receiver"].call("gpu_reset", timeout_s=60))
     # CPU time, not wall: on a shared host the wall clock also counts other processes' turns.
     profile = cProfile.Profile(time.process_time) if args.profile else None
     times, cpu_times, reports = [], [], []
@@ -152,12 +195,17 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
         if profile is not None:
             profile.disable()
         reports.append(report)
-    rank_cpu_s: list[float] = [0.0, 0.0]
+    rank_cpu_s: list[float] = [0.0] * dist.get_world_size()
     dist.all_gather_object(rank_cpu_s, min(cpu_times))
     if profile is not None:
         os.makedirs(args.profile, exist_ok=True)
         profile.dump_stats(os.path.join(args.profile, f"{path}-rank{rank}.prof"))
     peak = _peak_rss(pids) if rank == 0 else []
+    gpu_growth = {}
+    if gpu and rank == 0:
+        peaks = [torch.cuda.max_memory_allocated(),
+                 engines["receiver"].call("gpu_peak", timeout_s=60)]
+        gpu_growth = {n: p - b for n, p, b in zip(("rank0", "receiver"), peaks, gpu_base)}
     segments = _segment_bytes(pids) if rank == 0 else 0
     # What the timed (unverified) syncs write, checked: new values in place, one more such
     # sync, then a verification that writes nothing.
@@ -180,9 +228,9 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
             "rank_cpu_s": rank_cpu_s, "verified": checked["verify"]["receiver"]["verified"],
             "unverified_sync_checked": after_timed["receiver"]["verified"],
             "share_s": warm[0]["engines"]["receiver"].get("share_s"),
-            "peak_rss_growth_bytes": {name: p - r for name, p, r in
-                                      zip(("rank0", "rank1", "receiver"), peak, rss)},
-            "segment_bytes": segments}
+            "peak_rss_growth_bytes": {name: p - r for name, p, r in zip(
+                [f"rank{i}" for i in range(len(trainer_pids))] + ["receiver"], peak, rss)},
+            "segment_bytes": segments, "peak_gpu_growth_bytes": gpu_growth}
 
 
 def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
@@ -201,20 +249,22 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
     from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
 
     torch.set_num_threads(1)
-    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    init_trainer_group(rank=rank, world_size=args.ranks, master_addr="127.0.0.1",
+                       master_port=port)
     shapes = layouts.layout(args.layout, num_layers=args.layers, shrink=args.shrink)
     nbytes = layouts.nbytes(shapes)
     start = time.perf_counter()
-    model = shard_model(layouts.build_module(shapes, fill=True, seed=0), device="cpu")
+    model = shard_model(layouts.build_module(shapes, fill=True, seed=0, device=args.device),
+                        device=args.device)
     built_s = time.perf_counter() - start
-    pids: list[int] = [0, 0]
+    pids: list[int] = [0] * args.ranks
     dist.all_gather_object(pids, os.getpid())
     out = {"layout": args.layout, "layers": args.layers, "shrink": args.shrink,
            "tensors": len(shapes), "gb": nbytes / 1e9, "bucket_mb": args.bucket_mb,
            "repeats": args.repeats, "build_and_shard_s": built_s, "paths": {}}
     for path in args.paths:
         if rank == 0:  # measured beside each path, in the same conditions
-            out["paths"][path] = {"memcpy_s": memcpy_s(nbytes, args.repeats + 2)}
+            out["paths"][path] = {"memcpy_s": memcpy_s(nbytes, args.repeats + 2, args.device)}
         dist.barrier()
         result = _bench_path(path, model, shapes, rank=rank, args=args, trainer_pids=pids)
         if rank == 0:
@@ -234,7 +284,8 @@ def run(args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    ranks = [ctx.Process(target=_rank_main, args=(r, port, args, results)) for r in range(2)]
+    ranks = [ctx.Process(target=_rank_main, args=(r, port, args, results))
+             for r in range(args.ranks)]
     for p in ranks:
         p.start()
     out = results.get(timeout=3600)
@@ -259,7 +310,8 @@ def _table(out: dict) -> None:
     for col in ("path", "sync s (TrainerSync.sync wall, rank 0)", "memcpy s (same bytes)",
                 "ratio (memcpy s / sync s)", "us per tensor beyond memcpy",
                 "phases s (begin / write / end)", "rank CPU s (0 / 1)", "verified (after / sync)",
-                "peak RSS growth MB (rank0 / rank1 / receiver)", "shm segments MB"):
+                "peak RSS growth MB (ranks / receiver)", "shm segments MB",
+                "peak GPU growth MB (rank0 / receiver)"):
         left = col in ("path", "verified (after / sync)")
         table.add_column(col, justify="left" if left else "right")
     for path, r in out["paths"].items():
@@ -273,8 +325,9 @@ def _table(out: dict) -> None:
             or "-",
             " / ".join(f"{c:.3f}" for c in r["rank_cpu_s"]),
             f"{r.get('unverified_sync_checked')} / {r['verified']}",
-            " / ".join(f"{growth[k] / 1e6:.0f}" for k in ("rank0", "rank1", "receiver")),
-            f"{r['segment_bytes'] / 1e6:.0f}")
+            " / ".join(f"{v / 1e6:.0f}" for v in growth.values()),
+            f"{r['segment_bytes'] / 1e6:.0f}",
+            " / ".join(f"{v / 1e6:.0f}" for v in r["peak_gpu_growth_bytes"].values()) or "-")
     Console(width=200).print(table)
 
 
@@ -289,6 +342,10 @@ def main() -> None:
                         help="divide every width (hidden, heads, intermediate, vocabulary) by this")
     parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated: buckets,one_copy")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: trainer ranks and receiver on GPUs, transport cuda_ipc "
+                             "(one-copy: the receiver exports its parameters' CUDA storages)")
+    parser.add_argument("--ranks", type=int, default=2, help="trainer ranks (FSDP2)")
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--profile", metavar="DIR", help="write each rank's cProfile of the "
                                                          "timed syncs of each path here")

@@ -36,13 +36,13 @@ from weightsync import layouts  # noqa: E402
 def _receiver_main(shapes: layouts.Layout, conn, one_copy_bytes: int | None = None,
                    graphs: bool = True) -> None:
     torch.cuda.set_device(0)
-    import weightsync.loading
+    from weightsync import gpu_copies
 
-    weightsync.loading._GRAPHS = graphs
+    gpu_copies.GRAPHS = graphs
     if os.environ.get("WS_GRAPH_BRANCHES"):  # experiments only
-        weightsync.loading._GRAPH_BRANCHES = int(os.environ["WS_GRAPH_BRANCHES"])
+        gpu_copies.GRAPH_BRANCHES = int(os.environ["WS_GRAPH_BRANCHES"])
     if one_copy_bytes is not None:
-        weightsync.loading._ONE_COPY_BYTES = one_copy_bytes
+        gpu_copies.ONE_COPY_BYTES = one_copy_bytes
     from weightsync.errors import error_to_wire
     from weightsync.receiver import ModuleWeightReceiver
 

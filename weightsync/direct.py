@@ -98,17 +98,21 @@ def probe_destinations(params: dict[str, torch.Tensor], param_of: dict[str, list
     pool = torch.randint(0, 256, (largest,), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(0))
     found: dict[str, tuple[str, int]] = {}
+    pools = {pool.device: pool}  # the random bytes on each parameter's device
     with torch.no_grad():
         for pname, names in by_param.items():
             param = params[pname]
-            if param.device.type != "cpu" or not param.data.is_contiguous():
+            if param.device.type not in ("cpu", "cuda") or not param.data.is_contiguous():
                 continue
             flat = param.data.reshape(-1).view(torch.uint8)
             saved = flat.clone()
+            if param.device not in pools:
+                pools[param.device] = pool.to(param.device)
+            here = pools[param.device]
             try:
                 for name in names:
                     spec = specs[name]
-                    raw = pool[:spec.nbytes]
+                    raw = here[:spec.nbytes]
                     load_one(name, raw.view(dtype_from_str(spec.dtype)).view(spec.shape))
                     start = _where(flat, saved, raw)
                     if start is not None:
@@ -145,6 +149,7 @@ class SharedParameters:
                 view = view.view(param.dtype).view(param.shape)
                 view.copy_(param.data)
                 param.data = view
+        self.label = f"shared segment {name} ({self.segment.nbytes} bytes)"
         self.tensor_offsets = {t: offsets[p] + off for t, (p, off) in destinations.items()}
         self.tensor_params = {t: p for t, (p, _) in destinations.items()}
         # A tensor-parallel worker's tensors: element size and patterns inside the parameter.
@@ -209,17 +214,36 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 
 class DirectTarget:
-    """One engine's shared parameters, mapped into a trainer rank."""
+    """One engine's (one worker's) parameters, mapped into a trainer rank: a shared-memory
+    segment (CPU), or the CUDA storages of its parameters opened by IPC handle (GPU,
+    weightsync/direct_cuda.py). Either way a list of flat byte tensors and, per trainer tensor,
+    which of them and the byte offset where it starts."""
 
     def __init__(self, shared: dict[str, Any], *, shm_dir: str = SHM_DIR) -> None:
+        self.segment: _Segment | None = None
+        self.placed: dict[str, Any] = shared.get("placed") or {}
+        self.written = 0  # bytes written into the parameters, since made
+        if "cuda" in shared:
+            from weightsync.transports.cuda_ipc import open_storage
+
+            self.name = f"CUDA storages of {shared['cuda']['owner']}"
+            self.memory = [open_storage(e) for e in shared["cuda"]["storages"]]
+            self.where = {k: (int(i), int(o)) for k, (i, o) in shared["offsets"].items()}
+            self.device: torch.device | None = self.memory[0].device if self.memory else None
+            return
         name = shared["segment"]
         if not isinstance(name, str) or not name.startswith(PREFIX) or "/" in name:
             raise ValueError(f"shared parameters name segment {name!r}; expected '{PREFIX}...'")
         self.name = name
         self.segment = _Segment(name, int(shared["nbytes"]), create=False, shm_dir=shm_dir)
-        self.offsets: dict[str, int] = {k: int(v) for k, v in shared["offsets"].items()}
-        self.placed: dict[str, Any] = shared.get("placed") or {}
-        self.written = 0  # bytes written into the parameters, since made
+        self.memory = [self.segment.tensor]
+        self.where = {k: (0, int(v)) for k, v in shared["offsets"].items()}
+        self.device = None
+
+    def flush(self) -> None:
+        """Wait until every write issued here has landed (GPU copies are asynchronous)."""
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
 
     def write(self, name: str, offset: int, src: torch.Tensor, *, check: bool = False) -> bool:
         """Copy `src`'s bytes to byte `offset` of tensor `name`'s place; with `check`, read
@@ -230,11 +254,15 @@ class DirectTarget:
             src.reshape(-1).view(torch.uint8)
         if name in self.placed:
             return self._write_placed(name, offset, raw, check=check)
-        start = self.offsets[name] + offset
-        dst = self.segment.tensor[start:start + raw.numel()]
+        index, base = self.where[name]
+        start = base + offset
+        dst = self.memory[index][start:start + raw.numel()]
         self.written += raw.numel()
         if check:
-            return copy_checked(dst, raw)
+            if dst.device.type == "cpu":
+                return copy_checked(dst, raw)
+            dst.copy_(raw)
+            return torch.equal(dst, raw.to(dst.device))
         dst.copy_(raw)
         return True
 
@@ -254,7 +282,8 @@ class DirectTarget:
             raise ValueError(f"{name!r}: a piece at byte {offset} of {raw.numel()} bytes is not "
                              f"whole {size}-byte elements")
         word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-        dst = self.segment.tensor[self.offsets[name]:].view(word)  # the parameter from here on
+        index, base = self.where[name]
+        dst = self.memory[index][base:].view(word)  # the parameter from here on
         return placed_pieces(dst, raw.view(word), offset // size, pats)
 
     def copies(self, name: str, offset: int, src: torch.Tensor, dtype: torch.dtype,
@@ -266,14 +295,17 @@ class DirectTarget:
             if src.dtype != dtype or not src.is_contiguous():
                 return None
             return self._placed_views(name, offset, src.reshape(-1).view(torch.uint8))
-        start = self.offsets[name] + offset
+        index, base = self.where[name]
+        start = base + offset
         if start % dtype.itemsize:
             return None
-        dst = self.segment.tensor[start:start + src.numel() * dtype.itemsize]
+        dst = self.memory[index][start:start + src.numel() * dtype.itemsize]
         return [(dst.view(dtype).view(src.shape), src)]
 
     def close(self) -> None:
-        self.segment.close()
+        self.memory = []
+        if self.segment is not None:
+            self.segment.close()
 
 
 def placed_pieces(dst: torch.Tensor, src: torch.Tensor, start: int,

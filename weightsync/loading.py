@@ -17,18 +17,19 @@ the first time it was replayed. On a GPU those lists are also coalesced: consecu
 whose sources lie back to back in one allocation and whose parameters lie back to back in one
 allocation become one byte copy (a trainer's and an engine's parameters allocated in the same
 order: a few copies at the copy rate instead of one kernel slice per tensor), captured once into
-a CUDA graph (`_GRAPHS`). A replayed load then costs a pointer comparison per parameter (a
+a CUDA graph (weightsync/gpu_copies.py). A replayed load then costs a pointer comparison per parameter (a
 parameter whose memory moved rebuilds the lists and the graph) and one graph launch.
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import TYPE_CHECKING
 
 import torch
 
+from weightsync import gpu_copies
 from weightsync.errors import BucketRejected
+from weightsync.gpu_copies import capture, coalesce, issue
 from weightsync.refit import copy_loader
 from weightsync.transports import ReceiverTransport, make_receiver
 
@@ -36,9 +37,6 @@ if TYPE_CHECKING:
     from weightsync.refit import LoadFn, RefitCheck
     from weightsync.wire import BucketDescriptor
 
-# Plain copies at least this large go alone: a single copy runs at the copy engine's rate, which
-# a fused multi-tensor kernel does not reach (measured on an H200: docs/benchmarks.md).
-_ONE_COPY_BYTES = 4 << 20
 
 
 class BucketLoader:
@@ -110,9 +108,9 @@ class BucketLoader:
             big, params, srcs, rest, plain = self._split(named_tensors)
             if replayed and plain and plain[0][1].is_cuda:  # kept while replayed: coalesce
                 targets = [p for p, _ in plain]
-                big, small = _coalesce(plain)
-                if _GRAPHS:  # the copies captured once, then one launch per load
-                    big, small = [(_capture(big, small, plain[0][1].device), None)], []
+                big, small = coalesce(plain)
+                if gpu_copies.GRAPHS:  # the copies captured once, then one launch per load
+                    big, small = [(capture(big, small, plain[0][1].device), None)], []
                 lists = (named_tensors, big, small, rest, targets, list(map(_data_ptr, targets)))
                 self._copy_lists[replayed[0]] = lists
             else:
@@ -123,7 +121,7 @@ class BucketLoader:
                     self._copy_lists[replayed[0]] = (*lists, targets,
                                                      list(map(_data_ptr, targets)))
         _, big, small, rest = lists[:4]
-        _issue(big, small)
+        issue(big, small)
         if rest:
             self.load_fn(iter(rest))
 
@@ -137,7 +135,7 @@ class BucketLoader:
                 rest.append((name, tensor))
                 continue
             plain.append((param, tensor))
-            if tensor.numel() * tensor.element_size() >= _ONE_COPY_BYTES:
+            if tensor.numel() * tensor.element_size() >= gpu_copies.ONE_COPY_BYTES:
                 big.append((param, tensor))
             else:
                 params.append(param)
@@ -176,106 +174,3 @@ class BucketLoader:
 
 
 _data_ptr = torch.Tensor.data_ptr
-# Replayed GPU copy lists run as one CUDA graph per bucket (one launch instead of one per copy).
-_GRAPHS = True
-_GRAPH_BRANCHES = 8
-
-
-def _issue(big: list, small: list) -> None:
-    for dst, src in big:
-        if src is None:  # a captured graph
-            dst.replay()
-        else:
-            dst.copy_(src)
-    for dsts, srcs in small:
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-
-
-def _capture(big: list, small: list, device: torch.device) -> torch.cuda.CUDAGraph:
-    """The copies, captured (not run) into a CUDA graph on a side stream, the big ones spread
-    over `_GRAPH_BRANCHES` parallel branches (one copy's start and end overlap another's)."""
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    branches = [torch.cuda.Stream(device) for _ in range(_GRAPH_BRANCHES)]
-    with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            _issue([], small)
-            for i, branch in enumerate(branches):
-                branch.wait_stream(stream)
-                with torch.cuda.stream(branch):
-                    _issue(big[i::len(branches)], [])
-            for branch in branches:
-                stream.wait_stream(branch)
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    return graph
-
-
-_libcuda: list = []
-
-
-def _allocation(ptr: int) -> int | None:
-    """The base address of the CUDA allocation holding device address `ptr` (None: unknown)."""
-    if not _libcuda:
-        try:
-            fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
-            fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                           ctypes.c_uint64]
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            fn = None
-        _libcuda.append(fn)
-    fn = _libcuda[0]
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    if fn is None or fn(ctypes.byref(base), ctypes.byref(size), ptr) != 0:
-        return None
-    return base.value
-
-
-def _span(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """`nbytes` bytes at device address `ptr`, as uint8 (not owning them: the copy lists keep
-    the tensors they belong to)."""
-    storage = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-
-
-def _coalesce(plain: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> tuple[list, list]:
-    """Plain GPU copies (parameter, source), in order, as (big copies [(dst, src)], small
-    copies [(destinations, sources)] by dtype, one `_foreach_copy_` each): consecutive contiguous copies whose sources follow one
-    another in one allocation, and whose parameters too, merged into one byte copy."""
-    runs: list[list] = []  # [dst, src, dst ptr, src ptr, nbytes, dst alloc, src alloc, count]
-    for param, src in plain:
-        dst = param.data
-        nbytes = src.numel() * src.element_size()
-        if not (dst.is_contiguous() and src.is_contiguous() and dst.device == src.device
-                and nbytes > 0):
-            runs.append([dst, src, 0, 0, nbytes, None, None, 1])
-            continue
-        d, s = dst.data_ptr(), src.data_ptr()
-        last = runs[-1] if runs else None
-        if last is not None and last[5] is not None and last[2] + last[4] == d \
-                and last[3] + last[4] == s and last[0].device == dst.device \
-                and _allocation(d) == last[5] and _allocation(s) == last[6]:
-            last[4] += nbytes
-            last[7] += 1
-            continue
-        d_alloc, s_alloc = _allocation(d), _allocation(s)
-        ok = d_alloc is not None and s_alloc is not None
-        runs.append([dst, src, d, s, nbytes, d_alloc if ok else None, s_alloc, 1])
-    big, small = [], {}
-    for dst, src, d, s, nbytes, alloc, _, count in runs:
-        if count > 1:
-            dst, src = _span(d, nbytes, dst.device), _span(s, nbytes, dst.device)
-        if alloc is not None and (d | s | nbytes) % 8 == 0:  # as 8-byte words: wider accesses
-            dst, src = dst.reshape(-1).view(torch.int64), src.reshape(-1).view(torch.int64)
-        if nbytes >= _ONE_COPY_BYTES:
-            big.append((dst, src))
-        else:
-            group = small.setdefault((dst.dtype, src.dtype), ([], []))
-            group[0].append(dst)
-            group[1].append(src)
-    return big, list(small.values())

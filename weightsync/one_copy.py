@@ -73,8 +73,9 @@ class OneCopyPath:
             return None, msg["fallback"]
 
         def write(direct: list[str], fallback: list[str]) -> dict[str, Any] | None:
-            def segments(n: str) -> list[str]:
-                return [s["segment"] for s in worker_shares(self._shared[n])]
+            def segments(n: str) -> list[str]:  # what identifies one sharing of an engine
+                return [s["cuda"]["owner"] if "cuda" in s else s["segment"]
+                        for s in worker_shares(self._shared[n])]
 
             new = {n: self._shared[n] for n in direct if self._sent.get(n) != segments(n)}
             self.group.broadcast({"direct": direct, "fallback": fallback, "new": new})

@@ -137,6 +137,8 @@ class OneCopyWriter:
                 pieces, mismatched = self._write_each(targets, hook, verify=verify)
             else:
                 pieces, mismatched = self._planned(targets).write(), set()
+            for target in targets:  # GPU copies are asynchronous: landed before we answer
+                target.flush()
         seconds = time.perf_counter() - start
         nbytes = sum(t.written for t in targets) - written_before
         gathered = self.group.gather((pieces, sorted(mismatched), seconds, nbytes))

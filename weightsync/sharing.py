@@ -31,10 +31,11 @@ class ParameterSharing:
         self.refit = refit
         self.load_fn = load_fn
         self.name = name
-        self.shared: SharedParameters | None = None
+        self.shared: Any = None  # SharedParameters (CPU) or CudaParameters (GPU)
 
     def share(self, placements: dict[str, Any] | None = None) -> ShareAnswer:
-        """Move the parameters into shared memory for the trainer to write; once, after a first
+        """Share the parameters for the trainer to write (CPU: moved into a shared-memory
+        segment; GPU: their CUDA storages exported, weightsync/direct_cuda.py); once, after a first
         sync by buckets (the loader must have shown where every tensor goes). `placements`
         (weightsync/placement.py), from a tensor-parallel worker: which elements of each tensor
         it holds and where; the trainer then writes each tensor through its patterns."""
@@ -63,9 +64,19 @@ class ParameterSharing:
             return ShareAnswer(shared=None,
                                why=f"{self.name}: the loader does not copy {len(indirect)} "
                                    f"tensor(s) verbatim into one parameter, e.g. {indirect[:3]}")
-        self.shared = SharedParameters(params, destinations, placements=placements)
-        logger.info("%s: %d parameters moved into shared segment %s (%d bytes)", self.name,
-                    len(self.shared.params), self.shared.segment.name, self.shared.segment.nbytes)
+        devices = {params[p].device.type for p, _ in destinations.values()}
+        if devices == {"cuda"}:
+            from weightsync.direct_cuda import CudaParameters
+
+            self.shared = CudaParameters(params, destinations, placements=placements)
+        elif devices == {"cpu"}:
+            self.shared = SharedParameters(params, destinations, placements=placements)
+        else:
+            return ShareAnswer(shared=None, why=f"{self.name}: parameters on {sorted(devices)}; "
+                                                f"the one-copy path needs all on the CPU or all "
+                                                f"on GPUs")
+        logger.info("%s: %d parameters shared: %s", self.name, len(self.shared.params),
+                    self.shared.label)
         return ShareAnswer(shared=self.shared.describe())
 
     def begin(self) -> str | None:
@@ -94,8 +105,7 @@ class ParameterSharing:
         """The parameters left the shared segment (fenced off from writers): forget it. The
         next sync goes by buckets, then the parameters are shared again."""
         if self.shared is not None:
-            logger.warning("%s: parameters fenced off from shared segment %s", self.name,
-                           self.shared.segment.name)
+            logger.warning("%s: parameters fenced off from %s", self.name, self.shared.label)
             self.shared.close()
             self.shared = None
 

@@ -12,8 +12,9 @@ rank 0 talks to engines, the other ranks write their own shards where the path a
     sync.close()
 
 Paths, chosen per engine and per sync: buckets (every transport; with `shm` and several ranks
-each rank writes its own shards into the shared bucket) and, with `shm` from the second sync on,
-the one-copy path (weightsync/one_copy.py: ranks write straight into the engine's parameters).
+each rank writes its own shards into the shared bucket) and, with `shm` or `cuda_ipc` from the
+second sync on, the one-copy path (weightsync/one_copy.py: ranks write straight into the
+engine's parameters).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Transport = Literal["shm", "cuda_ipc", "gloo", "nccl"]
+ONE_COPY_TRANSPORTS = ("shm", "cuda_ipc")  # engines on this host: ranks write into them
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
 
 
@@ -69,7 +71,8 @@ class SyncOptions:
     it back when the update fails; engines that cannot are logged and go on without."""
     one_copy: bool | None = None
     """The one-copy path from the second sync on. None: wherever the transport allows it
-    (`shm`); True: required (a transport that cannot is refused); False: buckets only."""
+    (`shm`: into CPU engines' parameters; `cuda_ipc`: into GPU engines' parameters by IPC
+    handle); True: required (a transport that cannot is refused); False: buckets only."""
     shard_writes: bool = True
     """With `shm` and several ranks: each rank writes its own shards into the shared buckets
     (no gather to rank 0)."""
@@ -88,9 +91,10 @@ class SyncOptions:
                 raise ValueError(f"SyncOptions.{name}={value!r}: must be a positive number")
         if not isinstance(self.bucket_bytes, int):
             raise ValueError(f"SyncOptions.bucket_bytes={self.bucket_bytes!r}: must be an int")
-        if self.one_copy and self.transport != "shm":
+        if self.one_copy and self.transport not in ONE_COPY_TRANSPORTS:
             raise ValueError(f"SyncOptions.one_copy=True with transport={self.transport!r}: "
-                             f"the one-copy path needs transport='shm'; set one_copy=None or "
+                             f"the one-copy path needs transport='shm' or 'cuda_ipc' (engines "
+                             f"on this host); set one_copy=None or "
                              f"False for {self.transport!r}")
         if self.sync_dtype is not None:
             try:
@@ -128,7 +132,8 @@ class TrainerSync:
         if options.shard_writes and not self.shard_writes and self.rank == 0:
             self.log.info("shard_writes off: %s", "one rank" if self.group.world_size == 1
                           else f"transport {options.transport!r} sends from rank 0")
-        self.one_copy = options.one_copy is not False and options.transport == "shm"
+        self.one_copy = (options.one_copy is not False
+                         and options.transport in ONE_COPY_TRANSPORTS)
         if options.one_copy is None and not self.one_copy and self.rank == 0:
             self.log.info("one_copy off: transport %r has no one-copy path", options.transport)
         self.buckets = BucketShardWriter(self.source, self.group,

@@ -5,8 +5,10 @@ tensor (the state-dict walk, the DTensor placement checks, a view per piece and 
 thousands of tensors (an MoE's experts) more than the copying itself. A `WritePlan` keeps, for
 every piece the rank writes, its source (a view of the parameter's own storage, which the
 optimizer updates in place) and its destination view in each engine's shared parameters. A
-sync checks that every parameter is still the object and storage planned and issues the copies
-through one `torch._foreach_copy_` (which also converts the dtype). Tensors gathered per sync
+sync checks that every parameter is still the object and storage planned and issues the copies:
+on the CPU through one `torch._foreach_copy_` (which also converts the dtype); on a GPU (the
+engines' exported CUDA storages, weightsync/direct_cuda.py) coalesced where sources and
+destinations both lie back to back and replayed as one CUDA graph. Tensors gathered per sync
 (tensor-parallel ones: a collective, on every rank in the same order) are cut each sync as
 without a plan.
 """
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from weightsync import gpu_copies
 from weightsync.direct import DirectTarget
 from weightsync.dtensor import ShardPieces
+from weightsync.gpu_copies import capture, coalesce, issue
 
 
 def _slot(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> tuple[dict, str] | None:
@@ -34,8 +38,10 @@ def _slot(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> tuple[dict
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    # Under no_grad, a DTensor's `to_local()` is its local tensor (no autograd call).
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    """A DTensor's local tensor (what `to_local()` returns without autograd, read as the
+    attribute: ~0.1 us instead of ~1.5 us a call, checked for every tensor every sync); any
+    other tensor itself."""
+    return getattr(tensor, "_local_tensor", tensor)
 
 
 class WritePlan:
@@ -52,6 +58,7 @@ class WritePlan:
         self.dsts: list[torch.Tensor] = []
         self.srcs: list[torch.Tensor] = []
         self.each_sync: list[tuple[str, dict, str]] = []  # native tensors cut every sync
+        self.copies: list[tuple[list, list]] = []  # the copies, batched (`_batched`)
         self.count = 0  # pieces copied through the plan
         self.nbytes = [0] * len(targets)  # bytes copied into each target
 
@@ -68,7 +75,28 @@ class WritePlan:
             plan.storage.append((tensor, local.data_ptr()))
             if pieces.gathers(name, tensor) or not plan._add(name, tensor, local):
                 plan.each_sync.append((name, *slot))
+        plan.copies = plan._batched()
         return plan
+
+    def _batched(self) -> list[tuple[list, list]]:
+        """The planned copies as `gpu_copies.issue` arguments: on the CPU one
+        `_foreach_copy_`; on a GPU, per destination device, the copies between equal dtypes
+        coalesced where both sides lie back to back, and all captured into one CUDA graph."""
+        if not self.dsts or self.dsts[0].device.type != "cuda":
+            return [([], [(self.dsts, self.srcs)])]
+        by_device: dict[torch.device, tuple[list, list]] = {}
+        for dst, src in zip(self.dsts, self.srcs):
+            plain, converted = by_device.setdefault(dst.device, ([], []))
+            (plain if dst.dtype == src.dtype else converted).append((dst, src))
+        out = []
+        for device, (plain, converted) in by_device.items():
+            big, small = coalesce(plain)
+            if converted:
+                small.append(([d for d, _ in converted], [s for _, s in converted]))
+            if gpu_copies.GRAPHS:
+                big, small = [(capture(big, small, device), None)], []
+            out.append((big, small))
+        return out
 
     def _add(self, name: str, tensor: torch.Tensor, local: torch.Tensor) -> bool:
         """Plan every piece of native tensor `name`; False (nothing planned) where one cannot
@@ -103,12 +131,13 @@ class WritePlan:
             return False
         self.pieces.source.reshard()
         return (all(table.get(key) is tensor for table, key, tensor in self.slots)
-                and all(_local(t).data_ptr() == ptr for t, ptr in self.storage))
+                and all(getattr(t, "_local_tensor", t).data_ptr() == ptr
+                        for t, ptr in self.storage))
 
     def write(self) -> int:
         """Copy every piece into every target; how many pieces (this rank's) were written."""
-        if self.dsts:
-            torch._foreach_copy_(self.dsts, self.srcs)
+        for big, small in self.copies:
+            issue(big, small)
         for target, nbytes in zip(self.targets, self.nbytes):
             target.written += nbytes
         count = self.count

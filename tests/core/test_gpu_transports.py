@@ -200,3 +200,21 @@ def test_zero_copy_hooks_pass_tensors_in_place_on_cpu():
             sender.sync(iter([*source.items(), ("extra", torch.zeros(1))]), version="v2")
     finally:
         del transports._REGISTRY["test_in_place"]
+
+
+@needs_gpu
+def test_one_copy_into_a_gpu_receiver_writes_its_exported_storages():
+    """TrainerSync over CUDA IPC: the first sync by buckets, after which the receiver exports
+    its parameters' CUDA storages; the timed syncs write straight into them (the bench refuses
+    any other path), an unverified one after the weights were negated is checked by `verify`,
+    and a verified one passes; no GPU memory is added on either side."""
+    import argparse
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "scripts"))
+    import cpu_layout_bench
+
+    args = argparse.Namespace(layout="qwen3-30b-a3b", layers=2, shrink=8, paths=["one_copy"],
+                              repeats=2, bucket_mb=64, profile=None, device="cuda", ranks=1)
+    result = cpu_layout_bench.run(args)["paths"]["one_copy"]
+    assert result["unverified_sync_checked"] and result["verified"]
+    assert all(v <= 1 << 20 for v in result["peak_gpu_growth_bytes"].values()), result

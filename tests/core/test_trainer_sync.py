@@ -21,7 +21,7 @@ from weightsync import SyncOptions
     ({"timeout_s": 0.0}, r"SyncOptions.timeout_s=0.0: must be a positive number"),
     ({"one_copy": True, "transport": "gloo"},
      r"SyncOptions.one_copy=True with transport='gloo': the one-copy path needs "
-     r"transport='shm'"),
+     r"transport='shm' or 'cuda_ipc'"),
     ({"sync_dtype": "float99"}, r"SyncOptions.sync_dtype='float99': not a torch dtype name"),
 ])
 def test_bad_sync_options_raise_a_value_error_naming_the_field(kwargs, message):

@@ -65,6 +65,18 @@ def _open(h: dict[str, Any], device: int) -> torch.UntypedStorage:
         base64.b64decode(h["event_handle"]) or None, h["event_sync_required"])
 
 
+def export_storage(storage: torch.UntypedStorage) -> dict[str, Any]:
+    """A CUDA storage's IPC export as plain data, for `open_storage` in another process."""
+    return _export(storage)
+
+
+def open_storage(export: dict[str, Any], device: int | None = None) -> torch.Tensor:
+    """The storage `export_storage` described, opened here, as a flat uint8 tensor."""
+    device = int(export["device"]) if device is None else device
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(
+        _open(export, device))
+
+
 class CudaIpcSender(SenderTransport):
     kind = "cuda_ipc"
     takes_tensors = True
@@ -223,9 +235,7 @@ class CudaIpcReceiver(ReceiverTransport):
         key = handle["key"]
         data = self._open.pop(key, None)
         if data is None:
-            device = self._device(handle)
-            storage = _open(handle, device)
-            data = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage)
+            data = open_storage(handle, self._device(handle))
         if data.numel() < nbytes:
             raise BucketRejected(f"CUDA IPC buffer {key!r} holds {data.numel()} bytes, fewer "
                                  f"than {nbytes}")

@@ -1,0 +1,100 @@
+"""The one-copy path on a GPU: the engine exports its parameters' CUDA storages, trainer ranks
+on the same host write their shards straight into them.
+
+As on the CPU (weightsync/direct.py), a probe through the engine's own loader first finds where
+each trainer tensor lands (parameter, byte offset). Unlike the CPU, nothing moves: each
+parameter's storage is exported once with CUDA IPC (`UntypedStorage._share_cuda_()`, as the
+CUDA IPC transport exports the trainer's tensors), and a trainer rank opens it and copies into
+it (`DirectTarget`, peer copies from a rank on another GPU). No GPU memory is added.
+
+Only plain data crosses: the exports (handles as base64 text) and {tensor: [storage index, byte
+offset]}. Before every update and at its end the engine confirms that every parameter still
+lives where it was exported (same address, contiguous) and waits for its own GPU work, so the
+trainer writes into idle parameters; the trainer waits for its copies (`DirectTarget.flush`)
+before it reports the update written.
+
+What an export does not do: torch counts one consumer per export, and here several ranks may
+open one. The parameters stay alive as long as the engine shares them; should an update fail
+midway with `keep_previous`, each parameter takes its kept copy as its memory (fenced, as on the
+CPU) and a late write lands in memory no parameter uses any more.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Any
+
+import torch
+
+from weightsync.errors import NotShared
+from weightsync.transports.cuda_ipc import export_storage
+
+_data_ptr = torch.Tensor.data_ptr
+_contiguous = torch.Tensor.is_contiguous
+
+
+class CudaParameters:
+    """Engine parameters on one GPU, exported for the trainer's writes. Same interface as
+    `SharedParameters` (weightsync/direct.py)."""
+
+    def __init__(self, params: dict[str, torch.Tensor],
+                 destinations: dict[str, tuple[str, int]], *,
+                 placements: dict[str, Any] | None = None) -> None:
+        names = sorted({pname for pname, _ in destinations.values()})
+        self.params = {pname: params[pname] for pname in names}
+        devices = {p.device for p in self.params.values()}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            raise ValueError(f"CUDA one-copy parameters must all be on one GPU, got {devices}")
+        self.device = next(iter(devices))
+        self.ptrs = {pname: param.data_ptr() for pname, param in self.params.items()}
+        self._ptr_list = list(self.ptrs.values())
+        storages: dict[int, int] = {}  # storage address -> index in `exports`
+        self.exports: list[dict[str, Any]] = []
+        where: dict[str, tuple[int, int]] = {}  # parameter -> (storage index, byte offset)
+        for pname, param in self.params.items():
+            storage = param.untyped_storage()
+            index = storages.get(storage.data_ptr())
+            if index is None:
+                index = storages[storage.data_ptr()] = len(self.exports)
+                self.exports.append(export_storage(storage))
+            where[pname] = (index, param.data_ptr() - storage.data_ptr())
+        self.tensor_where = {t: [where[p][0], where[p][1] + off]
+                             for t, (p, off) in destinations.items()}
+        self.placed = {t: [params[p].element_size(), pats]
+                       for t, (p, pats) in (placements or {}).items()}
+        # Names this sharing (a new one after the parameters moved and were shared again).
+        self.owner = f"pid {os.getpid()} share {secrets.token_hex(4)}"
+        self.label = (f"{len(self.exports)} CUDA storage(s) on {self.device} "
+                      f"({sum(p.nbytes for p in self.params.values())} bytes of parameters)")
+
+    def describe(self) -> dict[str, Any]:
+        """What a trainer rank needs to write here (plain data)."""
+        out: dict[str, Any] = {"cuda": {"owner": self.owner, "storages": self.exports},
+                               "offsets": dict(self.tensor_where)}
+        if self.placed:
+            out["placed"] = self.placed
+        return out
+
+    def moved(self) -> list[str]:
+        """Parameters that no longer live where they were exported (checked in bulk first:
+        thousands of parameters in an MoE, twice a sync)."""
+        params = list(self.params.values())
+        if list(map(_data_ptr, params)) == self._ptr_list and all(map(_contiguous, params)):
+            return []
+        return sorted(p for p, param in self.params.items()
+                      if param.data_ptr() != self.ptrs[p] or not param.is_contiguous())
+
+    def check(self) -> None:
+        """Raise `NotShared` unless every parameter still lives where it was exported; wait
+        for this process's GPU work on them first (the trainer writes next, or has written)."""
+        torch.cuda.synchronize(self.device)
+        moved = self.moved()
+        if moved:
+            raise NotShared(f"{len(moved)} parameter(s) no longer live in their exported CUDA "
+                            f"storage, e.g. {moved[:3]} (reloaded by the engine?); the trainer "
+                            f"syncs by buckets and shares them again")
+
+    def close(self) -> None:
+        """Forget the exports (the trainer's mappings close with its targets)."""
+        self.exports = []
