@@ -57,6 +57,7 @@ class WeightSender:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be positive")
         self.specs = specs
+        self.nbytes = sum(s.nbytes for s in specs)
         self.plans: list[BucketPlan] = plan_buckets(specs, capacity_bytes=capacity_bytes)
         self.transport = transport
         self.timeout_s = timeout_s
@@ -66,9 +67,6 @@ class WeightSender:
         self._last_names: list[str] = []
         self.num_syncs = 0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.specs)
 
     def add_engine(self, endpoint: Endpoint, *, timeout_s: float | None = None) -> RefitAnswer:
         """Check refit info with the engine (nothing is written) and remember it.
