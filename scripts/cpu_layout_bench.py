@@ -30,7 +30,9 @@ Measured per path:
 - peak RSS growth of each process during the timed syncs, and the shared-memory segments the
   three processes hold (buckets, the receiver's shared parameters);
 - whether an unverified sync like the timed ones, after every parameter was negated in place,
-  left the receiver holding the new values (`TrainerSync.verify`), and a verified sync.
+  left the receiver holding the new values (`TrainerSync.verify`), and a verified sync;
+- verified syncs timed the same way (best of `--repeats`): what verification adds to a sync,
+  and whether the write plan verified them (GPU: one fused copy-and-read-back kernel).
 `--profile DIR` writes each rank's cProfile (CPU time) of the timed syncs of each path.
 """
 
@@ -215,6 +217,18 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
     sync.sync("negated")
     after_timed = sync.verify()
     checked = sync.sync("checked", verify=True)
+    # Verified syncs, timed the same way (what verification adds to a sync).
+    verified_times = []
+    for i in range(args.repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        report = sync.sync(f"verified-{i}", verify=True)
+        verified_times.append(time.perf_counter() - start)
+        if not report["verify"]["receiver"]["verified"]:
+            raise RuntimeError(f"{path}: verified sync {i} failed: {report['verify']}")
+    plan = sync.one_copy_path.writer.plan
+    plan_verifies = bool(path == "one_copy" and getattr(plan, "dsts", None)
+                         and plan.checks)
     sync.close()
     if rank != 0:
         return None
@@ -226,6 +240,9 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
     return {"sync_s": times[best], "report_sync_s": reports[best]["sync_s"],
             "phases_s": reports[best].get("phases_s"), "times_s": times,
             "rank_cpu_s": rank_cpu_s, "verified": checked["verify"]["receiver"]["verified"],
+            "verified_sync_s": min(verified_times),
+            "verify_added": min(verified_times) / times[best] - 1,
+            "verified_through_plan": plan_verifies,
             "unverified_sync_checked": after_timed["receiver"]["verified"],
             "share_s": warm[0]["engines"]["receiver"].get("share_s"),
             "peak_rss_growth_bytes": {name: p - r for name, p, r in zip(
@@ -310,6 +327,7 @@ def _table(out: dict) -> None:
     for col in ("path", "sync s (TrainerSync.sync wall, rank 0)", "memcpy s (same bytes)",
                 "ratio (memcpy s / sync s)", "us per tensor beyond memcpy",
                 "phases s (begin / write / end)", "rank CPU s (0 / 1)", "verified (after / sync)",
+                "verified sync s (added)",
                 "peak RSS growth MB (ranks / receiver)", "shm segments MB",
                 "peak GPU growth MB (rank0 / receiver)"):
         left = col in ("path", "verified (after / sync)")
@@ -325,6 +343,7 @@ def _table(out: dict) -> None:
             or "-",
             " / ".join(f"{c:.3f}" for c in r["rank_cpu_s"]),
             f"{r.get('unverified_sync_checked')} / {r['verified']}",
+            f"{r['verified_sync_s']:.3f} ({r['verify_added']:+.0%})",
             " / ".join(f"{v / 1e6:.0f}" for v in growth.values()),
             f"{r['segment_bytes'] / 1e6:.0f}",
             " / ".join(f"{v / 1e6:.0f}" for v in r["peak_gpu_growth_bytes"].values()) or "-")

@@ -127,6 +127,8 @@ class SharedParameters:
     """Engine parameters moved into one shared-memory segment, and where each trainer tensor
     lands in it. Built in the engine's model process; see the module doc."""
 
+    device = None  # on the CPU (CudaParameters: its GPU)
+
     def __init__(self, params: dict[str, torch.Tensor],
                  destinations: dict[str, tuple[str, int]], *,
                  placements: dict[str, Any] | None = None, shm_dir: str = SHM_DIR) -> None:

@@ -5,7 +5,9 @@ As on the CPU (weightsync/direct.py), a probe through the engine's own loader fi
 each trainer tensor lands (parameter, byte offset). Unlike the CPU, nothing moves: each
 parameter's storage is exported once with CUDA IPC (`UntypedStorage._share_cuda_()`, as the
 CUDA IPC transport exports the trainer's tensors), and a trainer rank opens it and copies into
-it (`DirectTarget`, peer copies from a rank on another GPU). No GPU memory is added.
+it (`DirectTarget`). No GPU memory is added. The export names its GPU by UUID: the trainer takes
+this path only when every rank's shards are on that same GPU (weightsync/one_copy.py; copies
+between GPUs were not run, so they are not offered).
 
 Only plain data crosses: the exports (handles as base64 text) and {tensor: [storage index, byte
 offset]}. Before every update and at its end the engine confirms that every parameter still
@@ -14,9 +16,10 @@ trainer writes into idle parameters; the trainer waits for its copies (`DirectTa
 before it reports the update written.
 
 What an export does not do: torch counts one consumer per export, and here several ranks may
-open one. The parameters stay alive as long as the engine shares them; should an update fail
-midway with `keep_previous`, each parameter takes its kept copy as its memory (fenced, as on the
-CPU) and a late write lands in memory no parameter uses any more.
+open one. The parameters stay alive as long as the engine shares them. No update with
+`keep_previous` takes this path (`ModelReceiver.begin_direct`): putting the previous weights back
+while a late rank may still write needs the parameters to take new memory (the CPU's fence), and
+an engine's captured CUDA graphs would go on reading the old addresses.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ from weightsync.transports.cuda_ipc import export_storage
 
 _data_ptr = torch.Tensor.data_ptr
 _contiguous = torch.Tensor.is_contiguous
+
+
+def device_uuid(device: torch.device) -> str:
+    """The GPU's UUID: the same GPU has the same one in every process, whatever its index."""
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 class CudaParameters:
@@ -70,7 +78,8 @@ class CudaParameters:
 
     def describe(self) -> dict[str, Any]:
         """What a trainer rank needs to write here (plain data)."""
-        out: dict[str, Any] = {"cuda": {"owner": self.owner, "storages": self.exports},
+        out: dict[str, Any] = {"cuda": {"owner": self.owner, "storages": self.exports,
+                                        "uuid": device_uuid(self.device)},
                                "offsets": dict(self.tensor_where)}
         if self.placed:
             out["placed"] = self.placed

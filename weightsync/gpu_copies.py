@@ -44,8 +44,13 @@ def capture(big: list, small: list, device: torch.device) -> torch.cuda.CUDAGrap
                     issue(big[i::len(branches)], [])
             for branch in branches:
                 stream.wait_stream(branch)
-        finally:
-            graph.capture_end()
+        except BaseException:
+            try:  # end the broken capture; the error worth reporting is the first one
+                graph.capture_end()
+            except RuntimeError:
+                pass
+            raise
+        graph.capture_end()
     torch.cuda.current_stream(device).wait_stream(stream)
     return graph
 

@@ -23,13 +23,40 @@ if TYPE_CHECKING:
     from weightsync.sender import WeightSender
 
 
+def unreachable(shared: dict[str, Any] | list, transport: str,
+                rank_gpus: list[str | None]) -> str | None:
+    """Why trainer ranks on `rank_gpus` (each rank's GPU UUID, None: on the CPU) syncing over
+    `transport` cannot write into what an engine shared (None: they can)."""
+    for worker in worker_shares(shared):
+        if "cuda" not in worker:
+            if transport != "shm":
+                return (f"the engine shares CPU parameters; with transport {transport!r} the "
+                        f"one-copy path takes GPU engines only")
+            continue
+        if transport != "cuda_ipc":
+            return (f"the engine's parameters are on a GPU; with transport {transport!r} the "
+                    f"one-copy path takes CPU engines only")
+        gpu = worker["cuda"].get("uuid")
+        if not rank_gpus or any(g != gpu for g in rank_gpus):
+            return (f"the engine's parameters are on GPU {gpu}, the trainer ranks' shards on "
+                    f"{sorted(set(map(str, rank_gpus)))}: the GPU one-copy path writes within "
+                    f"one GPU only")
+    return None
+
+
 class OneCopyPath:
     """Which engines share their parameters (rank 0 knows), and each sync into them. Every
     method but `share` and `takes` is called on every rank at once."""
 
     def __init__(self, source: DTensorV2Source, group: SyncGroup, *,
-                 log: logging.LoggerAdapter, before_write: BeforeWrite | None = None) -> None:
+                 log: logging.LoggerAdapter, before_write: BeforeWrite | None = None,
+                 transport: str = "shm", rank_gpus: list[str | None] | None = None) -> None:
+        """`transport`: "shm" takes engines sharing a shared-memory segment (CPU parameters),
+        "cuda_ipc" engines exporting CUDA storages on the GPU every rank's shards are on
+        (`rank_gpus`: each rank's GPU UUID, None for a rank on the CPU; rank 0)."""
         self.group = group
+        self.transport = transport
+        self.rank_gpus = rank_gpus or []
         self.log = log
         self.writer = OneCopyWriter(source, group, before_write=before_write)
         self._shared: dict[str, dict[str, Any]] = {}  # rank 0: engine -> shared parameters
@@ -52,6 +79,9 @@ class OneCopyPath:
                 answer: ShareAnswer = sender.call(name, "share_params")
             except Exception as exc:  # an engine without the path, or one that failed
                 answer = ShareAnswer(shared=None, why=f"{type(exc).__name__}: {exc}")
+            if answer.shared and (why := unreachable(answer.shared, self.transport,
+                                                          self.rank_gpus)):
+                answer = ShareAnswer(shared=None, why=why)
             if answer.shared:
                 self._shared[name] = answer.shared
                 engines[name] = replace(engines[name], share_s=time.perf_counter() - start)
@@ -83,7 +113,9 @@ class OneCopyPath:
                 self._sent[n] = segments(n)
             for n in fallback:  # its parameters moved: buckets now, then share again
                 self._shared.pop(n, None)
-            return self.writer.write({"direct": direct, "new": new}, verify=verify)
+                self._sent.pop(n, None)
+            return self.writer.write({"direct": direct, "new": new, "fallback": fallback},
+                                     verify=verify)
 
         report, fallback = sender.sync_direct(write, version=version, engines=names,
                                               verify=verify)

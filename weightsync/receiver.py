@@ -211,6 +211,10 @@ class ModelReceiver:
         """Before the trainer writes: None if the parameters are where it will write (and, with
         `keep_previous`, copied first), else why not."""
         why = self.sharing.begin()
+        if why is None and keep_previous and self.sharing.shared.device is not None:
+            why = (f"{self.sharing.name}: keep_previous on GPU parameters: the previous weights "
+                   f"cannot be put back safely under the trainer's writes (weightsync/"
+                   f"direct_cuda.py); this update takes buckets")
         if why is None and keep_previous:
             self.previous.keep_all(self.sharing.shared.params)
         self._writing = why is None

@@ -101,8 +101,10 @@ class _PieceByPiece:
         return len(targets) == len(self.targets) and all(
             a is b for a, b in zip(targets, self.targets))
 
-    def write(self) -> int:
-        return self.writer._write_each(self.targets, None, verify=False)[0]
+    checks = True  # verifies piece by piece itself
+
+    def write(self, *, verify: bool = False) -> tuple[int, set[str]]:
+        return self.writer._write_each(self.targets, None, verify=verify)
 
 
 class OneCopyWriter:
@@ -116,13 +118,15 @@ class OneCopyWriter:
         self.before_write = before_write
         self.targets: dict[str, list[DirectTarget]] = {}  # engine -> each worker's parameters
         self.rank_write_s: list[float] = []  # rank 0: each rank's seconds in the last write
-        self.plan: Any = None  # WritePlan of the last unverified write
+        self.plan: Any = None  # WritePlan of the last planned write
 
     def write(self, msg: dict[str, Any], *, verify: bool) -> dict[str, Any] | None:
         """Every rank, with rank 0's `msg` {"direct": engines, "new": {engine: shared}}.
 
         Returns on rank 0 how many pieces and bytes (into all engines' workers) were written and
         which tensors' bytes read back differently; None elsewhere."""
+        for name in msg.get("fallback", ()):  # its parameters moved: let go of them
+            self.forget(name)
         for name, shared in msg["new"].items():
             self.forget(name)
             self.targets[name] = [DirectTarget(s) for s in worker_shares(shared)]
@@ -133,10 +137,16 @@ class OneCopyWriter:
         # Without autograd a DTensor's to_local() is its local tensor, not an autograd call:
         # ~5 us less per tensor, which counts with thousands of them (MoE experts).
         with torch.no_grad():
-            if verify or hook is not None or not targets:
+            # Verified writes go through the plan only on GPUs (one fused copy-and-read-back
+            # kernel, weightsync/gpu_check.py); on the CPU piece by piece, read back in cache.
+            plan = None
+            if hook is None and targets and (
+                    not verify or all(t.device is not None for t in targets)):
+                plan = self._planned(targets)
+            if plan is None or (verify and not plan.checks):
                 pieces, mismatched = self._write_each(targets, hook, verify=verify)
             else:
-                pieces, mismatched = self._planned(targets).write(), set()
+                pieces, mismatched = plan.write(verify=verify)
             for target in targets:  # GPU copies are asynchronous: landed before we answer
                 target.flush()
         seconds = time.perf_counter() - start

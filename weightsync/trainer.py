@@ -109,6 +109,16 @@ class _RankLog(logging.LoggerAdapter):
         return f"[rank {self.extra['rank']}] {msg}", kwargs
 
 
+def _gpu_of(model: nn.Module) -> str | None:
+    """The UUID of the GPU the model's parameters are on (None: not on a GPU)."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return None
+    from weightsync.direct_cuda import device_uuid
+
+    return device_uuid(device)
+
+
 class TrainerSync:
     """Keeps engines in step with one trainer rank's model. Every method: all ranks, together.
 
@@ -139,8 +149,12 @@ class TrainerSync:
         self.buckets = BucketShardWriter(self.source, self.group,
                                          bucket_bytes=options.bucket_bytes,
                                          before_write=before_write)
+        rank_gpus = None
+        if self.one_copy and options.transport == "cuda_ipc":  # where each rank's shards are
+            rank_gpus = self.group.gather(_gpu_of(model))
         self.one_copy_path = OneCopyPath(self.source, self.group, log=self.log,
-                                         before_write=before_write)
+                                         before_write=before_write,
+                                         transport=options.transport, rank_gpus=rank_gpus)
         self.sender: WeightSender | None = None
         self._num_syncs = 0
 

@@ -10,7 +10,8 @@ on the CPU through one `torch._foreach_copy_` (which also converts the dtype); o
 engines' exported CUDA storages, weightsync/direct_cuda.py) coalesced where sources and
 destinations both lie back to back and replayed as one CUDA graph. Tensors gathered per sync
 (tensor-parallel ones: a collective, on every rank in the same order) are cut each sync as
-without a plan.
+without a plan. A verified sync on a GPU runs the same copies as one fused copy-and-read-back
+kernel per device (weightsync/gpu_check.py); on the CPU it goes piece by piece.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from itertools import repeat
 
 import torch
 
-from weightsync import gpu_copies
+from weightsync import gpu_check, gpu_copies
 from weightsync.direct import DirectTarget
 from weightsync.dtensor import ShardPieces
 from weightsync.gpu_copies import capture, coalesce, issue
@@ -64,8 +65,10 @@ class WritePlan:
         self.ptrs: list[int] = []
         self.dsts: list[torch.Tensor] = []
         self.srcs: list[torch.Tensor] = []
+        self.names: list[str] = []  # each copy's trainer tensor
         self.each_sync: list[tuple[str, dict, str]] = []  # native tensors cut every sync
         self.copies: list[tuple[list, list]] = []  # the copies, batched (`_batched`)
+        self._checked: list[tuple[gpu_check.CheckedCopies, list[str]]] | None = None
         self.count = 0  # pieces copied through the plan
         self.nbytes = [0] * len(targets)  # bytes copied into each target
 
@@ -110,7 +113,7 @@ class WritePlan:
     def _add(self, name: str, tensor: torch.Tensor, local: torch.Tensor) -> bool:
         """Plan every piece of native tensor `name`; False (nothing planned) where one cannot
         be copied from a view of the parameter's storage."""
-        dsts, srcs, count, nbytes = [], [], 0, [0] * len(self.targets)
+        dsts, srcs, names, count, nbytes = [], [], [], 0, [0] * len(self.targets)
         base = local.untyped_storage().data_ptr()
         for piece in self.pieces.pieces(name, tensor):
             if piece.src is None:
@@ -124,10 +127,12 @@ class WritePlan:
                 for dst, src in pairs:
                     dsts.append(dst)
                     srcs.append(src)
+                    names.append(piece.name)
                     nbytes[i] += dst.numel() * dst.element_size()
             count += 1
         self.dsts += dsts
         self.srcs += srcs
+        self.names += names
         self.count += count
         self.nbytes = [a + b for a, b in zip(self.nbytes, nbytes)]
         return True
@@ -146,10 +151,32 @@ class WritePlan:
         locals_ = map(getattr, tensors, repeat("_local_tensor"), tensors)
         return list(map(torch.Tensor.data_ptr, locals_)) == self.ptrs
 
-    def write(self) -> int:
-        """Copy every piece into every target; how many pieces (this rank's) were written."""
-        for big, small in self.copies:
-            issue(big, small)
+    @property
+    def checks(self) -> bool:
+        """Whether `write(verify=True)` can verify through the plan (GPU targets, Triton)."""
+        return bool(self.dsts) and self.dsts[0].device.type == "cuda" and gpu_check.available()
+
+    def _verified_copies(self) -> list[tuple[gpu_check.CheckedCopies, list[str]]]:
+        if self._checked is None:
+            by_device: dict[torch.device, tuple[list, list]] = {}
+            for dst, src, name in zip(self.dsts, self.srcs, self.names):
+                pairs, names = by_device.setdefault(dst.device, ([], []))
+                pairs.append((dst, src))
+                names.append(name)
+            self._checked = [(gpu_check.CheckedCopies(pairs, device), names)
+                             for device, (pairs, names) in by_device.items()]
+        return self._checked
+
+    def write(self, *, verify: bool = False) -> tuple[int, set[str]]:
+        """Copy every piece into every target; (how many pieces of this rank's were written,
+        the tensors whose bytes read back differently: only with `verify`, see `checks`)."""
+        mismatched: set[str] = set()
+        if verify:
+            for copies, names in self._verified_copies():
+                mismatched.update(names[i] for i in copies.run())
+        else:
+            for big, small in self.copies:
+                issue(big, small)
         for target, nbytes in zip(self.targets, self.nbytes):
             target.written += nbytes
         count = self.count
@@ -160,6 +187,7 @@ class WritePlan:
                     continue
                 raw = data.reshape(-1).view(torch.uint8)
                 for target in self.targets:
-                    target.write(piece.name, piece.offset, raw)
+                    if not target.write(piece.name, piece.offset, raw, check=verify):
+                        mismatched.add(piece.name)
                 count += 1
-        return count
+        return count, mismatched

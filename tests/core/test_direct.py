@@ -180,3 +180,25 @@ def test_direct_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_abo
             target.close()
         receiver.receiver.close()
         sender.close()
+
+
+def test_trainer_takes_only_engines_its_ranks_can_write_into():
+    """What an engine shared against the ranks' transport and GPUs (weightsync/one_copy.py): a
+    CPU segment only over shm, CUDA storages only over cuda_ipc and only when every rank's
+    shards are on the engine's GPU (copies between GPUs are not offered); a tensor-parallel
+    engine is refused as a whole when one worker is out of reach."""
+    from weightsync.one_copy import unreachable
+
+    segment = {"segment": "ws-x", "nbytes": 8, "offsets": {}}
+
+    def cuda(gpu):
+        return {"cuda": {"owner": "o", "storages": [], "uuid": gpu}, "offsets": {}}
+
+    assert unreachable(segment, "shm", []) is None
+    assert "GPU engines only" in unreachable(segment, "cuda_ipc", ["GPU-a"])
+    assert "CPU engines only" in unreachable(cuda("GPU-a"), "shm", [])
+    assert unreachable(cuda("GPU-a"), "cuda_ipc", ["GPU-a", "GPU-a"]) is None
+    why = unreachable(cuda("GPU-a"), "cuda_ipc", ["GPU-a", "GPU-b"])
+    assert "within one GPU only" in why and "GPU-b" in why
+    assert "within one GPU only" in unreachable(cuda("GPU-a"), "cuda_ipc", [None])
+    assert unreachable([cuda("GPU-a"), cuda("GPU-b")], "cuda_ipc", ["GPU-a"]) is not None

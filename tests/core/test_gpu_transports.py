@@ -207,7 +207,7 @@ def test_one_copy_into_a_gpu_receiver_writes_its_exported_storages():
     """TrainerSync over CUDA IPC: the first sync by buckets, after which the receiver exports
     its parameters' CUDA storages; the timed syncs write straight into them (the bench refuses
     any other path), an unverified one after the weights were negated is checked by `verify`,
-    and a verified one passes; no GPU memory is added on either side."""
+    and verified ones pass through the write plan; no GPU memory is added on either side."""
     import argparse
 
     sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "scripts"))
@@ -217,4 +217,69 @@ def test_one_copy_into_a_gpu_receiver_writes_its_exported_storages():
                               repeats=2, bucket_mb=64, profile=None, device="cuda", ranks=1)
     result = cpu_layout_bench.run(args)["paths"]["one_copy"]
     assert result["unverified_sync_checked"] and result["verified"]
+    # The timed verified syncs (each checked verified by the bench) ran the plan's fused
+    # copy-and-read-back kernel.
+    assert result["verified_through_plan"]
     assert all(v <= 1 << 20 for v in result["peak_gpu_growth_bytes"].values()), result
+
+
+@needs_gpu
+def test_checked_copies_copy_and_read_back_every_pair():
+    """The fused copy-and-read-back kernel (weightsync/gpu_check.py) over copies of several
+    chunks, small ones, and the ones it leaves to `copy_` + `torch.equal` (an odd address, a
+    dtype conversion): every destination ends up equal to its source, none reported as
+    differing, and a second run copies the sources' new values."""
+    from weightsync import gpu_check
+
+    if not gpu_check.available():
+        pytest.skip("no Triton")
+    dev = torch.device("cuda")
+    big = torch.randn(3 * gpu_check.CHUNK // 4 + 6, device=dev)  # 3 chunks and a bit
+    small = torch.randn(5, 8, device=dev, dtype=torch.bfloat16)
+    space = torch.zeros(big.numel() + 64, device=dev)
+    odd_src = torch.randn(9, device=dev, dtype=torch.bfloat16)
+    odd_space = torch.zeros(16, device=dev, dtype=torch.bfloat16)
+    converted = torch.randn(12, device=dev)
+    pairs = [(space[:big.numel()], big), (torch.empty_like(small), small),
+             (odd_space[1:10], odd_src), (torch.empty(12, device=dev, dtype=torch.bfloat16),
+                                          converted)]
+    copies = gpu_check.CheckedCopies(pairs, dev)
+    assert copies.rows == 4 + 1 and copies.others == [2, 3]
+    for _ in range(2):
+        assert copies.run() == []
+        assert all(torch.equal(d, s.to(d.dtype)) for d, s in pairs)
+        for _, src in pairs:
+            src.mul_(-3)
+    assert not torch.equal(pairs[0][0], big)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+def test_an_update_that_keeps_previous_weights_takes_the_one_copy_path_only_on_the_cpu(device):
+    """keep_previous on shared CPU parameters: the one-copy update opens (its rollback fences
+    the writers off by giving each parameter new memory); on exported CUDA storages it is
+    refused with the reason (new memory would leave an engine's CUDA graphs reading the old),
+    and the trainer sends that update by buckets. Shared CUDA storages name their GPU."""
+    from weightsync.receiver import ModuleWeightReceiver
+    from weightsync.wire import TensorSpec, specs_to_dicts
+
+    g = torch.Generator().manual_seed(0)
+    source = {f"w{i}": torch.randn(4 + i, 3, generator=g) for i in range(3)}
+    model = torch.nn.Module()
+    for name, t in source.items():
+        model.register_parameter(name, torch.nn.Parameter(torch.zeros_like(t, device=device),
+                                                          requires_grad=False))
+    receiver = ModuleWeightReceiver(model)
+    receiver.check_refit(specs_to_dicts([TensorSpec.of(n, t) for n, t in source.items()]))
+    shared = receiver.share_params()["shared"]
+    try:
+        why = receiver.receiver.begin_direct(keep_previous=True)
+        if device == "cpu":
+            assert why is None and "segment" in shared
+            receiver.receiver.end_direct()
+        else:
+            assert "keep_previous on GPU parameters" in why, why
+            assert shared["cuda"]["uuid"] == str(torch.cuda.get_device_properties(0).uuid)
+            assert receiver.receiver.begin_direct(keep_previous=False) is None
+            receiver.receiver.end_direct()
+    finally:
+        receiver.receiver.close()

@@ -56,7 +56,7 @@ def test_a_write_plan_copies_current_bytes_and_notices_replaced_parameters():
         with torch.no_grad():
             plan = WritePlan.build(ShardPieces(source, rank=0), [target])
             assert plan is not None and plan.each_sync == [] and plan.count == 3
-            assert plan.write() == 3 and _engine_holds(params, source)
+            assert plan.write() == (3, set()) and _engine_holds(params, source)
             assert target.written == 2 * (16 * 8 + 33 + 15)
             # A training step changes the values in place: same plan, the new bytes.
             model.inner.a.mul_(-2)

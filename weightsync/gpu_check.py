@@ -1,0 +1,106 @@
+"""Verified GPU copies in one pass: each word is read back right after it is written.
+
+A verified one-copy sync on the CPU reads every chunk back while it is in cache
+(`direct.copy_checked`). On a GPU the same idea is one Triton kernel for all of a write plan's
+copies on a device: a program copies one chunk of one copy (at most `CHUNK` bytes) as 8-byte
+words, reads every word back from the destination with a volatile load (from the GPU's memory
+system, not from registers) right after storing it, and adds how many words differ to that
+copy's counter. Memory traffic stays that of the copy (the read-back hits the L2 the store just
+filled), where a separate comparison pass would read both sides again. The counters are read
+by the host once per sync.
+
+Copies it cannot take (a dtype conversion, a side that is not contiguous or not 8-byte aligned)
+are copied with `copy_` and compared with `torch.equal`, one at a time. Needs Triton (shipped
+with CUDA builds of torch); without it `available()` is false and the caller verifies piece by
+piece.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 1 << 20  # bytes a program copies and checks
+BLOCK = 1024  # 8-byte words per step of a program
+
+_kernel: list = []
+
+
+def available() -> bool:
+    """Whether the fused kernel can be built here (Triton importable)."""
+    if not _kernel:
+        try:
+            _kernel.append(_build())
+        except ImportError:
+            _kernel.append(None)
+    return _kernel[0] is not None
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_check(dsts, srcs, words, copy_of, wrong, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        dst = tl.load(dsts + row).to(tl.pointer_type(tl.int64))
+        src = tl.load(srcs + row).to(tl.pointer_type(tl.int64))
+        n = tl.load(words + row)
+        lane = tl.arange(0, BLOCK)
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, n, BLOCK):
+            at = start + lane
+            inside = at < n
+            x = tl.load(src + at, mask=inside)
+            tl.store(dst + at, x, mask=inside)
+            back = tl.load(dst + at, mask=inside, volatile=True)
+            bad += (back != x).to(tl.int32)
+        tl.atomic_add(wrong + tl.load(copy_of + row), tl.sum(bad, axis=0))
+
+    return copy_check
+
+
+def _fused(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    nbytes = src.numel() * src.element_size()
+    return (dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
+            and dst.device == src.device and (dst.data_ptr() | src.data_ptr() | nbytes) % 8 == 0)
+
+
+class CheckedCopies:
+    """A fixed list of (destination, source) copies on one GPU, run as verified copies: `run()`
+    copies them all and returns the indices of those whose destination did not read back as the
+    source. Keeps the tensors (their addresses are in its tables) alive."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                 device: torch.device) -> None:
+        if not available():
+            raise RuntimeError("verified GPU copies need Triton; none is importable")
+        self.pairs = pairs
+        self.device = device
+        self.others = [i for i, (d, s) in enumerate(pairs) if not _fused(d, s)]
+        dsts, srcs, words, copy_of = [], [], [], []
+        for i, (dst, src) in enumerate(pairs):
+            if not _fused(dst, src):
+                continue
+            d, s, nbytes = dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()
+            for at in range(0, nbytes, CHUNK):
+                dsts.append(d + at)
+                srcs.append(s + at)
+                words.append(min(CHUNK, nbytes - at) // 8)
+                copy_of.append(i)
+        self.rows = len(dsts)
+        self.tables = [torch.tensor(t, dtype=torch.int64, device=device)
+                       for t in (dsts, srcs, words, copy_of)]
+        self.wrong = torch.zeros(len(pairs), dtype=torch.int32, device=device)
+
+    def run(self) -> list[int]:
+        with torch.cuda.device(self.device):
+            self.wrong.zero_()
+            if self.rows:
+                _kernel[0][(self.rows,)](*self.tables, self.wrong, BLOCK=BLOCK)
+            differ = [i for i in self.others if not _copy_equal(*self.pairs[i])]
+            return sorted(differ + self.wrong.nonzero().flatten().tolist())
+
+
+def _copy_equal(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    dst.copy_(src)
+    return torch.equal(dst, src.to(dst.device, dst.dtype))
