@@ -8,6 +8,7 @@ trainer writes and again at its end, that the parameters still are where the tra
 from __future__ import annotations
 
 import logging
+import operator
 from typing import TYPE_CHECKING, Any
 
 from weightsync.direct import SharedParameters, probe_destinations
@@ -32,6 +33,9 @@ class ParameterSharing:
         self.load_fn = load_fn
         self.name = name
         self.shared: Any = None  # SharedParameters (CPU) or CudaParameters (GPU)
+        # Where each shared parameter is registered (its module's _parameters, key): an engine
+        # that registers a new Parameter object there no longer computes with the shared one.
+        self._homes: tuple[list[str], list[dict], list[str], list[Any]] = ([], [], [], [])
 
     def share(self, placements: dict[str, Any] | None = None) -> ShareAnswer:
         """Share the parameters for the trainer to write (CPU: moved into a shared-memory
@@ -41,7 +45,7 @@ class ParameterSharing:
         it holds and where; the trainer then writes each tensor through its patterns."""
         if self.shared is not None:
             try:
-                self.shared.check()
+                self._check()
                 return ShareAnswer(shared=self.shared.describe())
             except NotShared:
                 self.shared.close()
@@ -75,9 +79,29 @@ class ParameterSharing:
             return ShareAnswer(shared=None, why=f"{self.name}: parameters on {sorted(devices)}; "
                                                 f"the one-copy path needs all on the CPU or all "
                                                 f"on GPUs")
+        names = list(self.shared.params)
+        homes = [self._home(n) for n in names]
+        self._homes = (names, [h[0] for h in homes], [h[1] for h in homes],
+                       [self.shared.params[n] for n in names])
         logger.info("%s: %d parameters shared: %s", self.name, len(self.shared.params),
                     self.shared.label)
         return ShareAnswer(shared=self.shared.describe())
+
+    def _home(self, pname: str) -> tuple[dict, str]:
+        prefix, _, attr = pname.rpartition(".")
+        return self.model.get_submodule(prefix)._parameters, attr
+
+    def _check(self) -> None:
+        """Raise `NotShared` unless every shared parameter still lives where the trainer
+        writes and is still the object its module computes with."""
+        self.shared.check()
+        names, tables, keys, params = self._homes
+        if all(map(operator.is_, map(dict.get, tables, keys), params)):
+            return
+        replaced = [n for n, t, k, p in zip(names, tables, keys, params) if t.get(k) is not p]
+        raise NotShared(f"{len(replaced)} shared parameter(s) were replaced by new parameter "
+                        f"objects, e.g. {replaced[:3]} (reloaded by the engine?); the trainer "
+                        f"syncs by buckets and shares them again")
 
     def begin(self) -> str | None:
         """Before the trainer writes: None if the parameters are where it will write, else
@@ -85,7 +109,7 @@ class ParameterSharing:
         if self.shared is None:
             return f"{self.name}: parameters are not shared"
         try:
-            self.shared.check()
+            self._check()
         except NotShared as exc:
             return str(exc)
         return None
@@ -99,7 +123,7 @@ class ParameterSharing:
         the bytes it wrote (something may have replaced one meanwhile)."""
         if self.shared is None:
             raise NotShared(f"{self.name}: parameters are not shared")
-        self.shared.check()
+        self._check()
 
     def release(self) -> None:
         """The parameters left the shared segment (fenced off from writers): forget it. The

@@ -202,3 +202,36 @@ def test_trainer_takes_only_engines_its_ranks_can_write_into():
     assert "within one GPU only" in why and "GPU-b" in why
     assert "within one GPU only" in unreachable(cuda("GPU-a"), "cuda_ipc", [None])
     assert unreachable([cuda("GPU-a"), cuda("GPU-b")], "cuda_ipc", ["GPU-a"]) is not None
+
+
+def test_a_shared_parameter_replaced_by_a_new_object_is_noticed():
+    """An engine that registers a new Parameter object (its own storage) where a shared one was
+    computes with the new one, though the old still lives in the shared memory: a replacement
+    while the trainer writes fails the update at `end`; the next `begin` hands that sync back
+    to buckets. The engine keeps its version either way."""
+    trainer = dict(_module(1).named_parameters())
+    receiver = ModuleWeightReceiver(_module(2), name="mod")
+    model = receiver.receiver.model
+    specs = [TensorSpec.of(n, t) for n, t in trainer.items()]
+    sender = WeightSender(specs, transport=ShmSender(), capacity_bytes=1 << 20)
+    sender.add_engine(LocalEndpoint(receiver, name="mod"))
+    try:
+        sender.sync(iter(trainer.items()), version="v1")
+        assert receiver.share_params()["shared"]
+
+        def replace_while_writing(direct, fallback):
+            assert direct == ["mod"]
+            model.b = torch.nn.Parameter(model.b.detach().clone())  # same values, new memory
+            return {}
+
+        with pytest.raises(NotShared, match=r"replaced by new parameter objects, e\.g\. \['b'\]"):
+            sender.sync_direct(replace_while_writing, version="v2", engines=["mod"])
+        assert receiver.weight_version() == "v1"
+        calls = []
+        report, fallback = sender.sync_direct(lambda d, f: calls.append((d, f)), version="v3",
+                                              engines=["mod"])
+        assert report is None and fallback == ["mod"] and calls == [([], ["mod"])]
+        assert receiver.weight_version() == "v1"
+    finally:
+        receiver.receiver.close()
+        sender.close()
