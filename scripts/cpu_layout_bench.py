@@ -33,7 +33,8 @@ Measured per path:
   left the receiver holding the new values (`TrainerSync.verify`), and a verified sync;
 - verified syncs timed the same way (best of `--repeats`): what verification adds to a sync,
   and whether the write plan verified them (GPU: one fused copy-and-read-back kernel).
-`--profile DIR` writes each rank's cProfile (CPU time) of the timed syncs of each path.
+`--profile DIR` writes each rank's cProfile (CPU time) of the timed syncs of each path, and the
+receiver's (wall time, from the first timed sync to the last rank's dump).
 """
 
 from __future__ import annotations
@@ -70,9 +71,23 @@ def _gpu_reset() -> int:
     return torch.cuda.memory_allocated()
 
 
+_receiver_profile: list = []
+
+
+def _profile_start() -> None:
+    _receiver_profile[:] = [cProfile.Profile()]  # wall time: the receiver mostly waits
+    _receiver_profile[0].enable()
+
+
+def _profile_dump(path: str) -> None:
+    _receiver_profile[0].disable()
+    _receiver_profile[0].dump_stats(path)
+
+
 # Calls the receiver process answers itself (not its receiver).
 _PROCESS_CALLS = {"pid": os.getpid, "gpu_reset": _gpu_reset,
-                  "gpu_peak": lambda: torch.cuda.max_memory_allocated()}
+                  "gpu_peak": lambda: torch.cuda.max_memory_allocated(),
+                  "profile_start": _profile_start, "profile_dump": _profile_dump}
 
 
 def _receiver_main(shapes: layouts.Layout, conn, device: str = "cpu") -> None:
@@ -86,7 +101,7 @@ def _receiver_main(shapes: layouts.Layout, conn, device: str = "cpu") -> None:
         method, args = item
         try:
             if method in _PROCESS_CALLS:
-                result = _PROCESS_CALLS[method]()
+                result = _PROCESS_CALLS[method](*args)
             else:
                 result = getattr(receiver, method)(*args)
             conn.send(("ok", result))
@@ -185,6 +200,8 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
         gpu_base.append(engines["receiver"].call("gpu_reset", timeout_s=60))
     # CPU time, not wall: on a shared host the wall clock also counts other processes' turns.
     profile = cProfile.Profile(time.process_time) if args.profile else None
+    if profile is not None and rank == 0:
+        engines["receiver"].call("profile_start", timeout_s=60)
     times, cpu_times, reports = [], [], []
     for i in range(args.repeats):
         dist.barrier()
@@ -202,6 +219,9 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
     if profile is not None:
         os.makedirs(args.profile, exist_ok=True)
         profile.dump_stats(os.path.join(args.profile, f"{path}-rank{rank}.prof"))
+        if rank == 0:
+            engines["receiver"].call("profile_dump", os.path.abspath(os.path.join(
+                args.profile, f"{path}-receiver.prof")), timeout_s=60)
     peak = _peak_rss(pids) if rank == 0 else []
     gpu_growth = {}
     if gpu and rank == 0:
@@ -224,7 +244,7 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
         start = time.perf_counter()
         report = sync.sync(f"verified-{i}", verify=True)
         verified_times.append(time.perf_counter() - start)
-        if not report["verify"]["receiver"]["verified"]:
+        if rank == 0 and not report["verify"]["receiver"]["verified"]:
             raise RuntimeError(f"{path}: verified sync {i} failed: {report['verify']}")
     plan = sync.one_copy_path.writer.plan
     plan_verifies = bool(path == "one_copy" and getattr(plan, "dsts", None)

@@ -166,18 +166,22 @@ class SharedParameters:
             out["placed"] = self.placed
         return out
 
-    def moved(self) -> list[str]:
-        """Parameters whose storage is no longer their place in the segment."""
+    def moved(self, current: list[Any] | None = None) -> list[str]:
+        """Parameters whose storage is no longer their place in the segment. `current`: what
+        is registered in each one's place now, in `params` order (None: unregistered);
+        default the parameters as shared."""
         base = self.segment.tensor.data_ptr()
+        params = list(self.params.values()) if current is None else current
         # The parameter's own data_ptr, not `.data`'s: the same storage, without making a
         # tensor per parameter (checked twice a sync, thousands of parameters in an MoE).
-        return sorted(p for p, param in self.params.items()
-                      if param.data_ptr() != base + self.param_offsets[p]
+        return sorted(p for p, param in zip(self.params, params)
+                      if param is None or param.data_ptr() != base + self.param_offsets[p]
                       or not param.is_contiguous())
 
-    def check(self) -> None:
-        """Raise `NotShared` unless every parameter still lives at its place in the segment."""
-        moved = self.moved()
+    def check(self, current: list[Any] | None = None) -> None:
+        """Raise `NotShared` unless every parameter still lives at its place in the segment
+        (see `moved`)."""
+        moved = self.moved(current)
         if moved:
             raise NotShared(f"{len(moved)} parameter(s) no longer live in shared segment "
                             f"{self.segment.name!r}, e.g. {moved[:3]} (reloaded by the engine?); "

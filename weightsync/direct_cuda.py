@@ -85,20 +85,27 @@ class CudaParameters:
             out["placed"] = self.placed
         return out
 
-    def moved(self) -> list[str]:
-        """Parameters that no longer live where they were exported (checked in bulk first:
-        thousands of parameters in an MoE, twice a sync)."""
-        params = list(self.params.values())
-        if list(map(_data_ptr, params)) == self._ptr_list and all(map(_contiguous, params)):
-            return []
-        return sorted(p for p, param in self.params.items()
-                      if param.data_ptr() != self.ptrs[p] or not param.is_contiguous())
+    def moved(self, current: list[Any] | None = None) -> list[str]:
+        """Parameters that no longer live where they were exported. `current`: what is
+        registered in each one's place now, in `params` order (None: unregistered); default
+        the parameters as shared. Checked in bulk first: thousands of parameters in an MoE,
+        twice a sync."""
+        params = list(self.params.values()) if current is None else current
+        try:
+            if list(map(_data_ptr, params)) == self._ptr_list and all(map(_contiguous, params)):
+                return []
+        except TypeError:  # one is no longer registered
+            pass
+        return sorted(p for p, param in zip(self.params, params)
+                      if param is None or param.data_ptr() != self.ptrs[p]
+                      or not param.is_contiguous())
 
-    def check(self) -> None:
-        """Raise `NotShared` unless every parameter still lives where it was exported; wait
-        for this process's GPU work on them first (the trainer writes next, or has written)."""
+    def check(self, current: list[Any] | None = None) -> None:
+        """Raise `NotShared` unless every parameter still lives where it was exported (see
+        `moved`); wait for this process's GPU work on them first (the trainer writes next, or
+        has written)."""
         torch.cuda.synchronize(self.device)
-        moved = self.moved()
+        moved = self.moved(current)
         if moved:
             raise NotShared(f"{len(moved)} parameter(s) no longer live in their exported CUDA "
                             f"storage, e.g. {moved[:3]} (reloaded by the engine?); the trainer "

@@ -8,7 +8,6 @@ trainer writes and again at its end, that the parameters still are where the tra
 from __future__ import annotations
 
 import logging
-import operator
 from typing import TYPE_CHECKING, Any
 
 from weightsync.direct import SharedParameters, probe_destinations
@@ -33,9 +32,10 @@ class ParameterSharing:
         self.load_fn = load_fn
         self.name = name
         self.shared: Any = None  # SharedParameters (CPU) or CudaParameters (GPU)
-        # Where each shared parameter is registered (its module's _parameters, key): an engine
-        # that registers a new Parameter object there no longer computes with the shared one.
-        self._homes: tuple[list[str], list[dict], list[str], list[Any]] = ([], [], [], [])
+        # Where each shared parameter is registered (its module's _parameters, key), in the
+        # shared parameters' order: the checks look at what is registered there now, so a new
+        # Parameter object in its own memory counts as moved.
+        self._homes: tuple[list[dict], list[str]] = ([], [])
 
     def share(self, placements: dict[str, Any] | None = None) -> ShareAnswer:
         """Share the parameters for the trainer to write (CPU: moved into a shared-memory
@@ -79,10 +79,8 @@ class ParameterSharing:
             return ShareAnswer(shared=None, why=f"{self.name}: parameters on {sorted(devices)}; "
                                                 f"the one-copy path needs all on the CPU or all "
                                                 f"on GPUs")
-        names = list(self.shared.params)
-        homes = [self._home(n) for n in names]
-        self._homes = (names, [h[0] for h in homes], [h[1] for h in homes],
-                       [self.shared.params[n] for n in names])
+        homes = [self._home(n) for n in self.shared.params]
+        self._homes = ([h[0] for h in homes], [h[1] for h in homes])
         logger.info("%s: %d parameters shared: %s", self.name, len(self.shared.params),
                     self.shared.label)
         return ShareAnswer(shared=self.shared.describe())
@@ -92,16 +90,10 @@ class ParameterSharing:
         return self.model.get_submodule(prefix)._parameters, attr
 
     def _check(self) -> None:
-        """Raise `NotShared` unless every shared parameter still lives where the trainer
-        writes and is still the object its module computes with."""
-        self.shared.check()
-        names, tables, keys, params = self._homes
-        if all(map(operator.is_, map(dict.get, tables, keys), params)):
-            return
-        replaced = [n for n, t, k, p in zip(names, tables, keys, params) if t.get(k) is not p]
-        raise NotShared(f"{len(replaced)} shared parameter(s) were replaced by new parameter "
-                        f"objects, e.g. {replaced[:3]} (reloaded by the engine?); the trainer "
-                        f"syncs by buckets and shares them again")
+        """Raise `NotShared` unless every parameter registered where a shared one was still
+        lives where the trainer writes (a new Parameter object in its own memory does not)."""
+        tables, keys = self._homes
+        self.shared.check(list(map(dict.get, tables, keys)))
 
     def begin(self) -> str | None:
         """Before the trainer writes: None if the parameters are where it will write, else
