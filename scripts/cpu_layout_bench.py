@@ -53,7 +53,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import PipeEndpoint, stop_receiver  # noqa: E402
+from gpu_bench import PipeEndpoint, stop_receiver, timed_copy  # noqa: E402
 
 from weightsync import layouts  # noqa: E402
 from weightsync.endpoint import Endpoint  # noqa: E402
@@ -119,13 +119,7 @@ def memcpy_s(nbytes: int, repeats: int, device: str = "cpu") -> float:
         size = min(nbytes, 8 << 30)
         src = torch.ones(size, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
-        best = float("inf")
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            dst.copy_(src)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
+        best = timed_copy(dst, src, repeats)
         del src, dst
         torch.cuda.empty_cache()
         return best * nbytes / size

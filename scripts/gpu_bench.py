@@ -232,7 +232,8 @@ def run(kind: str, size_gb: float, repeats: int, bucket_bytes: int | list[int],
     return results[0] if isinstance(bucket_bytes, int) else results
 
 
-def _timed_copy(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> float:
+def timed_copy(dst: torch.Tensor, src: torch.Tensor, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` device copies `dst.copy_(src)` (after one warm-up)."""
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
@@ -296,8 +297,8 @@ def run_tp(size_gb: float, repeats: int, bucket_bytes: int) -> dict:
     verify_s = time.perf_counter() - start
     half = nbytes // 2
     src = torch.empty(half, dtype=torch.uint8, device="cuda:0")
-    local_s = _timed_copy(torch.empty_like(src), src, repeats)
-    peer_s = _timed_copy(torch.empty(half, dtype=torch.uint8, device="cuda:1"), src, repeats)
+    local_s = timed_copy(torch.empty_like(src), src, repeats)
+    peer_s = timed_copy(torch.empty(half, dtype=torch.uint8, device="cuda:1"), src, repeats)
     for endpoint, child in workers:
         stop_receiver(endpoint, child)
     transport.close()

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import PipeEndpoint, stop_receiver  # noqa: E402
+from gpu_bench import PipeEndpoint, stop_receiver, timed_copy  # noqa: E402
 
 from weightsync import layouts  # noqa: E402
 
@@ -99,14 +99,7 @@ def copy_rate(gb: float, repeats: int) -> float:
     """Device-to-device copy rate (GB/s) of one buffer of `gb` GB, best of `repeats`."""
     src = torch.empty(int(gb * 1e9), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
+    best = timed_copy(dst, src, repeats)
     del src, dst
     torch.cuda.empty_cache()
     return gb / best
