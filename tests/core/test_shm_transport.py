@@ -259,3 +259,28 @@ def test_a_failed_allocation_removes_the_file_and_names_the_fix(tmp_path):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_closed_segment_stays_mapped_while_a_view_of_it_lives(tmp_path):
+    """`_Segment.close()` lets go of the mapping without unmapping it under live tensors (a
+    write through a view of an unmapped segment would land in whatever is mapped there next):
+    a view keeps working after close, and the mapping goes with the last view."""
+    import gc
+
+    segment = _Segment("weightsync-test-close", 1 << 20, create=True, shm_dir=str(tmp_path))
+    path = str(tmp_path / "weightsync-test-close")
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as f:
+            return any(path in line for line in f)
+
+    view = segment.tensor[4096:8192]
+    segment.close()
+    del segment
+    gc.collect()
+    assert mapped()
+    view.fill_(7)  # still this segment's memory
+    assert int(view.sum()) == 7 * 4096
+    del view
+    gc.collect()
+    assert not mapped()

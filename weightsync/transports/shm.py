@@ -182,12 +182,11 @@ class _Segment:
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def close(self) -> None:
+        """Let go of the mapping: it is unmapped when the last tensor over it goes. Never
+        unmapped here: `torch.frombuffer` holds no buffer export, so `mmap.close()` would unmap
+        under live views (a later write through one lands in whatever is mapped there next)."""
         self.tensor = None
-        try:
-            self._map.close()
-        except BufferError:
-            # A view is still alive somewhere; the mapping goes when the last view does.
-            logger.debug("segment %s still has views; left to the garbage collector", self.name)
+        self._map = None
 
 
 def _unlink_all(shm_dir: str, names: list[str]) -> None:
