@@ -21,7 +21,8 @@ receiver and trainer sync:
   the receiver's parameters (weightsync/direct.py; one copy of every byte).
 Measured per path:
 - memcpy: one torch `copy_` of a buffer of the layout's size in rank 0's process, on all cores,
-  best of `--repeats + 2`, just before the path's syncs;
+  best of `--repeats + 2`, measured just before the path's syncs and again after them (the other
+  ranks at a barrier, the receiver stopped): the faster of the two is the reference;
 - sync: rank 0's wall time of `TrainerSync.sync()` (everything: the plan broadcast, begin, both
   ranks' writes, the receiver's copies on the bucket path, end), best of `--repeats`, the ranks
   lined up by a barrier before each; ratio = memcpy seconds / sync seconds;
@@ -90,13 +91,19 @@ _PROCESS_CALLS = {"pid": os.getpid, "gpu_reset": _gpu_reset,
                   "profile_start": _profile_start, "profile_dump": _profile_dump}
 
 
-def _receiver_main(shapes: layouts.Layout, conn, device: str = "cpu") -> None:
+def _receiver_main(shapes: layouts.Layout, conn, device: str = "cpu",
+                   receiver_layout: str = "checkpoint") -> None:
     from weightsync.errors import error_to_wire
     from weightsync.receiver import ModuleWeightReceiver
 
     torch.set_num_threads(1)
-    receiver = ModuleWeightReceiver(layouts.build_module(shapes, device=device),
-                                    name="receiver")
+    if receiver_layout == "fused":  # an engine's parameters: q/k/v, gate/up, experts fused
+        params, where = layouts.fused(shapes)
+        receiver = ModuleWeightReceiver(layouts.build_module(params, device=device),
+                                        name="receiver", fused=where)
+    else:
+        receiver = ModuleWeightReceiver(layouts.build_module(shapes, device=device),
+                                        name="receiver")
     while (item := conn.recv()) is not None:
         method, args = item
         try:
@@ -178,8 +185,8 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
         ctx = mp.get_context("spawn")
         here, there = ctx.Pipe()
         # daemon: should this rank fail, its exit does not wait for the receiver
-        child = ctx.Process(target=_receiver_main, args=(shapes, there, args.device),
-                            daemon=True)
+        child = ctx.Process(target=_receiver_main,
+                            args=(shapes, there, args.device, args.receiver), daemon=True)
         child.start()
         engines = {"receiver": _PipeEndpoint(here, "receiver")}
     sync.connect(engines)
@@ -291,15 +298,20 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
     pids: list[int] = [0] * args.ranks
     dist.all_gather_object(pids, os.getpid())
     out = {"layout": args.layout, "layers": args.layers, "shrink": args.shrink,
+           "receiver": args.receiver,
            "tensors": len(shapes), "gb": nbytes / 1e9, "bucket_mb": args.bucket_mb,
            "repeats": args.repeats, "build_and_shard_s": built_s, "paths": {}}
     for path in args.paths:
-        if rank == 0:  # measured beside each path, in the same conditions
-            out["paths"][path] = {"memcpy_s": memcpy_s(nbytes, args.repeats + 2, args.device)}
+        # memcpy beside each path, in the same conditions: before its syncs and after them
+        # (the receiver stopped, the other ranks at a barrier); the faster is the reference.
+        before = memcpy_s(nbytes, args.repeats + 2, args.device) if rank == 0 else None
         dist.barrier()
         result = _bench_path(path, model, shapes, rank=rank, args=args, trainer_pids=pids)
         if rank == 0:
-            out["paths"][path].update(result)
+            after = memcpy_s(nbytes, args.repeats + 2, args.device)
+            out["paths"][path] = {"memcpy_s": min(before, after),
+                                  "memcpy_before_after_s": [before, after], **result}
+        dist.barrier()
     close_trainer_group()
     if rank == 0:
         results.put(out)
@@ -379,6 +391,10 @@ def main() -> None:
                         help="cuda: trainer ranks and receiver on GPUs, transport cuda_ipc "
                              "(one-copy: the receiver exports its parameters' CUDA storages)")
     parser.add_argument("--ranks", type=int, default=2, help="trainer ranks (FSDP2)")
+    parser.add_argument("--receiver", choices=["checkpoint", "fused"], default="checkpoint",
+                        help="the receiver's parameters: the checkpoint's tensors one for one, "
+                             "or fused as an engine holds them (vLLM's layout: q/k/v, gate/up "
+                             "and every layer's experts in one parameter each)")
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--profile", metavar="DIR", help="write each rank's cProfile of the "
                                                          "timed syncs of each path here")

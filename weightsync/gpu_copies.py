@@ -14,11 +14,14 @@ ONE_COPY_BYTES = 4 << 20
 # Repeated copy lists run as one CUDA graph (one launch instead of one per copy).
 GRAPHS = True
 GRAPH_BRANCHES = 8
+# A write plan's small copies go as one fused kernel launch where Triton is there
+# (weightsync/gpu_check.py `Copies`).
+FUSED = True
 
 
 def issue(big: list, small: list) -> None:
     for dst, src in big:
-        if src is None:  # a captured graph
+        if src is None:  # a captured graph, or fused copies (gpu_check.Copies)
             dst.replay()
         else:
             dst.copy_(src)

@@ -14,6 +14,7 @@ layout at about 1/shrink**2 of its bytes (CPU benchmarks: scripts/cpu_layout_ben
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 Layout = list[tuple[str, tuple[int, ...]]]
@@ -75,6 +76,56 @@ def qwen3_30b_a3b(num_layers: int = 48, *, shrink: int = 1) -> Layout:
                     (f"{q}.up_proj.weight", (moe_intermediate, hidden)),
                     (f"{q}.down_proj.weight", (hidden, moe_intermediate))]
     return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+
+# How an engine fuses a checkpoint's tensors into its parameters (vLLM's layout for these
+# models): (name suffix pattern, fused parameter suffix, whether each member is one expert's).
+_FUSED = ((re.compile(r"(.*\.self_attn)\.[qkv]_proj\.weight$"), "qkv_proj.weight", False),
+          (re.compile(r"(.*\.mlp)\.(?:gate|up)_proj\.weight$"), "gate_up_proj.weight", False),
+          (re.compile(r"(.*\.mlp\.experts)\.\d+\.(?:gate|up)_proj\.weight$"), "w13_weight",
+           True),
+          (re.compile(r"(.*\.mlp\.experts)\.\d+\.down_proj\.weight$"), "w2_weight", True))
+
+
+def fused(shapes: Layout) -> tuple[Layout, dict[str, tuple[str, int]]]:
+    """The parameters an engine serving `shapes` holds (vLLM's: q/k/v in one `qkv_proj`,
+    gate/up in one `gate_up_proj`, every expert's gate and up in one `w13_weight` of shape
+    [experts, 2 * intermediate, hidden] and their down in one `w2_weight`; other tensors as
+    they are), and where each checkpoint tensor lands: {tensor: (parameter, first element)},
+    its elements back to back from there."""
+    members: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    experts: dict[str, bool] = {}
+    order: list[str] = []
+    for name, shape in shapes:
+        pname = name
+        for pattern, suffix, per_expert in _FUSED:
+            match = pattern.match(name)
+            if match:
+                pname = f"{match.group(1)}.{suffix}"
+                experts[pname] = per_expert
+                break
+        if pname not in members:
+            members[pname] = []
+            order.append(pname)
+        members[pname].append((name, shape))
+    params: Layout = []
+    where: dict[str, tuple[str, int]] = {}
+    for pname in order:
+        group = members[pname]
+        start = 0
+        for name, shape in group:
+            where[name] = (pname, start)
+            start += math.prod(shape)
+        if pname not in experts:
+            params.append((pname, group[0][1]))
+            continue
+        rows, cols = sum(s[0] for _, s in group), group[0][1][1]
+        if experts[pname]:  # [experts, rows of one expert, cols]
+            count = len({n.split(".experts.")[1].split(".")[0] for n, _ in group})
+            params.append((pname, (count, rows // count, cols)))
+        else:
+            params.append((pname, (rows, cols)))
+    return params, where
 
 
 def uniform(num_tensors: int, tensor_bytes: int, element_bytes: int = 2) -> Layout:

@@ -235,6 +235,15 @@ class ModelReceiver:
         self.sharing.close()
 
 
+def _fused_loader(param: torch.Tensor, loaded: torch.Tensor, start: int) -> None:
+    """Copy `loaded` into `param`'s elements from `start` on (one of a fused parameter's
+    members)."""
+    if start + loaded.numel() > param.numel():
+        raise ValueError(f"{tuple(loaded.shape)} from element {start} overruns a parameter of "
+                         f"{param.numel()} elements")
+    param.data.view(-1)[start:start + loaded.numel()].copy_(loaded.reshape(-1))
+
+
 class ModuleWeightReceiver(WeightReceiver):
     """A `WeightReceiver` for a plain torch module whose parameters carry the senders' names.
 
@@ -242,22 +251,33 @@ class ModuleWeightReceiver(WeightReceiver):
     the core tests and the GPU transport benchmarks).
     """
 
-    def __init__(self, model: nn.Module, *, name: str = "module", sliced: bool = False) -> None:
+    def __init__(self, model: nn.Module, *, name: str = "module", sliced: bool = False,
+                 fused: dict[str, tuple[str, int]] | None = None) -> None:
         """`sliced`: the parameters' loaders keep a slice of each tensor (a tensor-parallel
-        worker's): the receiver learns its placements and reports them at `end`."""
+        worker's): the receiver learns its placements and reports them at `end`. `fused`:
+        tensors the loader puts into a parameter of another name, as engines fuse q/k/v or
+        experts ({tensor: (parameter, first element)}, weightsync/layouts.py `fused`)."""
         self.sliced = sliced
         params = dict(model.named_parameters())
+        fused = fused or {}
+        for into, _ in fused.values():  # as an engine's fused parameters carry their loader
+            params[into].weight_loader = _fused_loader
 
         def load_fn(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
             for pname, tensor in weights:
+                if pname in fused:
+                    into, start = fused[pname]
+                    params[into].weight_loader(params[into], tensor, start)
+                    continue
                 param = params.get(pname)
                 if param is not None:
                     getattr(param, "weight_loader", copy_loader)(param, tensor)
 
         self.receiver = ModelReceiver(model, load_fn=load_fn, default_loader=copy_loader,
                                       name=name)
-        # load_fn hands each tensor to the parameter of its name: plain copies may be batched.
-        self.receiver.buckets.plain_copies = True
+        # load_fn hands each unfused tensor to the parameter of its name: plain copies may be
+        # batched.
+        self.receiver.buckets.plain_copies = not fused
         self._version: str | None = None
         self._session: str | None = None
         self._direct = False

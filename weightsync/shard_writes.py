@@ -140,13 +140,16 @@ class OneCopyWriter:
             # Verified writes go through the plan only on GPUs (one fused copy-and-read-back
             # kernel, weightsync/gpu_check.py); on the CPU piece by piece, read back in cache.
             plan = None
-            if hook is None and targets and (
-                    not verify or all(t.device is not None for t in targets)):
-                plan = self._planned(targets)
-            if plan is None or (verify and not plan.checks):
-                pieces, mismatched = self._write_each(targets, hook, verify=verify)
+            if hook is None and targets and not verify and self._replays(targets):
+                pieces, mismatched = self._write_then_check(targets)
             else:
-                pieces, mismatched = plan.write(verify=verify)
+                if hook is None and targets and (
+                        not verify or all(t.device is not None for t in targets)):
+                    plan = self._planned(targets)
+                if plan is None or (verify and not plan.checks):
+                    pieces, mismatched = self._write_each(targets, hook, verify=verify)
+                else:
+                    pieces, mismatched = plan.write(verify=verify)
             for target in targets:  # GPU copies are asynchronous: landed before we answer
                 target.flush()
         seconds = time.perf_counter() - start
@@ -158,6 +161,29 @@ class OneCopyWriter:
         return {"pieces": sum(g[0] for g in gathered),
                 "mismatched": sorted({m for g in gathered for m in g[1]}),
                 "bytes": sum(g[3] for g in gathered)}
+
+    def _replays(self, targets: list[DirectTarget]) -> bool:
+        """Whether the last plan copies into `targets` (the same objects) and cuts nothing per
+        sync (those tensors are gathered, a collective every rank takes once): then its copies
+        are issued before the plan is checked (`_write_then_check`)."""
+        plan = self.plan
+        return (isinstance(plan, WritePlan) and not plan.each_sync
+                and plan.same_targets(targets))
+
+    def _write_then_check(self, targets: list[DirectTarget]) -> tuple[int, set[str]]:
+        """Issue the plan's copies, then check the plan: on a GPU while they run (with
+        thousands of tensors the check takes a good part of the copying's time). The copies read
+        only the sources planned, which the plan keeps alive, so a stale plan costs a wasted
+        copy, never a read of freed memory: should the model have changed, wait for those
+        copies, plan again and write once more, all before the engines' `end`."""
+        written = [t.written for t in targets]
+        result = self.plan.write()
+        if self.plan.holds(targets):
+            return result
+        for target, before in zip(targets, written):
+            target.flush()
+            target.written = before
+        return self._planned(targets).write()
 
     def _planned(self, targets: list[DirectTarget]) -> Any:
         """This rank's write plan into `targets`, made again when the model's parameters or

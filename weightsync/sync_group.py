@@ -101,6 +101,11 @@ class SyncGroup:
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's `obj` (plain data: JSON types), on every rank. A value JSON cannot spell
         raises TypeError on rank 0 and RuntimeError on the others."""
+        if self.world_size == 1:  # nothing to send (as JSON all the same)
+            try:
+                return json.loads(_encode(obj))
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"sync group: {exc}") from exc
         size = torch.zeros(1, dtype=torch.int64)
         data = b""
         error = None
@@ -123,6 +128,8 @@ class SyncGroup:
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj` (plain data), in rank order, on rank 0; None elsewhere."""
         data = _encode(obj)
+        if self.world_size == 1:
+            return [json.loads(data)]
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         dist.all_gather(sizes, size, group=self.group)

@@ -93,8 +93,10 @@ class WritePlan:
     def _batched(self) -> list[tuple[list, list]]:
         """The planned copies as `gpu_copies.issue` arguments: on the CPU one
         `_foreach_copy_`; on a GPU, per destination device, the copies between equal dtypes
-        coalesced where both sides lie back to back, and all captured into one CUDA graph."""
-        if not self.dsts or self.dsts[0].device.type != "cuda":
+        coalesced where both sides lie back to back; the small ones the fused kernel can take
+        as one launch of it (weightsync/gpu_check.py `Copies`), the rest captured into one CUDA
+        graph."""
+        if not self.on_gpu:
             return [([], [(self.dsts, self.srcs)])]
         by_device: dict[torch.device, tuple[list, list]] = {}
         for dst, src in zip(self.dsts, self.srcs):
@@ -103,11 +105,20 @@ class WritePlan:
         out = []
         for device, (plain, converted) in by_device.items():
             big, small = coalesce(plain)
+            fused: list = []
+            if gpu_copies.FUSED and gpu_check.available():  # small copies: one kernel launch
+                pairs = [(d, s) for dsts, srcs in small for d, s in zip(dsts, srcs)]
+                take = [gpu_check.fusable(d, s) for d, s in pairs]
+                if any(take):
+                    fused = [(gpu_check.Copies([p for p, t in zip(pairs, take) if t], device),
+                              None)]
+                    rest = [p for p, t in zip(pairs, take) if not t]
+                    small = [([d for d, _ in rest], [s for _, s in rest])] if rest else []
             if converted:
                 small.append(([d for d, _ in converted], [s for _, s in converted]))
-            if gpu_copies.GRAPHS:
+            if gpu_copies.GRAPHS and (big or small):
                 big, small = [(capture(big, small, device), None)], []
-            out.append((big, small))
+            out.append((big + fused, small))
         return out
 
     def _add(self, name: str, tensor: torch.Tensor, local: torch.Tensor) -> bool:
@@ -137,11 +148,19 @@ class WritePlan:
         self.nbytes = [a + b for a, b in zip(self.nbytes, nbytes)]
         return True
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the planned copies go into GPU memory (asynchronous, see `issue`)."""
+        return bool(self.dsts) and self.dsts[0].device.type == "cuda"
+
+    def same_targets(self, targets: list[DirectTarget]) -> bool:
+        return len(targets) == len(self.targets) and all(
+            a is b for a, b in zip(targets, self.targets))
+
     def holds(self, targets: list[DirectTarget]) -> bool:
         """Whether the plan still writes what a piece-by-piece write into `targets` would: the
         same targets, every parameter the same object over the same storage."""
-        if len(targets) != len(self.targets) or any(
-                a is not b for a, b in zip(targets, self.targets)):
+        if not self.same_targets(targets):
             return False
         self.pieces.source.reshard()
         # Loops in C (map): ~0.3 us a tensor, thousands of tensors every sync.
@@ -154,7 +173,7 @@ class WritePlan:
     @property
     def checks(self) -> bool:
         """Whether `write(verify=True)` can verify through the plan (GPU targets, Triton)."""
-        return bool(self.dsts) and self.dsts[0].device.type == "cuda" and gpu_check.available()
+        return self.on_gpu and gpu_check.available()
 
     def _verified_copies(self) -> list[tuple[gpu_check.CheckedCopies, list[str]]]:
         if self._checked is None:

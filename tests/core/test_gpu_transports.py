@@ -214,7 +214,8 @@ def test_one_copy_into_a_gpu_receiver_writes_its_exported_storages():
     import cpu_layout_bench
 
     args = argparse.Namespace(layout="qwen3-30b-a3b", layers=2, shrink=8, paths=["one_copy"],
-                              repeats=2, bucket_mb=64, profile=None, device="cuda", ranks=1)
+                              repeats=2, bucket_mb=64, profile=None, device="cuda", ranks=1,
+                              receiver="checkpoint")
     result = cpu_layout_bench.run(args)["paths"]["one_copy"]
     assert result["unverified_sync_checked"] and result["verified"]
     # The timed verified syncs (each checked verified by the bench) ran the plan's fused
@@ -228,7 +229,8 @@ def test_checked_copies_copy_and_read_back_every_pair():
     """The fused copy-and-read-back kernel (weightsync/gpu_check.py) over copies of several
     chunks, small ones, and the ones it leaves to `copy_` + `torch.equal` (an odd address, a
     dtype conversion): every destination ends up equal to its source, none reported as
-    differing, and a second run copies the sources' new values."""
+    differing, and a second run copies the sources' new values; the same kernel without the
+    read-back copies the pairs it can take and refuses the others."""
     from weightsync import gpu_check
 
     if not gpu_check.available():
@@ -251,6 +253,13 @@ def test_checked_copies_copy_and_read_back_every_pair():
         for _, src in pairs:
             src.mul_(-3)
     assert not torch.equal(pairs[0][0], big)
+    # Without the read-back (a write plan's unverified copies): one launch copies them all.
+    fused = gpu_check.Copies(pairs[:2], dev)
+    fused.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(d, s) for d, s in pairs[:2])
+    with pytest.raises(ValueError, match="2 copies the fused kernel cannot take"):
+        gpu_check.Copies(pairs, dev)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])

@@ -1,16 +1,19 @@
 """The trainer ranks' side channel (weightsync/sync_group.py): plain data as JSON over gloo,
-never pickle, between two spawned ranks."""
+never pickle, between two spawned ranks; a trainer of one rank sends nothing."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 
+import pytest
+
 from tests.conftest import free_port
 
 
-def _rank(rank: int, port: int, results) -> None:
+def _rank(rank: int, world_size: int, port: int, results) -> None:
     import pickle
 
+    import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     from weightsync.dtensor import close_trainer_group, init_trainer_group
@@ -23,8 +26,12 @@ def _rank(rank: int, port: int, results) -> None:
     c10d._tensor_to_object = refuse
     pickle.loads = refuse
     pickle.Unpickler = refuse
-    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    init_trainer_group(rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                       master_port=port)
     group = SyncGroup(timeout_s=60)
+    if world_size == 1:  # one rank sends nothing
+        for name in ("broadcast", "all_gather", "gather"):
+            setattr(dist, name, refuse)
     out: dict = {}
     plan = {"direct": ["a"], "new": {"a": {"segment": "x", "offsets": {"t": 64}}}, "n": None}
     out["broadcast"] = group.broadcast(plan if rank == 0 else None)
@@ -39,11 +46,13 @@ def _rank(rank: int, port: int, results) -> None:
     results.put((rank, out))
 
 
-def test_plain_data_crosses_as_json_and_an_unencodable_value_fails_every_rank():
+@pytest.mark.parametrize("world_size", [2, 1])
+def test_plain_data_crosses_as_json_and_an_unencodable_value_fails_every_rank(world_size):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, world_size, port, results))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     outs = dict(results.get(timeout=120) for _ in procs)
@@ -51,9 +60,14 @@ def test_plain_data_crosses_as_json_and_an_unencodable_value_fails_every_rank():
         p.join(timeout=60)
         assert p.exitcode == 0
     want = {"direct": ["a"], "new": {"a": {"segment": "x", "offsets": {"t": 64}}}, "n": None}
-    assert outs[0]["broadcast"] == outs[1]["broadcast"] == want
+    assert outs[0]["broadcast"] == want
+    assert outs[0]["unencodable"].startswith("TypeError: sync group: Object of type object")
+    assert outs[0]["after"] == "still in step"
+    if world_size == 1:
+        assert outs[0]["gathered"] == [[0, ["bad-0"], 0.0, 10 ** 12]]
+        return
+    assert outs[1]["broadcast"] == want
     assert outs[0]["gathered"] == [[0, ["bad-0"], 0.0, 10 ** 12], [1, ["bad-1"], 0.5, 10 ** 12]]
     assert outs[1]["gathered"] is None
-    assert outs[0]["unencodable"].startswith("TypeError: sync group: Object of type object")
     assert outs[1]["unencodable"].startswith("RuntimeError: sync group: rank 0 could not")
-    assert outs[0]["after"] == outs[1]["after"] == "still in step"
+    assert outs[1]["after"] == "still in step"

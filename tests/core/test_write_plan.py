@@ -88,3 +88,50 @@ def test_a_state_dict_that_renames_its_entries_is_not_planned():
     spec = TensorSpec(name="x.b", dtype="float32", shape=(33,))
     assert spec in source.specs()
     assert WritePlan.build(ShardPieces(source, rank=0), []) is None
+
+
+class _OneRank:
+    """The sync group of a trainer with one rank (nothing to exchange)."""
+
+    rank = 0
+
+    @staticmethod
+    def gather(obj):
+        return [obj]
+
+
+def test_a_writer_copies_first_and_writes_again_when_the_plan_no_longer_holds():
+    """After the first planned write the writer issues the plan's copies before checking it
+    (on a GPU the check runs under the copies): a model whose parameter was replaced since
+    gets its stale copy overwritten by a new plan's before the write returns, and its bytes
+    are counted once."""
+    from weightsync.shard_writes import OneCopyWriter
+
+    model = _trainer()
+    source = DTensorV2Source(model, dtype="bfloat16")
+    params, shared = _engine(source)
+    writer = OneCopyWriter(source, _OneRank())
+    msg = {"direct": ["e"], "new": {"e": shared.describe()}}
+    nbytes = 2 * (16 * 8 + 33 + 15)
+    try:
+        assert writer.write(msg, verify=False) == {"pieces": 3, "mismatched": [], "bytes": nbytes}
+        first = writer.plan
+        again = {"direct": ["e"], "new": {}}
+        with torch.no_grad():
+            model.inner.a.mul_(-2)
+        assert writer.write(again, verify=False)["bytes"] == nbytes
+        assert writer.plan is first and _engine_holds(params, source)
+        issued = []
+        first_write = first.write
+        first.write = lambda **kw: issued.append(kw) or first_write(**kw)
+        model.b.data = torch.randn(33)  # new storage: the plan's copy of "b" is stale
+        assert writer.write(again, verify=False) == {"pieces": 3, "mismatched": [],
+                                                     "bytes": nbytes}
+        assert issued == [{}] and writer.plan is not first  # copied first, then planned anew
+        assert _engine_holds(params, source)
+        model.inner.a = torch.nn.Parameter(torch.randn(16, 8))  # a new object
+        writer.write(again, verify=False)
+        assert _engine_holds(params, source)
+    finally:
+        writer.close()
+        shared.close()
