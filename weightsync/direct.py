@@ -141,6 +141,7 @@ class SharedParameters:
         name = f"{PREFIX}{os.getpid()}-params-{secrets.token_hex(4)}"
         self.segment = _Segment(name, max(total, ALIGNMENT_BYTES), create=True, shm_dir=shm_dir)
         self._finalizer = weakref.finalize(self, _unlink_all, shm_dir, [name])
+        self.token = name  # names this sharing: a trainer's writes say which one they are for
         self.params = {pname: params[pname] for pname in names}
         self.param_offsets = offsets
         with torch.no_grad():

@@ -72,7 +72,7 @@ class CudaParameters:
         self.placed = {t: [params[p].element_size(), pats]
                        for t, (p, pats) in (placements or {}).items()}
         # Names this sharing (a new one after the parameters moved and were shared again).
-        self.owner = f"pid {os.getpid()} share {secrets.token_hex(4)}"
+        self.owner = self.token = f"pid {os.getpid()} share {secrets.token_hex(4)}"
         self.label = (f"{len(self.exports)} CUDA storage(s) on {self.device} "
                       f"({sum(p.nbytes for p in self.params.values())} bytes of parameters)")
 

@@ -102,11 +102,11 @@ class OneCopyPath:
             self.writer.write(msg, verify=verify)
             return None, msg["fallback"]
 
-        def write(direct: list[str], fallback: list[str]) -> dict[str, Any] | None:
-            def segments(n: str) -> list[str]:  # what identifies one sharing of an engine
-                return [s["cuda"]["owner"] if "cuda" in s else s["segment"]
-                        for s in worker_shares(self._shared[n])]
+        def segments(n: str) -> list[str]:  # what identifies one sharing of an engine
+            return [s["cuda"]["owner"] if "cuda" in s else s["segment"]
+                    for s in worker_shares(self._shared[n])]
 
+        def write(direct: list[str], fallback: list[str]) -> dict[str, Any] | None:
             new = {n: self._shared[n] for n in direct if self._sent.get(n) != segments(n)}
             self.group.broadcast({"direct": direct, "fallback": fallback, "new": new})
             for n in new:
@@ -117,8 +117,11 @@ class OneCopyPath:
             return self.writer.write({"direct": direct, "new": new, "fallback": fallback},
                                      verify=verify)
 
-        report, fallback = sender.sync_direct(write, version=version, engines=names,
-                                              verify=verify)
+        # Each engine is asked to confirm the sharing the ranks hold mapped: one shared again
+        # since (for another trainer) goes by buckets, then its new sharing is mapped.
+        report, fallback = sender.sync_direct(
+            write, version=version, engines=names, verify=verify,
+            sharing={n: segments(n) for n in names if n in self._shared})
         if report is not None:
             report = replace(report, phases_s={**report.phases_s,
                                                "rank_write": self.writer.rank_write_s})

@@ -72,13 +72,15 @@ class WeightReceiver(ABC):
         """
 
     @abstractmethod
-    def begin(self, version: str, direct: bool = False) -> dict:
+    def begin(self, version: str, direct: bool | list[str] = False) -> dict:
         """Open an update session (the engine stops taking new requests until `end`): a
         `BeginAnswer`.
 
         With `direct` the trainer will write into the shared parameters (weightsync/direct.py)
         instead of sending buckets; the answer says `direct=False` and why, without opening
-        anything, when the parameters are not (or no longer) shared."""
+        anything, when the parameters are not (or no longer) shared. `direct` as a list names
+        the sharings the trainer holds mapped (each worker's segment name or CUDA export owner,
+        `sharing_of`): a worker whose parameters are shared otherwise now answers why not."""
 
     @abstractmethod
     def load_bucket(self, descriptor: dict) -> dict:
@@ -207,10 +209,12 @@ class ModelReceiver:
     def share(self, placements: dict[str, Any] | None = None) -> ShareAnswer:
         return self.sharing.share(placements)
 
-    def begin_direct(self, *, keep_previous: bool) -> str | None:
+    def begin_direct(self, *, keep_previous: bool,
+                     sharing: list[str] | None = None) -> str | None:
         """Before the trainer writes: None if the parameters are where it will write (and, with
-        `keep_previous`, copied first), else why not."""
-        why = self.sharing.begin()
+        `keep_previous`, copied first), else why not. `sharing`: the sharings the trainer
+        writes into (`ParameterSharing.begin`)."""
+        why = self.sharing.begin(sharing)
         if why is None and keep_previous and self.sharing.shared.device is not None:
             why = (f"{self.sharing.name}: keep_previous on GPU parameters: the previous weights "
                    f"cannot be put back safely under the trainer's writes (weightsync/"
@@ -233,6 +237,11 @@ class ModelReceiver:
     def close(self) -> None:
         self.buckets.close()
         self.sharing.close()
+
+
+def sharing_of(direct: bool | list[str]) -> list[str] | None:
+    """The sharings a `begin(direct=...)` names (None: `direct` is a plain flag)."""
+    return list(direct) if isinstance(direct, (list, tuple)) else None
 
 
 def _fused_loader(param: torch.Tensor, loaded: torch.Tensor, start: int) -> None:
@@ -285,15 +294,15 @@ class ModuleWeightReceiver(WeightReceiver):
     def check_refit(self, specs: list[dict]) -> dict:
         return self.receiver.check_refit(specs_from_dicts(specs)).to_dict()
 
-    def begin(self, version: str, direct: bool = False) -> dict:
+    def begin(self, version: str, direct: bool | list[str] = False) -> dict:
         if self._session is not None:
             raise RuntimeError(f"update session {self._session!r} is still open")
         if direct:
-            why = self.receiver.begin_direct(keep_previous=False)
+            why = self.receiver.begin_direct(keep_previous=False, sharing=sharing_of(direct))
             if why is not None:
                 return BeginAnswer(direct=False, why=why).to_dict()
-        self._session, self._direct = version, direct
-        return BeginAnswer(direct=direct).to_dict()
+        self._session, self._direct = version, bool(direct)
+        return BeginAnswer(direct=bool(direct)).to_dict()
 
     def share_params(self) -> dict:
         return self.receiver.share().to_dict()
@@ -397,9 +406,11 @@ class EngineSession(WeightReceiver):
         return super().share_params()
 
     @abstractmethod
-    def _engine_begin(self, direct: bool) -> str | None:
+    def _engine_begin(self, direct: bool | list[str]) -> str | None:
         """Open the engine's side of an update; with `direct`, return why the trainer cannot
-        write into the parameters (then nothing is left open), or None."""
+        write into the parameters (then nothing is left open), or None. A list `direct` names
+        the sharings the trainer writes into (`sharing_of`: each worker checks its own is one
+        of them)."""
 
     @abstractmethod
     def _engine_load(self, descriptor: dict) -> LoadReport: ...
@@ -413,7 +424,7 @@ class EngineSession(WeightReceiver):
     def _engine_stage(self) -> StageReport:
         return StageReport(fingerprints=[self.fingerprints()])
 
-    def begin(self, version: str, direct: bool = False) -> dict:
+    def begin(self, version: str, direct: bool | list[str] = False) -> dict:
         with self._lock:
             if self._open is not None:
                 # Only one trainer drives an engine: an update still open means its sender died.
@@ -429,10 +440,10 @@ class EngineSession(WeightReceiver):
             if why is not None:
                 self._resume_generation()
                 return BeginAnswer(direct=False, why=why).to_dict()
-            self._open, self._direct = version, direct
+            self._open, self._direct = version, bool(direct)
             if direct:
                 self._loaded = 1  # the trainer writes into the parameters from now on
-            return BeginAnswer(direct=direct).to_dict()
+            return BeginAnswer(direct=bool(direct)).to_dict()
 
     def load_bucket(self, descriptor: dict) -> dict:
         with self._lock:

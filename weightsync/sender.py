@@ -178,10 +178,14 @@ class WeightSender:
 
     def sync_direct(self, write: Callable[[list[str], list[str]], dict[str, Any] | None], *,
                     version: str, engines: list[str], verify: bool = False,
+                    sharing: dict[str, list[str]] | None = None,
                     ) -> tuple[SyncReport | None, list[str]]:
         """The one-copy path (weightsync/direct.py) into engines whose parameters are shared.
 
-        begin(version, direct=True) on each; then `write(direct, fallback)` has every trainer
+        begin(version, direct=...) on each: the sharings the trainer holds mapped for it
+        (`sharing[name]`: its workers' segment names or CUDA export owners; an engine shared
+        otherwise now answers why not and takes buckets), or True where `sharing` names none;
+        then `write(direct, fallback)` has every trainer
         rank write its shards into the direct engines' parameters and returns, when verifying,
         {"pieces": how many were written, "mismatched": names whose bytes read back differed};
         a difference aborts the update and raises; then end, where each engine confirms its
@@ -194,7 +198,9 @@ class WeightSender:
         failure: BaseException | None = None
         phases: dict[str, float] = {}
         try:
-            answers: list[BeginAnswer] = self.calls.call_all("begin", version, True, names=engines)
+            sharing = sharing or {}
+            answers: list[BeginAnswer] = self.calls.wait_all(
+                [self.calls.submit(n, "begin", version, sharing.get(n, True)) for n in engines])
             phases["begin"] = time.perf_counter() - start
             for name, answer in zip(engines, answers):
                 if answer.direct:

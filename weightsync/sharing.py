@@ -95,11 +95,19 @@ class ParameterSharing:
         tables, keys = self._homes
         self.shared.check(list(map(dict.get, tables, keys)))
 
-    def begin(self) -> str | None:
+    def begin(self, sharing: list[str] | None = None) -> str | None:
         """Before the trainer writes: None if the parameters are where it will write, else
-        why not."""
+        why not. `sharing`: the sharings the trainer holds mapped (the segment names or CUDA
+        export owners its engine's workers described; None: whatever is shared now). One of
+        them must be this one: after the parameters were shared again (for another trainer, or
+        after they moved) a trainer still holding the old sharing would write into memory the
+        engine no longer computes with, and read its own bytes back from there."""
         if self.shared is None:
             return f"{self.name}: parameters are not shared"
+        if sharing is not None and self.shared.token not in sharing:
+            return (f"{self.name}: the trainer writes into {sharing} but the parameters are now "
+                    f"shared as {self.shared.token!r} (shared again since); this update takes "
+                    f"buckets, then the trainer maps the new sharing")
         try:
             self._check()
         except NotShared as exc:

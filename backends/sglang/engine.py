@@ -30,7 +30,7 @@ from weightsync.backends.sglang.loader import LOADER
 from weightsync.backends.sglang.serve import KEY_VARIABLE
 from weightsync.preflight import refuse_unsupported_sglang
 from weightsync.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer, StageReport
-from weightsync.receiver import EngineSession
+from weightsync.receiver import EngineSession, sharing_of
 from weightsync.sampling import SamplingOptions
 from weightsync.server import LocalServer, cli_flags
 from weightsync.sharing import combine_worker_shares
@@ -303,11 +303,12 @@ class SglEngineActor(EngineSession):
         first = RefitAnswer.from_dict(answers[0])
         return replace(first, num_receivers=len(answers), tp_size=self.tp_size).to_dict()
 
-    def _engine_begin(self, direct: bool) -> str | None:
+    def _engine_begin(self, direct: bool | list[str]) -> str | None:
         self._session("begin")
         if direct:
             whys = [r["why"] for r in self._control_all("begin_direct",
-                                                        keep_previous=self.keep_previous)
+                                                        keep_previous=self.keep_previous,
+                                                        sharing=sharing_of(direct))
                     if r["why"] is not None]
             if whys:
                 self._session("end", needed=False)

@@ -76,7 +76,8 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
     if op == "share":
         return receiver.share(receiver.placements if size > 1 else None).to_dict()
     if op == "begin_direct":
-        return {"why": receiver.begin_direct(keep_previous=bool(message.get("keep_previous")))}
+        return {"why": receiver.begin_direct(keep_previous=bool(message.get("keep_previous")),
+                                             sharing=message.get("sharing"))}
     if op == "commit":
         if message.get("direct"):
             receiver.end_direct()

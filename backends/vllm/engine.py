@@ -188,7 +188,7 @@ class VllmEngineActor(EngineSession):
         first = RefitAnswer.from_dict(results[0])
         return replace(first, num_receivers=len(results), tp_size=self.tp_size).to_dict()
 
-    def _engine_begin(self, direct: bool) -> str | None:
+    def _engine_begin(self, direct: bool | list[str]) -> str | None:
         whys = [r["why"] for r in self._rpc_all("weightsync_begin", direct, self.keep_previous)
                 if r["why"]]
         return "; ".join(whys) if whys else None

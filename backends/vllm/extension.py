@@ -184,10 +184,11 @@ class WeightsyncWorkerExtension:
                            tp_size=self._ws_tp()[1]).to_dict()
 
     @_guard
-    def weightsync_begin(self, direct: bool = False, keep_previous: bool = False,
+    def weightsync_begin(self, direct: bool | list[str] = False, keep_previous: bool = False,
                          ) -> dict[str, Any]:
         """Open an update; with `keep_previous`, what it overwrites is copied first (each
-        parameter once) so that `weightsync_rollback` can put it back."""
+        parameter once) so that `weightsync_rollback` can put it back. A list `direct` names
+        the sharings the trainer writes into (this worker's must be one)."""
         state = self._ws_state()
         experts = self._ws_experts()
         state["repacker"].stop()  # it must not pack half-loaded weights
@@ -195,11 +196,14 @@ class WeightsyncWorkerExtension:
         state["receiver"].drop_previous()
         experts.unpack()  # loaders, writers and verification see the checkpoint layout
         if direct:
-            why = state["receiver"].begin_direct(keep_previous=keep_previous)
+            from weightsync.receiver import sharing_of
+
+            why = state["receiver"].begin_direct(keep_previous=keep_previous,
+                                                 sharing=sharing_of(direct))
             if why is not None:
                 experts.pack()  # nothing is left open: the engine serves on
                 return {"why": why}
-        state["open"], state["direct"], state["keep"] = True, direct, keep_previous
+        state["open"], state["direct"], state["keep"] = True, bool(direct), keep_previous
         return {"why": None}
 
     def _ws_experts(self) -> Any:

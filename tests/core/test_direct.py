@@ -174,7 +174,25 @@ def test_direct_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_abo
                                               engines=["mod"])
         assert report is None and fallback == ["mod"] and calls == [([], ["mod"])]
         assert receiver.weight_version() == "v2"
-        assert receiver.share_params()["shared"]["segment"] != shared["segment"]  # shared anew
+        again = receiver.share_params()["shared"]
+        assert again["segment"] != shared["segment"]  # shared anew
+        # A trainer that still holds the old sharing mapped (the engine was shared again, for
+        # another trainer or after its parameters moved) is sent to buckets, nothing written;
+        # one that names the current sharing writes.
+        calls.clear()
+        report, fallback = sender.sync_direct(lambda d, f: calls.append((d, f)), version="v5",
+                                              engines=["mod"],
+                                              sharing={"mod": [shared["segment"]]})
+        assert report is None and fallback == ["mod"] and calls == [([], ["mod"])]
+        why = receiver.receiver.begin_direct(keep_previous=False,
+                                             sharing=[shared["segment"]])
+        assert shared["segment"] in why and again["segment"] in why and "buckets" in why
+        targets["mod"].close()
+        targets["mod"] = DirectTarget(again)
+        report, fallback = sender.sync_direct(write, version="v6", engines=["mod"],
+                                              sharing={"mod": [again["segment"]]}, verify=True)
+        assert fallback == [] and report.verify["mod"]["verified"]
+        assert receiver.weight_version() == "v6"
     finally:
         for target in targets.values():
             target.close()
