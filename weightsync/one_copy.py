@@ -117,8 +117,9 @@ class OneCopyPath:
             return self.writer.write({"direct": direct, "new": new, "fallback": fallback},
                                      verify=verify)
 
-        # Each engine is asked to confirm the sharing the ranks hold mapped: one shared again
-        # since (for another trainer) goes by buckets, then its new sharing is mapped.
+        # Each engine is asked to confirm the sharing the ranks map (or map in this sync's
+        # write): one shared again since (its parameters moved or were fenced off, e.g. by
+        # another trainer's update) goes by buckets, then its new sharing is mapped.
         report, fallback = sender.sync_direct(
             write, version=version, engines=names, verify=verify,
             sharing={n: segments(n) for n in names if n in self._shared})

@@ -187,6 +187,14 @@ class ModelReceiver:
     def drop_previous(self) -> None:
         self.previous.drop()
 
+    def open_update(self) -> None:
+        """A new update opens on this worker (an earlier one ended or was aborted): its kept
+        previous weights go, and a one-copy `begin_direct` this worker accepted while another
+        worker of the engine refused it (nothing was written) no longer counts as writing, so a
+        later rollback does not fence the parameters off."""
+        self._writing = False
+        self.previous.drop()
+
     def learn_placements(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """After loading: for each tensor seen for the first time
         that lands in one parameter, where the loader puts its elements
@@ -264,8 +272,9 @@ class ModuleWeightReceiver(WeightReceiver):
                  fused: dict[str, tuple[str, int]] | None = None) -> None:
         """`sliced`: the parameters' loaders keep a slice of each tensor (a tensor-parallel
         worker's): the receiver learns its placements and reports them at `end`. `fused`:
-        tensors the loader puts into a parameter of another name, as engines fuse q/k/v or
-        experts ({tensor: (parameter, first element)}, weightsync/layouts.py `fused`)."""
+        where the loader puts tensors, as engines fuse q/k/v or experts into one parameter
+        ({tensor: (parameter, first element)}, weightsync/layouts.py `fused`, which lists every
+        tensor, an unfused one at element 0 of its own parameter)."""
         self.sliced = sliced
         params = dict(model.named_parameters())
         fused = fused or {}

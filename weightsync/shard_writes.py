@@ -164,8 +164,8 @@ class OneCopyWriter:
 
     def _replays(self, targets: list[DirectTarget]) -> bool:
         """Whether the last plan copies into `targets` (the same objects) and cuts nothing per
-        sync (those tensors are gathered, a collective every rank takes once): then its copies
-        are issued before the plan is checked (`_write_then_check`)."""
+        sync (gathered tensors, a collective every rank must take once, and those it could not
+        plan): then its copies are issued before the plan is checked (`_write_then_check`)."""
         plan = self.plan
         return (isinstance(plan, WritePlan) and not plan.each_sync
                 and plan.same_targets(targets))
@@ -175,7 +175,9 @@ class OneCopyWriter:
         thousands of tensors the check takes a good part of the copying's time). The copies read
         only the sources planned, which the plan keeps alive, so a stale plan costs a wasted
         copy, never a read of freed memory: should the model have changed, wait for those
-        copies, plan again and write once more, all before the engines' `end`."""
+        copies, plan again and write once more, all before the engines' `end`. (A storage freed
+        in place, `untyped_storage().resize_(0)`, is not kept alive by its views; FSDP2 does
+        that to unsharded parameters only, never to the sharded ones the plan reads.)"""
         written = [t.written for t in targets]
         result = self.plan.write()
         if self.plan.holds(targets):

@@ -99,14 +99,17 @@ class ParameterSharing:
         """Before the trainer writes: None if the parameters are where it will write, else
         why not. `sharing`: the sharings the trainer holds mapped (the segment names or CUDA
         export owners its engine's workers described; None: whatever is shared now). One of
-        them must be this one: after the parameters were shared again (for another trainer, or
-        after they moved) a trainer still holding the old sharing would write into memory the
-        engine no longer computes with, and read its own bytes back from there."""
+        them must be this one: after the parameters were shared again (they moved, or an update
+        fenced them off, e.g. another trainer's rolled-back update) a trainer still holding the
+        old sharing would write into memory the engine no longer computes with, and read its own
+        bytes back from there. (Sharing for a second trainer while nothing moved hands out the
+        same sharing.)"""
         if self.shared is None:
             return f"{self.name}: parameters are not shared"
         if sharing is not None and self.shared.token not in sharing:
             return (f"{self.name}: the trainer writes into {sharing} but the parameters are now "
-                    f"shared as {self.shared.token!r} (shared again since); this update takes "
+                    f"shared as {self.shared.token!r} (shared again since they moved or were "
+                    f"fenced off); this update takes "
                     f"buckets, then the trainer maps the new sharing")
         try:
             self._check()

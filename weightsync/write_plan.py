@@ -8,7 +8,8 @@ optimizer updates in place) and its destination view in each engine's shared par
 sync checks that every parameter is still the object and storage planned and issues the copies:
 on the CPU through one `torch._foreach_copy_` (which also converts the dtype); on a GPU (the
 engines' exported CUDA storages, weightsync/direct_cuda.py) coalesced where sources and
-destinations both lie back to back and replayed as one CUDA graph. Tensors gathered per sync
+destinations both lie back to back and replayed as one CUDA graph, the small copies the fused
+kernel can take as one launch of it (weightsync/gpu_check.py `Copies`). Tensors gathered per sync
 (tensor-parallel ones: a collective, on every rank in the same order) are cut each sync as
 without a plan. A verified sync on a GPU runs the same copies as one fused copy-and-read-back
 kernel per device (weightsync/gpu_check.py); on the CPU it goes piece by piece.
@@ -107,13 +108,19 @@ class WritePlan:
             big, small = coalesce(plain)
             fused: list = []
             if gpu_copies.FUSED and gpu_check.available():  # small copies: one kernel launch
-                pairs = [(d, s) for dsts, srcs in small for d, s in zip(dsts, srcs)]
-                take = [gpu_check.fusable(d, s) for d, s in pairs]
-                if any(take):
-                    fused = [(gpu_check.Copies([p for p, t in zip(pairs, take) if t], device),
-                              None)]
-                    rest = [p for p, t in zip(pairs, take) if not t]
-                    small = [([d for d, _ in rest], [s for _, s in rest])] if rest else []
+                take, rest = [], []
+                for dsts, srcs in small:  # one group per dtype pair: keep them apart
+                    kept = ([], [])
+                    for d, s in zip(dsts, srcs):
+                        if gpu_check.fusable(d, s):
+                            take.append((d, s))
+                        else:
+                            kept[0].append(d)
+                            kept[1].append(s)
+                    if kept[0]:
+                        rest.append(kept)
+                if take:
+                    fused, small = [(gpu_check.Copies(take, device), None)], rest
             if converted:
                 small.append(([d for d, _ in converted], [s for _, s in converted]))
             if gpu_copies.GRAPHS and (big or small):

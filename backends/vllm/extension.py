@@ -193,7 +193,7 @@ class WeightsyncWorkerExtension:
         experts = self._ws_experts()
         state["repacker"].stop()  # it must not pack half-loaded weights
         self._ws_rewrap()
-        state["receiver"].drop_previous()
+        state["receiver"].open_update()
         experts.unpack()  # loaders, writers and verification see the checkpoint layout
         if direct:
             from weightsync.receiver import sharing_of

@@ -253,3 +253,23 @@ def test_a_shared_parameter_replaced_by_a_new_object_is_noticed():
     finally:
         receiver.receiver.close()
         sender.close()
+
+
+def test_a_new_update_closes_a_one_copy_begin_other_workers_refused():
+    """A worker that accepted a one-copy begin (keeping its previous weights) while another
+    worker of its engine refused writes nothing: the next update's opening closes it, so a
+    rollback of that next update does not fence the parameters off (they stay shared)."""
+    specs = [TensorSpec.of(n, t) for n, t in _module(1).named_parameters()]
+    receiver = ModuleWeightReceiver(_module(2), name="mod")
+    try:
+        receiver.check_refit([s.to_dict() for s in specs])
+        shared = receiver.share_params()["shared"]
+        assert receiver.receiver.begin_direct(keep_previous=True) is None
+        receiver.receiver.open_update()  # the engine's next update, by buckets
+        receiver.receiver.restore_previous()  # that update rolled back
+        assert receiver.receiver.sharing.shared is not None
+        assert receiver.receiver.begin_direct(keep_previous=False,
+                                              sharing=[shared["segment"]]) is None
+        receiver.receiver.end_direct()
+    finally:
+        receiver.receiver.close()
