@@ -19,7 +19,7 @@ from weightsync.bucket import BucketPlan, plan_buckets
 from weightsync.direct import DirectTarget
 from weightsync.dtensor import DTensorV2Source, ShardPieces
 from weightsync.sync_group import SyncGroup
-from weightsync.write_plan import WritePlan
+from weightsync.write_plan import WritePlan, same_targets
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +98,7 @@ class _PieceByPiece:
         self.writer, self.targets = writer, targets
 
     def holds(self, targets: list[DirectTarget]) -> bool:
-        return len(targets) == len(self.targets) and all(
-            a is b for a, b in zip(targets, self.targets))
+        return same_targets(targets, self.targets)
 
     checks = True  # verifies piece by piece itself
 
@@ -168,7 +167,7 @@ class OneCopyWriter:
         plan): then its copies are issued before the plan is checked (`_write_then_check`)."""
         plan = self.plan
         return (isinstance(plan, WritePlan) and not plan.each_sync
-                and plan.same_targets(targets))
+                and same_targets(targets, plan.targets))
 
     def _write_then_check(self, targets: list[DirectTarget]) -> tuple[int, set[str]]:
         """Issue the plan's copies, then check the plan: on a GPU while they run (with

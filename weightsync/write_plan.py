@@ -49,6 +49,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return getattr(tensor, "_local_tensor", tensor)
 
 
+def same_targets(a: list[DirectTarget], b: list[DirectTarget]) -> bool:
+    """Whether two lists hold the same target objects, in order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 class WritePlan:
     """Where every piece of one rank goes in a fixed set of engine targets (see module doc).
 
@@ -160,14 +165,10 @@ class WritePlan:
         """Whether the planned copies go into GPU memory (asynchronous, see `issue`)."""
         return bool(self.dsts) and self.dsts[0].device.type == "cuda"
 
-    def same_targets(self, targets: list[DirectTarget]) -> bool:
-        return len(targets) == len(self.targets) and all(
-            a is b for a, b in zip(targets, self.targets))
-
     def holds(self, targets: list[DirectTarget]) -> bool:
         """Whether the plan still writes what a piece-by-piece write into `targets` would: the
         same targets, every parameter the same object over the same storage."""
-        if not self.same_targets(targets):
+        if not same_targets(targets, self.targets):
             return False
         self.pieces.source.reshard()
         # Loops in C (map): ~0.3 us a tensor, thousands of tensors every sync.
