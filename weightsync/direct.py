@@ -160,9 +160,10 @@ class SharedParameters:
                        for t, (p, pats) in (placements or {}).items()}
 
     def describe(self) -> dict[str, Any]:
-        """What a trainer rank needs to write here (plain data)."""
-        out = {"segment": self.segment.name, "nbytes": self.segment.nbytes,
-               "offsets": dict(self.tensor_offsets)}
+        """What a trainer rank needs to write here (plain data); `token` names this sharing
+        (a trainer names the sharings it holds mapped when it begins a one-copy update)."""
+        out = {"token": self.token, "segment": self.segment.name,
+               "nbytes": self.segment.nbytes, "offsets": dict(self.tensor_offsets)}
         if self.placed:
             out["placed"] = self.placed
         return out

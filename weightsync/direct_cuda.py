@@ -77,8 +77,10 @@ class CudaParameters:
                       f"({sum(p.nbytes for p in self.params.values())} bytes of parameters)")
 
     def describe(self) -> dict[str, Any]:
-        """What a trainer rank needs to write here (plain data)."""
-        out: dict[str, Any] = {"cuda": {"owner": self.owner, "storages": self.exports,
+        """What a trainer rank needs to write here (plain data); `token` names this sharing
+        (a trainer names the sharings it holds mapped when it begins a one-copy update)."""
+        out: dict[str, Any] = {"token": self.token,
+                               "cuda": {"owner": self.owner, "storages": self.exports,
                                         "uuid": device_uuid(self.device)},
                                "offsets": dict(self.tensor_where)}
         if self.placed:

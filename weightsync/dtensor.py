@@ -224,8 +224,12 @@ class DTensorV2Source:
 
 
 def init_trainer_group(*, rank: int, world_size: int, master_addr: str, master_port: int,
-                       timeout_s: float = 300.0, rank0_hosts_store: bool = True) -> str:
+                       timeout_s: float = 300.0, rank0_hosts_store: bool = True,
+                       device: str | None = None) -> str:
     """Join the trainer's process group (gloo on CPU, NCCL on GPU); returns the device type.
+
+    `device`: "cpu" (gloo) or "cuda" (NCCL, one GPU a rank); default "cuda" where a GPU is
+    visible. A CPU trainer on a machine with GPUs passes "cpu".
 
     The group meets at a TCPStore on (`master_addr`, `master_port`). With `rank0_hosts_store`,
     rank 0 hosts it there; otherwise it already runs (the driver's `TrainerGroup` hosts it, on a
@@ -238,7 +242,13 @@ def init_trainer_group(*, rank: int, world_size: int, master_addr: str, master_p
 
     from weightsync.rendezvous import host_store, use_gloo_interface_for
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: pass 'cpu' (gloo) or 'cuda' (NCCL), or None for "
+                         f"'cuda' where a GPU is visible")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no GPU is visible here; pass device='cpu' (gloo)")
     if not dist.is_initialized():
         if rank0_hosts_store and master_port == 0:
             raise ValueError("master_port=0 with rank0_hosts_store=True: the other ranks cannot "

@@ -12,13 +12,17 @@ host once per sync.
 
 Copies it cannot take (a dtype conversion, a side that is not contiguous or not 8-byte aligned)
 are copied with `copy_` and compared with `torch.equal`, one at a time. Needs Triton (shipped
-with CUDA builds of torch); without it `available()` is false and the caller verifies piece by
-piece.
+with CUDA builds of torch) and its toolchain; where the kernel cannot compile or run,
+`available()` is false and callers copy through CUDA graphs and verify piece by piece.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 CHUNK = 1 << 20  # bytes a program copies and checks
 BLOCK = 1024  # 8-byte words per step of a program
@@ -27,13 +31,41 @@ _kernel: list = []
 
 
 def available() -> bool:
-    """Whether the fused kernel can be built here (Triton importable)."""
+    """Whether the fused kernel runs here: Triton importable, and (where a GPU is visible) the
+    kernel compiled and ran one small copy with and without the read-back. Checked once a
+    process: compiling needs Triton's toolchain (a C compiler for its launcher, ptxas), and a
+    kernel that cannot compile must leave callers their fallbacks (copies captured in a CUDA
+    graph, verification piece by piece) instead of failing a sync at its first replay."""
     if not _kernel:
         try:
-            _kernel.append(_build())
+            kernel = _build()
         except ImportError:
-            _kernel.append(None)
+            kernel = None
+        if kernel is not None and torch.cuda.is_available():
+            try:
+                _try(kernel)
+            except Exception as exc:  # noqa: BLE001 - any failure to compile or run: fall back
+                logger.warning("the fused GPU copy kernel does not run here (%s: %s); GPU copies "
+                               "go as CUDA graphs and are verified piece by piece",
+                               type(exc).__name__, str(exc)[:300])
+                kernel = None
+        _kernel.append(kernel)
     return _kernel[0] is not None
+
+
+def _try(kernel) -> None:
+    """Compile `kernel` for both CHECK values and run each on 64 bytes: the copy must land and
+    the read-back find no difference."""
+    src = torch.arange(8, dtype=torch.int64, device="cuda")
+    dst = torch.zeros_like(src)
+    tables = [torch.tensor([t], dtype=torch.int64, device="cuda")
+              for t in (dst.data_ptr(), src.data_ptr(), 8, 0)]
+    wrong = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for check in (False, True):
+        dst.zero_()
+        kernel[(1,)](*tables, wrong, BLOCK=BLOCK, CHECK=check)
+        if not torch.equal(dst, src) or int(wrong.item()):
+            raise RuntimeError(f"a 64-byte test copy (CHECK={check}) did not land")
 
 
 def _build():
@@ -79,7 +111,8 @@ class CheckedCopies:
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
                  device: torch.device) -> None:
         if not available():
-            raise RuntimeError("verified GPU copies need Triton; none is importable")
+            raise RuntimeError("the fused GPU copy kernel does not run here (Triton missing or "
+                               "its trial copy failed; see the log)")
         self.pairs = pairs
         self.device = device
         self.others = [i for i, (d, s) in enumerate(pairs) if not fusable(d, s)]

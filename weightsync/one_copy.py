@@ -102,9 +102,8 @@ class OneCopyPath:
             self.writer.write(msg, verify=verify)
             return None, msg["fallback"]
 
-        def segments(n: str) -> list[str]:  # what identifies one sharing of an engine
-            return [s["cuda"]["owner"] if "cuda" in s else s["segment"]
-                    for s in worker_shares(self._shared[n])]
+        def segments(n: str) -> list[str]:  # the sharings of an engine's workers
+            return [s["token"] for s in worker_shares(self._shared[n])]
 
         def write(direct: list[str], fallback: list[str]) -> dict[str, Any] | None:
             new = {n: self._shared[n] for n in direct if self._sent.get(n) != segments(n)}

@@ -17,7 +17,7 @@ from weightsync.models import build_model
 
 def _rank_main(rank, world_size, port, arch, results):
     init_trainer_group(rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                       master_port=port)
+                       master_port=port, device="cpu")
     model = shard_model(build_model(arch, "tiny", seed=3), device="cpu")
     source = DTensorV2Source(model, dtype="bfloat16")
     specs = source.specs()
@@ -89,7 +89,7 @@ def _pieces_main(rank, world_size, port, results):
     from weightsync.dtensor import ShardPieces
 
     init_trainer_group(rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                       master_port=port)
+                       master_port=port, device="cpu")
     model = shard_model(build_model("gpt2", "tiny", seed=5), device="cpu")
     source = DTensorV2Source(model)
     out = []

@@ -262,6 +262,34 @@ def test_checked_copies_copy_and_read_back_every_pair():
         gpu_check.Copies(pairs, dev)
 
 
+@needs_gpu
+def test_a_fused_kernel_that_does_not_run_here_is_not_available(monkeypatch, caplog):
+    """`gpu_check.available()` compiles and runs the kernel once: a kernel that fails there
+    (e.g. Triton finds no C compiler for its launcher) makes it false, with the reason logged,
+    so write plans keep their CUDA-graph copies and verify piece by piece; the real kernel
+    passes the same trial."""
+    from weightsync import gpu_check
+
+    if not gpu_check.available():
+        pytest.skip("no Triton")
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("Failed to find C compiler. Please specify via CC")
+            return launch
+
+    monkeypatch.setattr(gpu_check, "_kernel", [])
+    monkeypatch.setattr(gpu_check, "_build", lambda: Broken())
+    assert not gpu_check.available()
+    assert "does not run here (RuntimeError: Failed to find C compiler" in caplog.text
+    with pytest.raises(RuntimeError, match="kernel does not run here"):
+        gpu_check.Copies([], torch.device("cuda"))
+    monkeypatch.undo()
+    monkeypatch.setattr(gpu_check, "_kernel", [])
+    assert gpu_check.available()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
 def test_an_update_that_keeps_previous_weights_takes_the_one_copy_path_only_on_the_cpu(device):
     """keep_previous on shared CPU parameters: the one-copy update opens (its rollback fences

@@ -169,6 +169,22 @@ def test_rank_0_cannot_host_the_store_on_port_0():
         init_trainer_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=0)
 
 
+def test_a_trainer_group_on_an_unknown_device_is_refused_before_joining():
+    """A device other than cpu/cuda is named in the error; nothing is joined (no store)."""
+    import torch.distributed as dist
+
+    from weightsync.dtensor import init_trainer_group
+
+    with pytest.raises(ValueError, match="device='tpu': pass 'cpu' \\(gloo\\) or 'cuda'"):
+        init_trainer_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=1,
+                           device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no GPU is visible here; pass device='cpu'"):
+            init_trainer_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=1,
+                               device="cuda")
+    assert not dist.is_initialized()
+
+
 _HEALTH_SERVER = """
 import argparse, http.server
 parser = argparse.ArgumentParser()

@@ -27,7 +27,8 @@ def _numpy(tensor: torch.Tensor):
 
 
 def _rank_main(rank, port, results):
-    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                       device="cpu")
     model = shard_model(build_model("qwen3_moe", "tiny", seed=3), device="cpu")
     experts = model.model.layers[0].mlp.experts.gate_up_proj
     source = DTensorV2Source(model)

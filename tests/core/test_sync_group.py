@@ -27,7 +27,7 @@ def _rank(rank: int, world_size: int, port: int, results) -> None:
     pickle.loads = refuse
     pickle.Unpickler = refuse
     init_trainer_group(rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                       master_port=port)
+                       master_port=port, device="cpu")
     group = SyncGroup(timeout_s=60)
     if world_size == 1:  # one rank sends nothing
         for name in ("broadcast", "all_gather", "gather"):
