@@ -139,8 +139,8 @@ class OneCopyWriter:
             # Verified writes go through the plan only on GPUs (one fused copy-and-read-back
             # kernel, weightsync/gpu_check.py); on the CPU piece by piece, read back in cache.
             plan = None
-            if hook is None and targets and not verify and self._replays(targets):
-                pieces, mismatched = self._write_then_check(targets)
+            if hook is None and targets and self._replays(targets, verify=verify):
+                pieces, mismatched = self._write_then_check(targets, verify=verify)
             else:
                 if hook is None and targets and (
                         not verify or all(t.device is not None for t in targets)):
@@ -161,30 +161,35 @@ class OneCopyWriter:
                 "mismatched": sorted({m for g in gathered for m in g[1]}),
                 "bytes": sum(g[3] for g in gathered)}
 
-    def _replays(self, targets: list[DirectTarget]) -> bool:
-        """Whether the last plan copies into `targets` (the same objects) and cuts nothing per
+    def _replays(self, targets: list[DirectTarget], *, verify: bool) -> bool:
+        """Whether the last plan copies into `targets` (the same objects), cuts nothing per
         sync (gathered tensors, a collective every rank must take once, and those it could not
-        plan): then its copies are issued before the plan is checked (`_write_then_check`)."""
+        plan) and, with `verify`, verifies its copies itself (GPU targets): then its copies are
+        issued before the plan is checked (`_write_then_check`)."""
         plan = self.plan
         return (isinstance(plan, WritePlan) and not plan.each_sync
-                and same_targets(targets, plan.targets))
+                and (plan.checks or not verify) and same_targets(targets, plan.targets))
 
-    def _write_then_check(self, targets: list[DirectTarget]) -> tuple[int, set[str]]:
-        """Issue the plan's copies, then check the plan: on a GPU while they run (with
-        thousands of tensors the check takes a good part of the copying's time). The copies read
-        only the sources planned, which the plan keeps alive, so a stale plan costs a wasted
-        copy, never a read of freed memory: should the model have changed, wait for those
-        copies, plan again and write once more, all before the engines' `end`. (A storage freed
+    def _write_then_check(self, targets: list[DirectTarget], *,
+                          verify: bool) -> tuple[int, set[str]]:
+        """Issue the plan's copies (verified: its copy-and-read-back kernels), then check the
+        plan: on a GPU while they run (with thousands of tensors the check takes a good part of
+        the copying's time). The copies read only the sources planned, which the plan keeps
+        alive, so a stale plan costs a wasted copy, never a read of freed memory: should the
+        model have changed, wait for those copies, plan again and write (and verify) once
+        more, all before the engines' `end`. (A storage freed
         in place, `untyped_storage().resize_(0)`, is not kept alive by its views; FSDP2 does
         that to unsharded parameters only, never to the sharded ones the plan reads.)"""
         written = [t.written for t in targets]
-        result = self.plan.write()
-        if self.plan.holds(targets):
-            return result
+        plan = self.plan
+        launched = plan.launch(verify=verify)
+        if plan.holds(targets):
+            return plan.count, plan.landed(launched)
+        plan.landed(launched)  # a wasted copy: wait for it, forget what it read back
         for target, before in zip(targets, written):
             target.flush()
             target.written = before
-        return self._planned(targets).write()
+        return self._planned(targets).write(verify=verify)
 
     def _planned(self, targets: list[DirectTarget]) -> Any:
         """This rank's write plan into `targets`, made again when the model's parameters or

@@ -194,18 +194,30 @@ class WritePlan:
                              for device, (pairs, names) in by_device.items()]
         return self._checked
 
-    def write(self, *, verify: bool = False) -> tuple[int, set[str]]:
-        """Copy every piece into every target; (how many pieces of this rank's were written,
-        the tensors whose bytes read back differently: only with `verify`, see `checks`)."""
-        mismatched: set[str] = set()
-        if verify:
-            for copies, names in self._verified_copies():
-                mismatched.update(names[i] for i in copies.run())
-        else:
+    def launch(self, *, verify: bool = False) -> list:
+        """Issue every planned copy (with `verify` the copy-and-read-back kernels, see
+        `checks`) and count their bytes into the targets; not the tensors gathered per sync.
+        On a GPU they run after this returns; `landed` takes what this returns."""
+        launched = self._verified_copies() if verify else []
+        for copies, _ in launched:
+            copies.launch()
+        if not verify:
             for big, small in self.copies:
                 issue(big, small)
         for target, nbytes in zip(self.targets, self.nbytes):
             target.written += nbytes
+        return launched
+
+    @staticmethod
+    def landed(launched: list) -> set[str]:
+        """The tensors whose bytes read back differently in `launch`'s verified copies (waits
+        for them; none when it did not verify)."""
+        return {names[i] for copies, names in launched for i in copies.differing()}
+
+    def write(self, *, verify: bool = False) -> tuple[int, set[str]]:
+        """Copy every piece into every target; (how many pieces of this rank's were written,
+        the tensors whose bytes read back differently: only with `verify`, see `checks`)."""
+        mismatched = self.landed(self.launch(verify=verify))
         count = self.count
         for name, table, key in self.each_sync:
             for piece in self.pieces.pieces(name, table[key]):

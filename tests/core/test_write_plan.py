@@ -4,6 +4,7 @@ dtype, and the plan notices when a parameter was replaced or moved to other stor
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from weightsync.direct import DirectTarget, SharedParameters, probe_destinations
@@ -22,10 +23,11 @@ def _trainer() -> torch.nn.Module:
     return model
 
 
-def _engine(source: DTensorV2Source):
-    """An engine whose loader fuses "inner.a" and "b" into one parameter, "inner.c" alone."""
-    params = {"ab": torch.zeros(16 * 8 + 33, dtype=torch.bfloat16),
-              "c": torch.zeros(3, 5, dtype=torch.bfloat16)}
+def _engine(source: DTensorV2Source, device: str = "cpu"):
+    """An engine whose loader fuses "inner.a" and "b" into one parameter, "inner.c" alone
+    (shared as a segment on the CPU, as CUDA storages on a GPU)."""
+    params = {"ab": torch.zeros(16 * 8 + 33, dtype=torch.bfloat16, device=device),
+              "c": torch.zeros(3, 5, dtype=torch.bfloat16, device=device)}
     where = {"inner.a": ("ab", 0), "b": ("ab", 16 * 8), "inner.c": ("c", 0)}
 
     def load_one(name, tensor):
@@ -35,8 +37,12 @@ def _engine(source: DTensorV2Source):
 
     specs = {s.name: s for s in source.specs()}
     param_of = {name: [pname] for name, (pname, _) in where.items()}
-    shared = SharedParameters(params, probe_destinations(params, param_of, specs, load_one))
-    return params, shared
+    destinations = probe_destinations(params, param_of, specs, load_one)
+    if device == "cuda":
+        from weightsync.direct_cuda import CudaParameters
+
+        return params, CudaParameters(params, destinations)
+    return params, SharedParameters(params, destinations)
 
 
 def _engine_holds(params: dict[str, torch.Tensor], source: DTensorV2Source) -> bool:
@@ -100,37 +106,61 @@ class _OneRank:
         return [obj]
 
 
-def test_a_writer_copies_first_and_writes_again_when_the_plan_no_longer_holds():
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device,verify", [("cpu", False), pytest.param("cuda", False, marks=_CUDA),
+                                           pytest.param("cuda", True, marks=_CUDA)])
+def test_a_writer_copies_first_and_writes_again_when_the_plan_no_longer_holds(
+        device, verify, monkeypatch):
     """After the first planned write the writer issues the plan's copies before checking it
-    (on a GPU the check runs under the copies): a model whose parameter was replaced since
-    gets its stale copy overwritten by a new plan's before the write returns, and its bytes
-    are counted once."""
+    (on a GPU the check runs under the copies; verified writes there issue the plan's
+    copy-and-read-back kernels the same way): a model whose parameter was replaced since gets
+    its stale copy overwritten by a new plan's before the write returns, and its bytes are
+    counted once. (On the GPU the engine's CUDA storages are handed to the writer in-process:
+    a process cannot open its own CUDA IPC exports.)"""
+    from weightsync import direct_cuda
     from weightsync.shard_writes import OneCopyWriter
 
-    model = _trainer()
+    if device == "cuda":
+        storages: dict[int, torch.UntypedStorage] = {}
+
+        def export(storage):
+            storages[storage.data_ptr()] = storage
+            return {"device": storage.device.index or 0, "key": storage.data_ptr()}
+
+        def open_storage(exported, device=None):
+            return torch.empty(0, dtype=torch.uint8, device="cuda").set_(
+                storages[exported["key"]])
+
+        monkeypatch.setattr(direct_cuda, "export_storage", export)
+        monkeypatch.setattr("weightsync.transports.cuda_ipc.open_storage", open_storage)
+    model = _trainer().to(device)
     source = DTensorV2Source(model, dtype="bfloat16")
-    params, shared = _engine(source)
+    params, shared = _engine(source, device=device)
     writer = OneCopyWriter(source, _OneRank())
     msg = {"direct": ["e"], "new": {"e": shared.describe()}}
     nbytes = 2 * (16 * 8 + 33 + 15)
+    done = {"pieces": 3, "mismatched": [], "bytes": nbytes}
     try:
-        assert writer.write(msg, verify=False) == {"pieces": 3, "mismatched": [], "bytes": nbytes}
+        assert writer.write(msg, verify=verify) == done
         first = writer.plan
+        assert first.checks == (device == "cuda")
         again = {"direct": ["e"], "new": {}}
         with torch.no_grad():
             model.inner.a.mul_(-2)
-        assert writer.write(again, verify=False)["bytes"] == nbytes
+        assert writer.write(again, verify=verify) == done
         assert writer.plan is first and _engine_holds(params, source)
         issued = []
-        first_write = first.write
-        first.write = lambda **kw: issued.append(kw) or first_write(**kw)
-        model.b.data = torch.randn(33)  # new storage: the plan's copy of "b" is stale
-        assert writer.write(again, verify=False) == {"pieces": 3, "mismatched": [],
-                                                     "bytes": nbytes}
-        assert issued == [{}] and writer.plan is not first  # copied first, then planned anew
+        first_launch = first.launch
+        first.launch = lambda **kw: issued.append(kw) or first_launch(**kw)
+        model.b.data = torch.randn(33, device=device)  # new storage: the plan's "b" is stale
+        assert writer.write(again, verify=verify) == done
+        # copied (and, verifying, read back) first, then planned anew
+        assert issued == [{"verify": verify}] and writer.plan is not first
         assert _engine_holds(params, source)
-        model.inner.a = torch.nn.Parameter(torch.randn(16, 8))  # a new object
-        writer.write(again, verify=False)
+        model.inner.a = torch.nn.Parameter(torch.randn(16, 8, device=device))  # a new object
+        assert writer.write(again, verify=verify) == done
         assert _engine_holds(params, source)
     finally:
         writer.close()
