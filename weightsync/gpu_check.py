@@ -31,6 +31,7 @@ BLOCK = 1024  # 8-byte words per step of a program
 WARPS = 4  # warps a program runs on
 
 _kernel: list = []
+_loaded: set[torch.device] = set()  # devices the kernel ran on
 
 
 def available() -> bool:
@@ -46,7 +47,7 @@ def available() -> bool:
             kernel = None
         if kernel is not None and torch.cuda.is_available():
             try:
-                _try(kernel)
+                _try(kernel, torch.device("cuda", torch.cuda.current_device()))
             except Exception as exc:  # noqa: BLE001 - any failure to compile or run: fall back
                 logger.warning("the fused GPU copy kernel does not run here (%s: %s); GPU copies "
                                "go as CUDA graphs and are verified piece by piece",
@@ -56,19 +57,22 @@ def available() -> bool:
     return _kernel[0] is not None
 
 
-def _try(kernel) -> None:
-    """Compile `kernel` for both CHECK values and run each on 64 bytes: the copy must land and
-    the read-back find no difference."""
-    src = torch.arange(8, dtype=torch.int64, device="cuda")
-    dst = torch.zeros_like(src)
-    tables = [torch.tensor([t], dtype=torch.int64, device="cuda")
-              for t in (dst.data_ptr(), src.data_ptr(), 8, 0)]
-    wrong = torch.zeros(1, dtype=torch.int32, device="cuda")
-    for check in (False, True):
-        dst.zero_()
-        kernel[(1,)](*tables, wrong, BLOCK=BLOCK, CHECK=check, num_warps=WARPS)
-        if not torch.equal(dst, src) or int(wrong.item()):
-            raise RuntimeError(f"a 64-byte test copy (CHECK={check}) did not land")
+def _try(kernel, device: torch.device) -> None:
+    """Compile `kernel` for both CHECK values and run each on 64 bytes on `device` (loading
+    it there before a sync's first launch): the copy must land and the read-back find no
+    difference."""
+    with torch.cuda.device(device):
+        src = torch.arange(8, dtype=torch.int64, device=device)
+        dst = torch.zeros_like(src)
+        tables = [torch.tensor([t], dtype=torch.int64, device=device)
+                  for t in (dst.data_ptr(), src.data_ptr(), 8, 0)]
+        wrong = torch.zeros(1, dtype=torch.int32, device=device)
+        for check in (False, True):
+            dst.zero_()
+            kernel[(1,)](*tables, wrong, BLOCK=BLOCK, CHECK=check, num_warps=WARPS)
+            if not torch.equal(dst, src) or int(wrong.item()):
+                raise RuntimeError(f"a 64-byte test copy (CHECK={check}) did not land")
+    _loaded.add(device)
 
 
 def _build():
@@ -116,6 +120,8 @@ class CheckedCopies:
         if not available():
             raise RuntimeError("the fused GPU copy kernel does not run here (Triton missing or "
                                "its trial copy failed; see the log)")
+        if device not in _loaded:
+            _try(_kernel[0], device)
         self.pairs = pairs
         self.device = device
         self.others = [i for i, (d, s) in enumerate(pairs) if not fusable(d, s)]
