@@ -7,16 +7,10 @@ class on the worker, called through `collective_rpc` with plain data; that is al
 
 Loading is in place: each bucket goes through the model's own `load_weights`, whose loaders copy
 every tensor into its (possibly fused) parameter at once, so the transport's buffer can be reused
-as soon as the call returns. On CPU that is not enough by itself: after loading, vLLM packs each
-Linear's weight into a private oneDNN (or sgl-kernel) buffer that its GEMM reads instead of the
-parameter, and by default drops the parameter. So (1) we keep the parameters (vLLM's
-`remove_weight` off), which also lets the engine's weights be fingerprinted; (2) every module
-owning a parameter a bucket touched is pointed at its parameters (`torch.nn.functional.linear`),
-so it computes with the new weights at once; (3) once the update has ended, `_Repacker` re-runs
-those modules' `process_weights_after_loading` on a background thread, restoring packed GEMMs.
-Each CPU layer's `cpu_linear` is wrapped once in a `_Gemm` that picks between the two.
-Ownership is by parameter identity: a tied LM head shares the embedding's parameter under a name
-no checkpoint tensor uses, and its GEMM is what computes the logits.
+as soon as the call returns. On CPU that is not enough by itself: vLLM packs each Linear's
+weight into a private buffer its GEMM reads instead of the parameter; backends/vllm/gemms.py
+keeps those GEMMs in step (layers compute from their parameters until re-packed after the
+update).
 vLLM's layerwise reload (rebuild each layer, re-process it) was the first way in: 0.77 s per sync
 of the 0.6 GB model against 0.57 s for in-place loading with packing inside the sync, of which
 0.41 s is packing (oneDNN reorders at ~1.9 GB/s on two cores, five times a memcpy).
@@ -26,106 +20,12 @@ exception into a bare Exception and loses its type.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-logger = logging.getLogger(__name__)
-
-
-def _keep_cpu_linear_weights() -> None:
-    from vllm.model_executor.layers import linear, utils
-
-    original = utils.dispatch_cpu_unquantized_gemm
-    if getattr(original, "_weightsync", False):
-        return
-
-    def dispatch(layer: Any, remove_weight: bool) -> None:
-        original(layer, remove_weight=False)
-
-    dispatch._weightsync = True
-    linear.dispatch_cpu_unquantized_gemm = dispatch
-    utils.dispatch_cpu_unquantized_gemm = dispatch
-
-
-_keep_cpu_linear_weights()
-
-
-class _Gemm:
-    """A CPU layer's `cpu_linear`: its packed GEMM, or, while the layer is in `stale` (loaded
-    since it was last packed), `torch.nn.functional.linear` on its parameters. Marking layers
-    stale is one set update per bucket, with no attribute stores on vLLM's modules."""
-
-    def __init__(self, packed: Any, stale: set) -> None:
-        self.packed = packed
-        self.stale = stale
-
-    def __call__(self, x: Any, weight: Any, bias: Any) -> Any:
-        if self in self.stale:
-            import torch
-
-            return torch.nn.functional.linear(x, weight, bias)
-        return self.packed(x, weight, bias)
-
-
-class _Repacker:
-    """Re-packs the CPU GEMM buffers of updated modules on a background thread.
-
-    Until a module is packed again it computes with `torch.nn.functional.linear` from its
-    (already updated) parameters: the same weights, ~3x slower per decode GEMM on this CPU.
-    A module's new packed GEMM is swapped in before the module leaves `stale`, so a forward
-    pass uses one or the other. A new update stops the thread before loading anything.
-    """
-
-    def __init__(self) -> None:
-        import threading
-
-        self.stale: set[_Gemm] = set()  # layers loaded since their last packing
-        self.pending: dict[int, Any] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.last_s = 0.0
-        self.error: str | None = None
-
-    def start(self) -> None:
-        import threading
-
-        self.stop()
-        if self.pending:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="weightsync-repack",
-                                            daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        start = time.perf_counter()
-        try:
-            while self.pending and not self._stop.is_set():
-                _, module = self.pending.popitem()
-                gemm = module.cpu_linear
-                module.quant_method.process_weights_after_loading(module)  # a new packed GEMM
-                gemm.packed = module.cpu_linear
-                module.cpu_linear = gemm
-                self.stale.discard(gemm)
-        except BaseException as exc:  # noqa: BLE001 - the module keeps its plain GEMM
-            self.error = f"{type(exc).__name__}: {exc}"
-            logger.warning("weightsync: re-packing GEMM weights failed: %s", self.error)
-        self.last_s = time.perf_counter() - start
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-
-    def wait(self, timeout_s: float) -> dict[str, Any]:
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                raise TimeoutError(f"vllm: GEMM re-packing still running after {timeout_s} s")
-            self._thread = None
-        return {"repack_s": self.last_s, "pending": len(self.pending), "error": self.error}
+# Imported with the extension, before vLLM loads the model: it keeps CPU Linear weights.
+from weightsync.backends.vllm.gemms import CpuGemms
 
 
 def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -147,6 +47,8 @@ class WeightsyncWorkerExtension:
     def _ws_state(self) -> dict[str, Any]:
         state = getattr(self, "_weightsync", None)
         if state is None:
+            from vllm.platforms import current_platform
+
             from weightsync.receiver import ModelReceiver
             from weightsync.refit import copy_loader
 
@@ -155,7 +57,7 @@ class WeightsyncWorkerExtension:
                 "receiver": ModelReceiver(model, load_fn=model.load_weights,
                                           default_loader=copy_loader, name="vllm"),
                 "open": False,
-                "repacker": _Repacker(),
+                "gemms": CpuGemms(model, enabled=current_platform.is_cpu()),
             }
         return state
 
@@ -191,8 +93,8 @@ class WeightsyncWorkerExtension:
         the sharings the trainer writes into (this worker's must be one)."""
         state = self._ws_state()
         experts = self._ws_experts()
-        state["repacker"].stop()  # it must not pack half-loaded weights
-        self._ws_rewrap()
+        state["gemms"].stop()  # it must not pack half-loaded weights
+        state["gemms"].rewrap()
         state["receiver"].open_update()
         experts.unpack()  # loaders, writers and verification see the checkpoint layout
         if direct:
@@ -229,9 +131,9 @@ class WeightsyncWorkerExtension:
         receiver = state["receiver"]
         restored = receiver.restore_previous()
         self._ws_experts().pack()
-        self._ws_mark_stale({n for n, _ in receiver.model.named_parameters()})
+        state["gemms"].mark_stale({n for n, _ in receiver.model.named_parameters()})
         state["open"], state["direct"], state["keep"] = False, False, False
-        state["repacker"].start()
+        state["gemms"].start()
         return {"restored": restored}
 
     @_guard
@@ -245,55 +147,13 @@ class WeightsyncWorkerExtension:
         placements = state["receiver"].placements if self._ws_tp()[1] > 1 else None
         # The probe writes random bytes into the parameters: a re-pack running meanwhile would
         # pack them into a GEMM that then serves (the layer would leave `stale` with garbage).
-        state["repacker"].stop()
+        state["gemms"].stop()
         try:
             with set_current_vllm_config(self.vllm_config), torch.no_grad():
                 return state["receiver"].share(placements).to_dict()
         finally:
-            state["repacker"].start()  # what was still pending, from the restored parameters
+            state["gemms"].start()  # what was still pending, from the restored parameters
 
-
-    def _ws_gemms(self) -> dict[str, list[_Gemm]]:
-        """Parameter name (as load_weights reports it) -> the GEMMs of the CPU layers holding
-        that tensor (by identity: a tied LM head shares the embedding's parameter). Built once;
-        it wraps each such layer's `cpu_linear` in a `_Gemm`."""
-        state = self._ws_state()
-        if "gemms" not in state:
-            model = state["receiver"].model
-            by_id: dict[int, list[_Gemm]] = {}
-            for module in model.modules():
-                if not hasattr(module, "cpu_linear"):
-                    continue
-                if not isinstance(module.cpu_linear, _Gemm):
-                    module.cpu_linear = _Gemm(module.cpu_linear, state["repacker"].stale)
-                for param in module.parameters(recurse=False):
-                    by_id.setdefault(id(param), []).append(module.cpu_linear)
-            state["gemm_modules"] = {id(m.cpu_linear): (m.cpu_linear, m) for m in model.modules()
-                                     if isinstance(getattr(m, "cpu_linear", None), _Gemm)}
-            state["gemms"] = {name: by_id.get(id(p), []) for name, p in model.named_parameters()}
-        return state["gemms"]
-
-    def _ws_mark_stale(self, touched: set[str]) -> None:
-        """Layers owning touched parameters compute from those parameters until repacked
-        (CPU only: elsewhere unquantized layers compute from their parameters already)."""
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return
-        gemms = self._ws_gemms()
-        state = self._ws_state()
-        stale = [g for name in touched for g in gemms.get(name, ())]
-        state["repacker"].stale.update(stale)
-        modules = state["gemm_modules"]
-        state["repacker"].pending.update((id(g), modules[id(g)][1]) for g in stale)
-
-    def _ws_rewrap(self) -> None:
-        """Put our `_Gemm`s back on layers something else re-processed since the last update
-        (vLLM's own reload_weights installs plain packed GEMMs)."""
-        for gemm, module in self._ws_state().get("gemm_modules", {}).values():
-            if module.cpu_linear is not gemm:
-                gemm.packed = module.cpu_linear
-                module.cpu_linear = gemm
 
     @_guard
     def weightsync_load(self, descriptor: dict) -> dict[str, Any]:
@@ -327,7 +187,7 @@ class WeightsyncWorkerExtension:
                     receiver.param_of[name] = sorted(model.load_weights([(name, tensor)]))
                     touched.update(receiver.param_of[name])
                     self._ws_learn_placement(name, tensor)
-        self._ws_mark_stale(touched)
+        state["gemms"].mark_stale(touched)
         del views, known
         receiver.release(bucket)
         return LoadReport(num_tensors=len(bucket.tensors), nbytes=bucket.nbytes,
@@ -345,18 +205,18 @@ class WeightsyncWorkerExtension:
             state["receiver"].end_direct()  # raises if a parameter no longer is those bytes
             # The trainer wrote into the shared parameters: their layers compute from them
             # until re-packed, as after a load.
-            self._ws_mark_stale(set(state["receiver"].direct_params()))
+            state["gemms"].mark_stale(set(state["receiver"].direct_params()))
         self._ws_experts().pack()  # before the engine serves again
         state["open"], state["direct"], state["keep"] = False, False, False
         state["receiver"].drop_previous()
-        state["repacker"].start()
+        state["gemms"].start()
         return {"param_of": state["receiver"].param_of, "tp_rank": self._ws_tp()[0],
                 "placements": state["receiver"].placements}
 
     @_guard
     def weightsync_repacked(self, timeout_s: float) -> dict[str, Any]:
         """Wait for the packed GEMMs of the last update; how long packing took."""
-        return self._ws_state()["repacker"].wait(timeout_s)
+        return self._ws_state()["gemms"].wait(timeout_s)
 
     @_guard
     def weightsync_stage(self) -> dict[str, Any]:
