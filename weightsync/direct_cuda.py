@@ -30,11 +30,9 @@ from typing import Any
 
 import torch
 
+from weightsync.direct import moved_from
 from weightsync.errors import NotShared
 from weightsync.transports.cuda_ipc import export_storage
-
-_data_ptr = torch.Tensor.data_ptr
-_contiguous = torch.Tensor.is_contiguous
 
 
 def device_uuid(device: torch.device) -> str:
@@ -55,8 +53,7 @@ class CudaParameters:
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
             raise ValueError(f"CUDA one-copy parameters must all be on one GPU, got {devices}")
         self.device = next(iter(devices))
-        self.ptrs = {pname: param.data_ptr() for pname, param in self.params.items()}
-        self._ptr_list = list(self.ptrs.values())
+        self._ptrs = [param.data_ptr() for param in self.params.values()]  # where each lives
         storages: dict[int, int] = {}  # storage address -> index in `exports`
         self.exports: list[dict[str, Any]] = []
         where: dict[str, tuple[int, int]] = {}  # parameter -> (storage index, byte offset)
@@ -93,14 +90,7 @@ class CudaParameters:
         the parameters as shared. Checked in bulk first: thousands of parameters in an MoE,
         twice a sync."""
         params = list(self.params.values()) if current is None else current
-        try:
-            if list(map(_data_ptr, params)) == self._ptr_list and all(map(_contiguous, params)):
-                return []
-        except TypeError:  # one is no longer registered
-            pass
-        return sorted(p for p, param in zip(self.params, params)
-                      if param is None or param.data_ptr() != self.ptrs[p]
-                      or not param.is_contiguous())
+        return moved_from(self.params, params, self._ptrs)
 
     def check(self, current: list[Any] | None = None) -> None:
         """Raise `NotShared` unless every parameter still lives where it was exported (see

@@ -89,6 +89,13 @@ def test_shared_parameters_take_trainer_writes_and_notice_when_moved():
         assert target.write("k", 2 * 16, second)  # ... and the other's
         assert torch.equal(params["qkv"][4:8], k)  # the engine's own parameter changed
         assert shared.moved() == []
+        # What is registered in each place now: a view at the same address but transposed,
+        # and a parameter no longer registered, are both moved.
+        now = list(shared.params.values())
+        assert shared.moved([p.t() if n == "w" else p for n, p in zip(shared.params, now)]) \
+            == ["w"]
+        assert shared.moved([None if n == "qkv" else p for n, p in zip(shared.params, now)]) \
+            == ["qkv"]
         params["w"].data = torch.zeros(5, 3)  # something replaced a parameter's storage
         assert shared.moved() == ["w"]
         with pytest.raises(NotShared, match=r"no longer live in shared segment .*'w'"):
