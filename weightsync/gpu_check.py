@@ -8,7 +8,7 @@ system, not from registers) right after storing it, and adds how many words diff
 copy's counter. The read-back should meet the L2 the store just filled, where a separate
 comparison pass would read both sides from memory again (measured on an H200 over the 24-layer
 Qwen3-30B-A3B layout's 9435 tensors: the kernel with the read-back takes about as long as
-without, 1.06-1.08x a device copy of the same bytes; a verified one-copy sync -5% to +13%
+without, 1.06-1.08x a device copy of the same bytes; a verified one-copy sync -7% to +13%
 against an unverified one, docs/benchmarks.md). The counters are read by the host once per
 sync, after the caller has checked its plan (`launch`, then `differing`).
 
