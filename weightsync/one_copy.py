@@ -102,14 +102,14 @@ class OneCopyPath:
             self.writer.write(msg, verify=verify)
             return None, msg["fallback"]
 
-        def segments(n: str) -> list[str]:  # the sharings of an engine's workers
+        def sharings(n: str) -> list[str]:  # the tokens of an engine's workers' sharings
             return [s["token"] for s in worker_shares(self._shared[n])]
 
         def write(direct: list[str], fallback: list[str]) -> dict[str, Any] | None:
-            new = {n: self._shared[n] for n in direct if self._sent.get(n) != segments(n)}
+            new = {n: self._shared[n] for n in direct if self._sent.get(n) != sharings(n)}
             self.group.broadcast({"direct": direct, "fallback": fallback, "new": new})
             for n in new:
-                self._sent[n] = segments(n)
+                self._sent[n] = sharings(n)
             for n in fallback:  # its parameters moved: buckets now, then share again
                 self._shared.pop(n, None)
                 self._sent.pop(n, None)
@@ -121,7 +121,7 @@ class OneCopyPath:
         # another trainer's update) goes by buckets, then its new sharing is mapped.
         report, fallback = sender.sync_direct(
             write, version=version, engines=names, verify=verify,
-            sharing={n: segments(n) for n in names if n in self._shared})
+            sharing={n: sharings(n) for n in names if n in self._shared})
         if report is not None:
             report = replace(report, phases_s={**report.phases_s,
                                                "rank_write": self.writer.rank_write_s})
