@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 import weightsync
-from weightsync.models import make_tiny_model, make_tokenizer  # a tiny checkpoint, no downloads
+from weightsync.apps.models import make_tiny_model, make_tokenizer  # a tiny checkpoint, no downloads
 
 TEXT = "the engines follow the trainer, step by step."
 

@@ -20,7 +20,7 @@ import ray
 import torch
 
 import weightsync
-from weightsync.models import make_tiny_model, make_tokenizer  # a tiny checkpoint, no downloads
+from weightsync.apps.models import make_tiny_model, make_tokenizer  # a tiny checkpoint, no downloads
 
 
 class PolicyWorker:

@@ -6,11 +6,11 @@ path, beside a memcpy of the same bytes measured in the same run.
   python scripts/cpu_layout_bench.py --device cuda --ranks 1 --shrink 1 --layout llama8b
 
 `--device cuda` runs the same on a GPU: ranks and receiver on GPUs, transport `cuda_ipc`, the
-one-copy path writing into the receiver's exported CUDA storages (weightsync/direct_cuda.py);
+one-copy path writing into the receiver's exported CUDA storages (weightsync/engine/one_copy/cuda_exports.py);
 memcpy is then a device-to-device copy, and peak GPU memory growth is reported on both sides.
 
 The trainer is `TrainerSync` on 2 FSDP2 ranks (gloo, bf16, one thread each), over a model with
-the names and shapes of weightsync/layouts.py (`--shrink` divides every width, the tensor count
+the names and shapes of weightsync/apps/layouts.py (`--shrink` divides every width, the tensor count
 stays the real model's; random values). The receiver is a `ModuleWeightReceiver` holding
 parameters of the same names in another process, reached over a pipe. Each path gets a fresh
 receiver and trainer sync:
@@ -18,7 +18,7 @@ receiver and trainer sync:
   tensor out into its parameters (two copies of every byte);
 - one_copy: after two warm-up syncs (the first by buckets, after which the receiver shares its
   parameters; the second maps them into the ranks) both ranks write their shards straight into
-  the receiver's parameters (weightsync/direct.py; one copy of every byte).
+  the receiver's parameters (weightsync/trainer/one_copy/targets.py; one copy of every byte).
 Measured per path:
 - memcpy: one torch `copy_` of a buffer of the layout's size in rank 0's process, on all cores,
   best of `--repeats + 2`, measured just before the path's syncs and again after them (the other
@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import PipeEndpoint, stop_receiver, timed_copy  # noqa: E402
 
 from weightsync import layouts  # noqa: E402
-from weightsync.endpoint import Endpoint  # noqa: E402
+from weightsync.trainer.endpoint import Endpoint  # noqa: E402
 
 PATHS = ("buckets", "one_copy")
 
@@ -93,8 +93,8 @@ _PROCESS_CALLS = {"pid": os.getpid, "gpu_reset": _gpu_reset,
 
 def _receiver_main(shapes: layouts.Layout, conn, device: str = "cpu",
                    receiver_layout: str = "checkpoint") -> None:
-    from weightsync.errors import error_to_wire
-    from weightsync.receiver import ModuleWeightReceiver
+    from weightsync.wire.errors import error_to_wire
+    from weightsync.engine.session import ModuleWeightReceiver
 
     torch.set_num_threads(1)
     if receiver_layout == "fused":  # an engine's parameters: q/k/v, gate/up, experts fused
@@ -284,7 +284,7 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
 def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
     import torch.distributed as dist
 
-    from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
+    from weightsync.trainer.source import close_trainer_group, init_trainer_group, shard_model
 
     torch.set_num_threads(1)
     init_trainer_group(rank=rank, world_size=args.ranks, master_addr="127.0.0.1",

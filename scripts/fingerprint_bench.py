@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from weightsync.fingerprint import fingerprint, fingerprints
+from weightsync.wire.fingerprint import fingerprint, fingerprints
 
 
 def _best(fn, device: str) -> float:

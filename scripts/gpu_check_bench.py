@@ -1,4 +1,4 @@
-"""The fused GPU copy kernel alone (weightsync/gpu_check.py), with and without its read-back,
+"""The fused GPU copy kernel alone (weightsync/gpu/kernel.py), with and without its read-back,
 against one device copy of the same bytes, over a real checkpoint layout's tensors.
 
     PYTHONPATH=$PWD python3 scripts/gpu_check_bench.py --layout qwen3-30b-a3b --layers 24
@@ -20,7 +20,9 @@ import json
 
 import torch
 
-from weightsync import gpu_check, layouts
+from weightsync.gpu import kernel
+
+from weightsync.apps import layouts
 
 
 def _best_ms(fn, repeats: int = 5) -> float:
@@ -38,7 +40,7 @@ def _best_ms(fn, repeats: int = 5) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if not torch.cuda.is_available() or not gpu_check.available():
+    if not torch.cuda.is_available() or not kernel.available():
         raise SystemExit("needs a CUDA GPU and Triton")
     device = torch.device("cuda", torch.cuda.current_device())
     shapes = layouts.layout(args.layout, num_layers=args.layers)
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> dict:
     dst = torch.zeros(dst_end // 2, dtype=torch.int16, device=device)
     src_bytes, dst_bytes = src.view(torch.uint8), dst.view(torch.uint8)
     pairs = [(dst_bytes[d:d + n], src_bytes[s:s + n]) for d, s, n in zip(dst_at, src_at, sizes)]
-    odd = [i for i, (d, s) in enumerate(pairs) if not gpu_check.fusable(d, s)]
+    odd = [i for i, (d, s) in enumerate(pairs) if not kernel.fusable(d, s)]
     if odd:
         raise SystemExit(f"{len(odd)} tensors the kernel cannot take (not 8-byte sized)")
     flat_src = src_bytes[:dst_end]
@@ -61,9 +63,9 @@ def run(args: argparse.Namespace) -> dict:
               "bytes": dst_end, "memcpy_ms": _best_ms(lambda: dst_bytes.copy_(flat_src)),
               "rows": []}
     for chunk, block, warps in itertools.product(args.chunks, args.blocks, args.warps):
-        gpu_check.CHUNK, gpu_check.BLOCK, gpu_check.WARPS = chunk, block, warps
-        plain = gpu_check.Copies(pairs, device)
-        checked = gpu_check.CheckedCopies(pairs, device)
+        kernel.CHUNK, kernel.BLOCK, kernel.WARPS = chunk, block, warps
+        plain = kernel.Copies(pairs, device)
+        checked = kernel.CheckedCopies(pairs, device)
         differing: list[int] = []
         copy_ms = _best_ms(plain.replay)
         dst.zero_()

@@ -5,7 +5,7 @@ copy rate measured in the same run.
   python scripts/gpu_layout_bench.py --layout qwen3-30b-a3b --layers 24,48
 
 The sender is the real WeightSender (refit check, begin, buckets, end) over the trainer's bf16
-tensors (random values, names and shapes of weightsync/layouts.py); the receiver a
+tensors (random values, names and shapes of weightsync/apps/layouts.py); the receiver a
 ModuleWeightReceiver with parameters of the same names in another process on the same GPU, which
 copies every tensor into them as an engine's default loader does. A sync ends when the
 receiver's copies are done. Reference: the GPU's device-to-device copy rate, measured on a
@@ -36,15 +36,15 @@ from weightsync import layouts  # noqa: E402
 def _receiver_main(shapes: layouts.Layout, conn, one_copy_bytes: int | None = None,
                    graphs: bool = True) -> None:
     torch.cuda.set_device(0)
-    from weightsync import gpu_copies
+    from weightsync.gpu import copies
 
-    gpu_copies.GRAPHS = graphs
+    copies.GRAPHS = graphs
     if os.environ.get("WS_GRAPH_BRANCHES"):  # experiments only
-        gpu_copies.GRAPH_BRANCHES = int(os.environ["WS_GRAPH_BRANCHES"])
+        copies.GRAPH_BRANCHES = int(os.environ["WS_GRAPH_BRANCHES"])
     if one_copy_bytes is not None:
-        gpu_copies.ONE_COPY_BYTES = one_copy_bytes
-    from weightsync.errors import error_to_wire
-    from weightsync.receiver import ModuleWeightReceiver
+        copies.ONE_COPY_BYTES = one_copy_bytes
+    from weightsync.wire.errors import error_to_wire
+    from weightsync.engine.session import ModuleWeightReceiver
 
     receiver = ModuleWeightReceiver(layouts.build_module(shapes, device="cuda:0"),
                                     name="receiver")
@@ -108,9 +108,9 @@ def copy_rate(gb: float, repeats: int) -> float:
 def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
         reference_gbps: float, replay: bool = True, one_copy_bytes: int | None = None,
         profile: bool = False, graphs: bool = True) -> dict:
-    from weightsync.sender import WeightSender
+    from weightsync.trainer.sender import WeightSender
     from weightsync.transports.cuda_ipc import CudaIpcSender
-    from weightsync.wire import TensorSpec
+    from weightsync.wire.specs import TensorSpec
 
     torch.cuda.set_device(0)
     shapes = layouts.layout(layout, num_layers=num_layers)
@@ -186,7 +186,7 @@ def main() -> None:
     parser.add_argument("--reference-gb", type=float, default=8.0)
     parser.add_argument("--one-copy-mb", type=float, default=None,
                         help="the receiver copies tensors this large one by one, smaller ones "
-                             "together (default: weightsync.loading's 4 MiB)")
+                             "together (default: weightsync.engine.loading's 4 MiB)")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed syncs, profile one more (cProfile on both sides, "
                              "torch.profiler's device time on the receiver) to stderr")

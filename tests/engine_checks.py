@@ -6,7 +6,7 @@ import math
 
 import ray
 
-from weightsync.models import make_tokenizer
+from weightsync.apps.models import make_tokenizer
 
 PROMPTS = ["The quick brown fox", "weightsync keeps engines", "Once upon a time"]
 MAX_NEW_TOKENS = 8
@@ -101,7 +101,7 @@ def half_update(engine, spec: dict, version: str = "half") -> None:
     import torch
 
     from weightsync.transports.shm import ShmSender
-    from weightsync.wire import TensorMeta
+    from weightsync.wire.specs import TensorMeta
 
     sender = ShmSender(num_slots=1)
     try:
@@ -127,11 +127,11 @@ def check_failed_verification_is_never_adopted(engine, trainer, name: str) -> No
     import pytest
     import torch
 
-    from weightsync.endpoint import RayEndpoint
-    from weightsync.errors import VerificationFailed
-    from weightsync.sender import WeightSender
+    from weightsync.trainer.endpoint import RayEndpoint
+    from weightsync.wire.errors import VerificationFailed
+    from weightsync.trainer.sender import WeightSender
     from weightsync.transports.shm import ShmSender
-    from weightsync.wire import dtype_from_str, specs_from_dicts
+    from weightsync.wire.specs import dtype_from_str, specs_from_dicts
 
     specs = specs_from_dicts(trainer.call("refit_info"))
     target = next(s.name for s in specs if s.name.endswith("fc1.weight"))

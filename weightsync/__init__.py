@@ -21,22 +21,22 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
-    "TrainerSync": "weightsync.trainer",
-    "SyncOptions": "weightsync.trainer",
-    "init_trainer_group": "weightsync.dtensor",
-    "shard_model": "weightsync.dtensor",
-    "close_trainer_group": "weightsync.dtensor",
-    "host_store": "weightsync.rendezvous",
-    "DTensorV2Source": "weightsync.dtensor",
-    "init_ray": "weightsync.launcher",
-    "launch": "weightsync.launcher",
-    "register_actor": "weightsync.launcher",
-    "TrainerGroup": "weightsync.launcher",
-    "WeightSender": "weightsync.sender",
-    "WeightReceiver": "weightsync.receiver",
-    "ModuleWeightReceiver": "weightsync.receiver",
-    "Endpoint": "weightsync.endpoint",
-    "RayEndpoint": "weightsync.endpoint",
+    "TrainerSync": "weightsync.trainer.sync",
+    "SyncOptions": "weightsync.trainer.sync",
+    "init_trainer_group": "weightsync.trainer.source",
+    "shard_model": "weightsync.trainer.source",
+    "close_trainer_group": "weightsync.trainer.source",
+    "host_store": "weightsync.transports.rendezvous",
+    "DTensorV2Source": "weightsync.trainer.source",
+    "init_ray": "weightsync.launch.launcher",
+    "launch": "weightsync.launch.launcher",
+    "register_actor": "weightsync.launch.launcher",
+    "TrainerGroup": "weightsync.launch.launcher",
+    "WeightSender": "weightsync.trainer.sender",
+    "WeightReceiver": "weightsync.engine.session",
+    "ModuleWeightReceiver": "weightsync.engine.session",
+    "Endpoint": "weightsync.trainer.endpoint",
+    "RayEndpoint": "weightsync.trainer.endpoint",
 }
 __all__ = [
     "DTensorV2Source", "close_trainer_group", "shard_model", "Endpoint", "ModuleWeightReceiver", "RayEndpoint", "SyncOptions",
@@ -45,18 +45,18 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from weightsync.dtensor import (
+    from weightsync.trainer.source import (
         DTensorV2Source,
         close_trainer_group,
         init_trainer_group,
         shard_model,
     )
-    from weightsync.endpoint import Endpoint, RayEndpoint
-    from weightsync.launcher import TrainerGroup, init_ray, launch, register_actor
-    from weightsync.receiver import ModuleWeightReceiver, WeightReceiver
-    from weightsync.rendezvous import host_store
-    from weightsync.sender import WeightSender
-    from weightsync.trainer import SyncOptions, TrainerSync
+    from weightsync.trainer.endpoint import Endpoint, RayEndpoint
+    from weightsync.launch.launcher import TrainerGroup, init_ray, launch, register_actor
+    from weightsync.engine.session import ModuleWeightReceiver, WeightReceiver
+    from weightsync.transports.rendezvous import host_store
+    from weightsync.trainer.sender import WeightSender
+    from weightsync.trainer.sync import SyncOptions, TrainerSync
 
 
 def _map_checkout_backends() -> None:

@@ -13,7 +13,7 @@ import time
 from itertools import combinations
 from typing import Any
 
-from weightsync import abi, envs
+from weightsync.launch import abi, envs
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands() -> list:
     """Subcommands defined beside the code they run (demo, bench), added when present."""
     out = []
-    for module in ("weightsync.demo", "weightsync.bench"):
+    for module in ("weightsync.apps.demo", "weightsync.apps.bench"):
         try:
             out.append(__import__(module, fromlist=["add_parser"]).add_parser)
         except ModuleNotFoundError as exc:

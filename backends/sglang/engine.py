@@ -28,13 +28,13 @@ import torch
 
 from weightsync.backends.sglang.loader import LOADER
 from weightsync.backends.sglang.serve import KEY_VARIABLE
-from weightsync.preflight import refuse_unsupported_sglang
-from weightsync.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer, StageReport
-from weightsync.receiver import EngineSession, sharing_of
-from weightsync.sampling import SamplingOptions
-from weightsync.server import LocalServer, cli_flags
-from weightsync.sharing import combine_worker_shares
-from weightsync.wire import as_plain, unwrap_all
+from weightsync.launch.preflight import refuse_unsupported_sglang
+from weightsync.wire.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer, StageReport
+from weightsync.engine.session import EngineSession, sharing_of
+from weightsync.engine.sampling import SamplingOptions
+from weightsync.engine.server import LocalServer, cli_flags
+from weightsync.engine.one_copy.sharing import combine_worker_shares
+from weightsync.wire.specs import as_plain, unwrap_all
 
 logger = logging.getLogger(__name__)
 
@@ -373,7 +373,7 @@ class SglEngineActor(EngineSession):
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], **sampling: Any) -> dict[str, Any]:
         """{"tokens", "logprobs", "weight_version"}: `n` samples per prompt, grouped by prompt
-        (keywords: `weightsync.sampling.SamplingOptions`). Log-probabilities are SGLang's: of
+        (keywords: `weightsync.engine.sampling.SamplingOptions`). Log-probabilities are SGLang's: of
         logits / temperature, before top-p."""
         options = SamplingOptions(**sampling)
         self.check_serving()
@@ -422,7 +422,7 @@ class SglEngineActor(EngineSession):
 
     def process_stats(self) -> dict[str, int]:
         """File descriptors and memory of this actor and the engine processes it started."""
-        from weightsync.procstats import process_tree_stats
+        from weightsync.launch.procstats import process_tree_stats
 
         return process_tree_stats()
 

@@ -17,7 +17,7 @@ import os
 import time
 from typing import Any
 
-from weightsync.wire import error_reply, ok_reply
+from weightsync.wire.specs import error_reply, ok_reply
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ _receivers: dict[int, Any] = {}
 def _receiver(model: Any) -> Any:
     from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-    from weightsync.receiver import ModelReceiver
+    from weightsync.engine.session import ModelReceiver
 
     receiver = _receivers.get(id(model))
     if receiver is None:
@@ -54,9 +54,9 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
     """One control call in one TP scheduler (each gets the same message; `weightsync_load`
     adds the scheduler's `tp_rank` to every reply). The scheduler learns and reports its
     placements (where its loader puts the elements of each tensor it holds, slices at TP > 1;
-    weightsync/placement.py), which verification compares against."""
-    from weightsync.protocol import LoadReport
-    from weightsync.wire import BucketDescriptor, specs_from_dicts
+    weightsync/wire/placement.py), which verification compares against."""
+    from weightsync.wire.protocol import LoadReport
+    from weightsync.wire.specs import BucketDescriptor, specs_from_dicts
 
     receiver = _receiver(model)
     op = message["op"]

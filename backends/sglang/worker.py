@@ -7,7 +7,7 @@ memory on CPU, each bucket announced to the engine actor as plain data.
 
 from __future__ import annotations
 
-from weightsync.worker import DTensorV2WeightSyncWorker
+from weightsync.apps.worker import DTensorV2WeightSyncWorker
 
 
 class SglDTensorV2WeightSyncWorker(DTensorV2WeightSyncWorker):

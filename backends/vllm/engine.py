@@ -21,8 +21,8 @@ from dataclasses import replace
 from typing import Any
 
 from weightsync.backends.vllm.guard import KEY_VARIABLE
-from weightsync.preflight import cpu_binding, cuda_device_present, refuse_unsupported_vllm
-from weightsync.protocol import (
+from weightsync.launch.preflight import cpu_binding, cuda_device_present, refuse_unsupported_vllm
+from weightsync.wire.protocol import (
     EndReport,
     LoadReport,
     RefitAnswer,
@@ -30,11 +30,11 @@ from weightsync.protocol import (
     ShareAnswer,
     StageReport,
 )
-from weightsync.receiver import EngineSession
-from weightsync.sampling import SamplingOptions
-from weightsync.server import LocalServer, cli_flags
-from weightsync.sharing import combine_worker_shares
-from weightsync.wire import as_plain, unwrap_all
+from weightsync.engine.session import EngineSession
+from weightsync.engine.sampling import SamplingOptions
+from weightsync.engine.server import LocalServer, cli_flags
+from weightsync.engine.one_copy.sharing import combine_worker_shares
+from weightsync.wire.specs import as_plain, unwrap_all
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class VllmEngineActor(EngineSession):
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], **sampling: Any) -> dict[str, Any]:
         """{"tokens", "logprobs", "weight_version"}: `n` samples per prompt, grouped by prompt
-        (keywords: `weightsync.sampling.SamplingOptions`). Log-probabilities are vLLM's default
+        (keywords: `weightsync.engine.sampling.SamplingOptions`). Log-probabilities are vLLM's default
         (raw logits: before temperature and top-p)."""
         options = SamplingOptions(**sampling)
         self.check_serving()
@@ -277,7 +277,7 @@ class VllmEngineActor(EngineSession):
 
     def process_stats(self) -> dict[str, int]:
         """File descriptors and memory of this actor and the engine processes it started."""
-        from weightsync.procstats import process_tree_stats
+        from weightsync.launch.procstats import process_tree_stats
 
         return process_tree_stats()
 

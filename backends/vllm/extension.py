@@ -30,7 +30,7 @@ from weightsync.backends.vllm.gemms import CpuGemms
 
 def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapped(self: Any, *args: Any) -> dict[str, Any]:
-        from weightsync.wire import error_reply, ok_reply
+        from weightsync.wire.specs import error_reply, ok_reply
 
         try:
             return ok_reply(fn(self, *args))
@@ -49,8 +49,8 @@ class WeightsyncWorkerExtension:
         if state is None:
             from vllm.platforms import current_platform
 
-            from weightsync.receiver import ModelReceiver
-            from weightsync.refit import copy_loader
+            from weightsync.engine.session import ModelReceiver
+            from weightsync.engine.refit import copy_loader
 
             model = self.model_runner.model
             state = self._weightsync = {
@@ -72,9 +72,9 @@ class WeightsyncWorkerExtension:
 
     @_guard
     def weightsync_check(self, specs: list[dict]) -> dict[str, Any]:
-        from weightsync.protocol import RefitAnswer
-        from weightsync.refit import check_against_checkpoint
-        from weightsync.wire import dtype_to_str, specs_from_dicts
+        from weightsync.wire.protocol import RefitAnswer
+        from weightsync.engine.refit import check_against_checkpoint
+        from weightsync.wire.specs import dtype_to_str, specs_from_dicts
 
         config = self.vllm_config.model_config
         receiver = self._ws_state()["receiver"]
@@ -98,7 +98,7 @@ class WeightsyncWorkerExtension:
         state["receiver"].open_update()
         experts.unpack()  # loaders, writers and verification see the checkpoint layout
         if direct:
-            from weightsync.receiver import sharing_of
+            from weightsync.engine.session import sharing_of
 
             why = state["receiver"].begin_direct(keep_previous=keep_previous,
                                                  sharing=sharing_of(direct))
@@ -138,7 +138,7 @@ class WeightsyncWorkerExtension:
 
     @_guard
     def weightsync_share(self) -> dict[str, Any]:
-        """Parameters into shared memory for the one-copy path (weightsync/direct.py)."""
+        """Parameters into shared memory for the one-copy path (weightsync/trainer/one_copy/targets.py)."""
         import torch
         from vllm.config import set_current_vllm_config
 
@@ -160,8 +160,8 @@ class WeightsyncWorkerExtension:
         import torch
         from vllm.config import set_current_vllm_config
 
-        from weightsync.protocol import LoadReport
-        from weightsync.wire import BucketDescriptor
+        from weightsync.wire.protocol import LoadReport
+        from weightsync.wire.specs import BucketDescriptor
 
         state = self._ws_state()
         if not state["open"]:
@@ -231,7 +231,7 @@ class WeightsyncWorkerExtension:
         return self._ws_fingerprints()
 
     def _ws_fingerprints(self) -> dict[str, list[int]]:
-        from weightsync.fingerprint import fingerprint
+        from weightsync.wire.fingerprint import fingerprint
 
         receiver = self._ws_state()["receiver"]
         prints = receiver.fingerprints()

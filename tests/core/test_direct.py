@@ -1,4 +1,4 @@
-"""The one-copy path (weightsync/direct.py): probing where an engine's loader puts each tensor,
+"""The one-copy path (weightsync/trainer/one_copy/targets.py): probing where an engine's loader puts each tensor,
 parameters moved into shared memory, trainer writes, digests, and the sender's direct sync."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import os
 import pytest
 import torch
 
-from weightsync.direct import DirectTarget, SharedParameters, copy_checked, probe_destinations
-from weightsync.endpoint import LocalEndpoint
-from weightsync.errors import NotShared
-from weightsync.receiver import ModuleWeightReceiver
-from weightsync.sender import WeightSender
+from weightsync.trainer.one_copy.targets import DirectTarget, SharedParameters, copy_checked, probe_destinations
+from weightsync.trainer.endpoint import LocalEndpoint
+from weightsync.wire.errors import NotShared
+from weightsync.engine.session import ModuleWeightReceiver
+from weightsync.trainer.sender import WeightSender
 from weightsync.transports.shm import SHM_DIR, ShmSender, list_segments
-from weightsync.wire import TensorSpec
+from weightsync.wire.specs import TensorSpec
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 9, 300_001])
@@ -208,11 +208,11 @@ def test_direct_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_abo
 
 
 def test_trainer_takes_only_engines_its_ranks_can_write_into():
-    """What an engine shared against the ranks' transport and GPUs (weightsync/one_copy.py): a
+    """What an engine shared against the ranks' transport and GPUs (weightsync/trainer/one_copy/path.py): a
     CPU segment only over shm, CUDA storages only over cuda_ipc and only when every rank's
     shards are on the engine's GPU (copies between GPUs are not offered); a tensor-parallel
     engine is refused as a whole when one worker is out of reach."""
-    from weightsync.one_copy import unreachable
+    from weightsync.trainer.one_copy.path import unreachable
 
     segment = {"segment": "ws-x", "nbytes": 8, "offsets": {}}
 

@@ -6,13 +6,13 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import free_port
-from weightsync.dtensor import (
+from weightsync.trainer.source import (
     DTensorV2Source,
     close_trainer_group,
     init_trainer_group,
     shard_model,
 )
-from weightsync.models import build_model
+from weightsync.apps.models import build_model
 
 
 def _rank_main(rank, world_size, port, arch, results):
@@ -86,7 +86,7 @@ def test_state_dict_adapter_renames_to_hf():
 
 
 def _pieces_main(rank, world_size, port, results):
-    from weightsync.dtensor import ShardPieces
+    from weightsync.trainer.source import ShardPieces
 
     init_trainer_group(rank=rank, world_size=world_size, master_addr="127.0.0.1",
                        master_port=port, device="cpu")

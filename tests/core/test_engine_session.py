@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from weightsync.protocol import EndReport, LoadReport
-from weightsync.receiver import EngineSession
+from weightsync.wire.protocol import EndReport, LoadReport
+from weightsync.engine.session import EngineSession
 
 BUCKET = {"index": 0, "nbytes": 4, "handle": {}, "tensors": []}
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from weightsync.errors import (
+from weightsync.wire.errors import (
     WIRE_ERRORS,
     BucketRejected,
     NotShared,
@@ -15,7 +15,7 @@ from weightsync.errors import (
     error_from_wire,
     error_to_wire,
 )
-from weightsync.wire import error_reply, ok_reply, unwrap_all
+from weightsync.wire.specs import error_reply, ok_reply, unwrap_all
 
 
 def _over_the_wire(exc: BaseException) -> dict:

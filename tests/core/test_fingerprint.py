@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.fingerprint import (
+from weightsync.wire.fingerprint import (
     MASK,
     PRIMES,
     ROOTS,
@@ -13,7 +13,7 @@ from weightsync.fingerprint import (
     shift,
     words_per_element,
 )
-from weightsync.placement import pattern_view
+from weightsync.wire.placement import pattern_view
 
 
 def _reference(tensor: torch.Tensor) -> tuple[int, int, int]:
@@ -94,7 +94,7 @@ def test_placed_runs_longer_than_a_gemm_row_are_exact():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_fingerprints_equal_the_cpu_ones_exactly():
-    from weightsync.fingerprint import fingerprints
+    from weightsync.wire.fingerprint import fingerprints
 
     gen = torch.Generator().manual_seed(0)
     cpu = [torch.randn(1000, generator=gen).to(torch.bfloat16),

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from weightsync.errors import BucketRejected
+from weightsync.wire.errors import BucketRejected
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -40,8 +40,8 @@ def test_nccl_sync_to_another_gpu_is_verified():
 def ipc_pair():
     """A CUDA IPC sender for 4 bf16 tensors of 1 Mi elements (2 per bucket) and a receiver
     process holding parameters of the same names."""
-    from weightsync.dtensor import DTensorV2Source
-    from weightsync.sender import WeightSender
+    from weightsync.trainer.source import DTensorV2Source
+    from weightsync.trainer.sender import WeightSender
     from weightsync.transports.cuda_ipc import CudaIpcSender
 
     bench = _bench()
@@ -142,10 +142,10 @@ def test_zero_copy_hooks_pass_tensors_in_place_on_cpu():
     """The sender's `attach` and the receiver's `receive_tensors` hooks (what CUDA IPC's
     zero-copy path uses), with an in-process stand-in that passes tensors by reference."""
     from weightsync import transports
-    from weightsync.endpoint import LocalEndpoint
-    from weightsync.receiver import ModuleWeightReceiver
-    from weightsync.sender import WeightSender
-    from weightsync.wire import TensorSpec
+    from weightsync.trainer.endpoint import LocalEndpoint
+    from weightsync.engine.session import ModuleWeightReceiver
+    from weightsync.trainer.sender import WeightSender
+    from weightsync.wire.specs import TensorSpec
 
     passed: dict[int, list[torch.Tensor]] = {}
 
@@ -226,17 +226,17 @@ def test_one_copy_into_a_gpu_receiver_writes_its_exported_storages():
 
 @needs_gpu
 def test_checked_copies_copy_and_read_back_every_pair():
-    """The fused copy-and-read-back kernel (weightsync/gpu_check.py) over copies of several
+    """The fused copy-and-read-back kernel (weightsync/gpu/kernel.py) over copies of several
     chunks, small ones, and the ones it leaves to `copy_` + `torch.equal` (an odd address, a
     dtype conversion): every destination ends up equal to its source, none reported as
     differing, and a second run copies the sources' new values; the same kernel without the
     read-back copies the pairs it can take and refuses the others."""
-    from weightsync import gpu_check
+    from weightsync.gpu import kernel
 
-    if not gpu_check.available():
+    if not kernel.available():
         pytest.skip("no Triton")
     dev = torch.device("cuda")
-    big = torch.randn(3 * gpu_check.CHUNK // 4 + 6, device=dev)  # 3 chunks and a bit
+    big = torch.randn(3 * kernel.CHUNK // 4 + 6, device=dev)  # 3 chunks and a bit
     small = torch.randn(5, 8, device=dev, dtype=torch.bfloat16)
     space = torch.zeros(big.numel() + 64, device=dev)
     odd_src = torch.randn(9, device=dev, dtype=torch.bfloat16)
@@ -245,7 +245,7 @@ def test_checked_copies_copy_and_read_back_every_pair():
     pairs = [(space[:big.numel()], big), (torch.empty_like(small), small),
              (odd_space[1:10], odd_src), (torch.empty(12, device=dev, dtype=torch.bfloat16),
                                           converted)]
-    copies = gpu_check.CheckedCopies(pairs, dev)
+    copies = kernel.CheckedCopies(pairs, dev)
     assert copies.rows == 4 + 1 and copies.others == [2, 3]
     for _ in range(2):
         assert copies.run() == []
@@ -254,23 +254,23 @@ def test_checked_copies_copy_and_read_back_every_pair():
             src.mul_(-3)
     assert not torch.equal(pairs[0][0], big)
     # Without the read-back (a write plan's unverified copies): one launch copies them all.
-    fused = gpu_check.Copies(pairs[:2], dev)
+    fused = kernel.Copies(pairs[:2], dev)
     fused.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(d, s) for d, s in pairs[:2])
     with pytest.raises(ValueError, match="2 copies the fused kernel cannot take"):
-        gpu_check.Copies(pairs, dev)
+        kernel.Copies(pairs, dev)
 
 
 @needs_gpu
 def test_a_fused_kernel_that_does_not_run_here_is_not_available(monkeypatch, caplog):
-    """`gpu_check.available()` compiles and runs the kernel once: a kernel that fails there
+    """`kernel.available()` compiles and runs the kernel once: a kernel that fails there
     (e.g. Triton finds no C compiler for its launcher) makes it false, with the reason logged,
     so write plans keep their CUDA-graph copies and verify piece by piece; the real kernel
     passes the same trial."""
-    from weightsync import gpu_check
+    from weightsync.gpu import kernel
 
-    if not gpu_check.available():
+    if not kernel.available():
         pytest.skip("no Triton")
 
     class Broken:
@@ -279,15 +279,15 @@ def test_a_fused_kernel_that_does_not_run_here_is_not_available(monkeypatch, cap
                 raise RuntimeError("Failed to find C compiler. Please specify via CC")
             return launch
 
-    monkeypatch.setattr(gpu_check, "_kernel", [])
-    monkeypatch.setattr(gpu_check, "_build", lambda: Broken())
-    assert not gpu_check.available()
+    monkeypatch.setattr(kernel, "_kernel", [])
+    monkeypatch.setattr(kernel, "_build", lambda: Broken())
+    assert not kernel.available()
     assert "does not run here (RuntimeError: Failed to find C compiler" in caplog.text
     with pytest.raises(RuntimeError, match="kernel does not run here"):
-        gpu_check.Copies([], torch.device("cuda"))
+        kernel.Copies([], torch.device("cuda"))
     monkeypatch.undo()
-    monkeypatch.setattr(gpu_check, "_kernel", [])
-    assert gpu_check.available()
+    monkeypatch.setattr(kernel, "_kernel", [])
+    assert kernel.available()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
@@ -296,8 +296,8 @@ def test_an_update_that_keeps_previous_weights_takes_the_one_copy_path_only_on_t
     the writers off by giving each parameter new memory); on exported CUDA storages it is
     refused with the reason (new memory would leave an engine's CUDA graphs reading the old),
     and the trainer sends that update by buckets. Shared CUDA storages name their GPU."""
-    from weightsync.receiver import ModuleWeightReceiver
-    from weightsync.wire import TensorSpec, specs_to_dicts
+    from weightsync.engine.session import ModuleWeightReceiver
+    from weightsync.wire.specs import TensorSpec, specs_to_dicts
 
     g = torch.Generator().manual_seed(0)
     source = {f"w{i}": torch.randn(4 + i, 3, generator=g) for i in range(3)}

@@ -1,4 +1,4 @@
-"""GRPO's pieces that need no engine (weightsync/grpo.py, weightsync/sampling.py): sampling
+"""GRPO's pieces that need no engine (weightsync/apps/grpo.py, weightsync/engine/sampling.py): sampling
 options refused before any request, rewards, group advantages, the mismatch measure, and one
 policy step on a real tiny model."""
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from weightsync.grpo import GrpoConfig, group_advantages, mismatch, policy_step, reward
-from weightsync.sampling import SamplingOptions
+from weightsync.apps.grpo import GrpoConfig, group_advantages, mismatch, policy_step, reward
+from weightsync.engine.sampling import SamplingOptions
 
 
 @pytest.mark.parametrize(("options", "named"), [
@@ -54,8 +54,8 @@ def test_mismatch_is_zero_for_equal_logprobs_and_positive_otherwise():
 
 
 def test_policy_step_returns_the_logprobs_before_the_update_and_raises_good_samples():
-    from weightsync.grpo import token_logprobs
-    from weightsync.models import build_model
+    from weightsync.apps.grpo import token_logprobs
+    from weightsync.apps.models import build_model
 
     model = build_model("qwen2")  # a rope model: the learner side must work for it too
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -1,11 +1,11 @@
-"""Checkpoint layouts for benchmarks (weightsync/layouts.py): the real models' counts and sizes,
+"""Checkpoint layouts for benchmarks (weightsync/apps/layouts.py): the real models' counts and sizes,
 and `shrink`, which CPU benchmarks rely on to run the same many-tensor layouts in little memory."""
 
 from __future__ import annotations
 
 import pytest
 
-from weightsync import layouts
+from weightsync.apps import layouts
 
 
 def test_real_layouts_have_the_checkpoints_tensor_counts_and_sizes():

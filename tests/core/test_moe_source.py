@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import free_port
-from weightsync.dtensor import (
+from weightsync.trainer.source import (
     DTensorV2Source,
     ShardPieces,
     close_trainer_group,
@@ -18,7 +18,7 @@ from weightsync.dtensor import (
     shard_model,
     transformer_blocks,
 )
-from weightsync.models import NUM_EXPERTS, build_model
+from weightsync.apps.models import NUM_EXPERTS, build_model
 
 
 def _numpy(tensor: torch.Tensor):
@@ -130,8 +130,8 @@ def test_each_rank_writes_the_experts_it_holds_and_the_pieces_rebuild_the_checkp
 def test_the_reference_takes_a_state_under_checkpoint_names(tmp_path, checkpoint):
     """`reference_generate` given the per-expert state the trainer sends answers as the model
     whose grouped parameters hold the same values; a state lacking an expert is refused."""
-    from weightsync.models import make_tiny_model
-    from weightsync.reference import reference_generate
+    from weightsync.apps.models import make_tiny_model
+    from weightsync.apps.reference import reference_generate
 
     path = make_tiny_model(str(tmp_path / "m"), arch="qwen3_moe", seed=3)
     model = build_model("qwen3_moe", "tiny", seed=3)

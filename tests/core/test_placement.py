@@ -1,13 +1,13 @@
 """Placements: which elements of a trainer tensor a tensor-parallel worker's loader keeps, and
-where, learned from the loader alone (weightsync/placement.py)."""
+where, learned from the loader alone (weightsync/wire/placement.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from weightsync.fingerprint import fingerprint
-from weightsync.placement import (
+from weightsync.wire.fingerprint import fingerprint
+from weightsync.wire.placement import (
     expected_worker_fingerprints,
     learn_placement,
     pattern_view,
@@ -107,7 +107,7 @@ def test_patterns_compress_rows_and_keep_irregular_runs():
 def test_pieces_of_a_tensor_land_where_the_patterns_say(cuts):
     """A trainer rank writes its piece (a contiguous element range of the full tensor) into a
     tensor-parallel worker's parameter: every piece boundary, including ones inside a run."""
-    from weightsync.direct import placed_pieces
+    from weightsync.trainer.one_copy.targets import placed_pieces
 
     full = torch.arange(48, dtype=torch.int32).reshape(6, 8)
     for narrow in (lambda t: t.narrow(1, 4, 4), lambda t: t.narrow(0, 2, 3),
@@ -147,11 +147,11 @@ def test_two_sliced_workers_are_each_verified_against_what_they_hold():
     """The reference receiver with slicing loaders stands for two TP workers (the GPU script's
     tensor-parallel mode runs the same over CUDA IPC): each learns its placements during the
     first sync, and the sender checks each against the trainer's elements it holds."""
-    from weightsync.dtensor import DTensorV2Source
-    from weightsync.endpoint import LocalEndpoint
-    from weightsync.placement import WorkerPrints
-    from weightsync.receiver import ModuleWeightReceiver
-    from weightsync.sender import WeightSender
+    from weightsync.trainer.source import DTensorV2Source
+    from weightsync.trainer.endpoint import LocalEndpoint
+    from weightsync.wire.placement import WorkerPrints
+    from weightsync.engine.session import ModuleWeightReceiver
+    from weightsync.trainer.sender import WeightSender
     from weightsync.transports.shm import ShmSender
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The typed answers above the wire (weightsync/protocol.py): what crosses stays plain data."""
+"""The typed answers above the wire (weightsync/wire/protocol.py): what crosses stays plain data."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from weightsync.protocol import (
+from weightsync.wire.protocol import (
     BeginAnswer,
     EndReport,
     EngineSyncReport,

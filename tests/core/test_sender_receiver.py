@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.dtensor import DTensorV2Source
-from weightsync.endpoint import LocalEndpoint
-from weightsync.models import build_model
-from weightsync.receiver import ModuleWeightReceiver
-from weightsync.sender import WeightSender
+from weightsync.trainer.source import DTensorV2Source
+from weightsync.trainer.endpoint import LocalEndpoint
+from weightsync.apps.models import build_model
+from weightsync.engine.session import ModuleWeightReceiver
+from weightsync.trainer.sender import WeightSender
 from weightsync.transports.shm import ShmSender
 
 
@@ -44,7 +44,7 @@ def test_verification_catches_an_engine_weight_that_differs():
         sender.sync(source.tensors(), version="v1")
         with torch.no_grad():
             engine_model.model.decoder.layers[1].fc1.weight[3, 3] += 1
-        sent = {n: __import__("weightsync.fingerprint").fingerprint.fingerprint(t)
+        sent = {n: __import__("weightsync.wire.fingerprint").fingerprint.fingerprint(t)
                 for n, t in source.tensors()}
         result = sender.verify(sent, engines=["ref"])
     finally:

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from weightsync.bucket import fill_buckets, plan_buckets
-from weightsync.fingerprint import fingerprint
+from weightsync.wire.bucket import fill_buckets, plan_buckets
+from weightsync.wire.fingerprint import fingerprint
 from weightsync.transports.shm import (
     SHM_DIR,
     ShmReceiver,
@@ -22,12 +22,12 @@ from weightsync.transports.shm import (
     list_segments,
     sweep_stale_segments,
 )
-from weightsync.wire import BucketDescriptor, TensorSpec
+from weightsync.wire.specs import BucketDescriptor, TensorSpec
 
 
 def _receiver_process(requests, replies):
     """Another process: maps each bucket, answers {name: fingerprint}."""
-    from weightsync.bucket import unpack
+    from weightsync.wire.bucket import unpack
 
     receiver = ShmReceiver()
     while (item := requests.get()) is not None:
@@ -120,7 +120,7 @@ def test_a_new_sender_sweeps_what_dead_processes_left_reply_folders_included():
 
 
 def test_a_dead_engines_shared_parameter_segment_is_swept():
-    code = ("import os, torch; from weightsync.direct import SharedParameters; "
+    code = ("import os, torch; from weightsync.trainer.one_copy.targets import SharedParameters; "
             "p = {'w': torch.nn.Parameter(torch.ones(64, 4), requires_grad=False)}; "
             "s = SharedParameters(p, {'w': ('w', 0)}); "
             "print(s.segment.name, flush=True); os._exit(9)")  # dies without unlinking

@@ -1,4 +1,4 @@
-"""The trainer ranks' side channel (weightsync/sync_group.py): plain data as JSON over gloo,
+"""The trainer ranks' side channel (weightsync/trainer/sync_group.py): plain data as JSON over gloo,
 never pickle, between two spawned ranks; a trainer of one rank sends nothing."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ def _rank(rank: int, world_size: int, port: int, results) -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from weightsync.dtensor import close_trainer_group, init_trainer_group
-    from weightsync.sync_group import SyncGroup
+    from weightsync.trainer.source import close_trainer_group, init_trainer_group
+    from weightsync.trainer.sync_group import SyncGroup
 
     def refuse(*args, **kwargs):
         raise AssertionError("the sync group unpickled something from a peer")

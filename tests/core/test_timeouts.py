@@ -12,11 +12,11 @@ import ray
 from weightsync import SyncOptions, launcher
 from weightsync.backends.sglang.engine import SglEngineActor
 from weightsync.backends.vllm.engine import VllmEngineActor
-from weightsync.dtensor import DTensorV2Source
-from weightsync.endpoint import RayEndpoint
-from weightsync.models import build_model
-from weightsync.receiver import EngineSession, ModuleWeightReceiver
-from weightsync.sender import WeightSender
+from weightsync.trainer.source import DTensorV2Source
+from weightsync.trainer.endpoint import RayEndpoint
+from weightsync.apps.models import build_model
+from weightsync.engine.session import EngineSession, ModuleWeightReceiver
+from weightsync.trainer.sender import WeightSender
 from weightsync.transports.shm import ShmSender
 
 

@@ -65,10 +65,10 @@ def _run_two_ranks_of(target, options: dict) -> dict:
 
 def _rank_main(rank: int, port: int, results, options: dict) -> None:
     from weightsync import SyncOptions, TrainerSync
-    from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
-    from weightsync.endpoint import LocalEndpoint
-    from weightsync.models import build_model
-    from weightsync.receiver import ModuleWeightReceiver
+    from weightsync.trainer.source import close_trainer_group, init_trainer_group, shard_model
+    from weightsync.trainer.endpoint import LocalEndpoint
+    from weightsync.apps.models import build_model
+    from weightsync.engine.session import ModuleWeightReceiver
 
     records = _collect_logs()
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
@@ -130,8 +130,8 @@ def test_trainer_sync_without_one_copy_keeps_buckets_and_says_why_for_a_transpor
 
 def _construct_only(rank: int, port: int, results, options: dict) -> None:
     from weightsync import SyncOptions, TrainerSync
-    from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
-    from weightsync.models import build_model
+    from weightsync.trainer.source import close_trainer_group, init_trainer_group, shard_model
+    from weightsync.apps.models import build_model
 
     records = _collect_logs()
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
@@ -157,10 +157,10 @@ def _fail_then_sync_again(rank: int, port: int, results, options: dict) -> None:
     import time
 
     from weightsync import SyncOptions, TrainerSync
-    from weightsync.dtensor import close_trainer_group, init_trainer_group, shard_model
-    from weightsync.endpoint import LocalEndpoint
-    from weightsync.models import build_model
-    from weightsync.receiver import ModuleWeightReceiver
+    from weightsync.trainer.source import close_trainer_group, init_trainer_group, shard_model
+    from weightsync.trainer.endpoint import LocalEndpoint
+    from weightsync.apps.models import build_model
+    from weightsync.engine.session import ModuleWeightReceiver
 
     class FailsMidSync(ModuleWeightReceiver):
         loads = 0

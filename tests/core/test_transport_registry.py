@@ -10,7 +10,7 @@ from typing import get_args
 import pytest
 import torch
 
-from weightsync.bucket import plan_buckets
+from weightsync.wire.bucket import plan_buckets
 from weightsync.transports import (
     ReceiverTransport,
     SenderTransport,
@@ -19,11 +19,11 @@ from weightsync.transports import (
     register_transport,
     transport_names,
 )
-from weightsync.wire import TensorSpec
+from weightsync.wire.specs import TensorSpec
 
 
 def test_every_sync_option_transport_is_registered_and_nothing_else():
-    from weightsync.trainer import Transport
+    from weightsync.trainer.sync import Transport
 
     assert transport_names() == list(get_args(Transport))
 

@@ -16,13 +16,13 @@ from collections.abc import Iterable
 import pytest
 import torch
 
-from weightsync.dtensor import DTensorV2Source
-from weightsync.endpoint import LocalEndpoint
-from weightsync.errors import VerificationFailed
-from weightsync.fingerprint import fingerprint
-from weightsync.receiver import ModelReceiver, ModuleWeightReceiver
-from weightsync.refit import copy_loader
-from weightsync.sender import WeightSender
+from weightsync.trainer.source import DTensorV2Source
+from weightsync.trainer.endpoint import LocalEndpoint
+from weightsync.wire.errors import VerificationFailed
+from weightsync.wire.fingerprint import fingerprint
+from weightsync.engine.session import ModelReceiver, ModuleWeightReceiver
+from weightsync.engine.refit import copy_loader
+from weightsync.trainer.sender import WeightSender
 from weightsync.transports.shm import ShmSender
 
 HEAD = 4  # q, k and v are 4 x 8 each; q and k swap cleanly

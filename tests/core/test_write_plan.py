@@ -1,4 +1,4 @@
-"""A trainer rank's write plan (weightsync/write_plan.py): the copies it replays every sync put
+"""A trainer rank's write plan (weightsync/trainer/one_copy/writer.py): the copies it replays every sync put
 the model's current bytes where a piece-by-piece write puts them, converted to the engines'
 dtype, and the plan notices when a parameter was replaced or moved to other storage."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.direct import DirectTarget, SharedParameters, probe_destinations
-from weightsync.dtensor import DTensorV2Source, ShardPieces
-from weightsync.wire import TensorSpec, dtype_to_str
-from weightsync.write_plan import WritePlan
+from weightsync.trainer.one_copy.targets import DirectTarget, SharedParameters, probe_destinations
+from weightsync.trainer.source import DTensorV2Source, ShardPieces
+from weightsync.wire.specs import TensorSpec, dtype_to_str
+from weightsync.trainer.one_copy.writer import WritePlan
 
 
 def _trainer() -> torch.nn.Module:
@@ -39,7 +39,7 @@ def _engine(source: DTensorV2Source, device: str = "cpu"):
     param_of = {name: [pname] for name, (pname, _) in where.items()}
     destinations = probe_destinations(params, param_of, specs, load_one)
     if device == "cuda":
-        from weightsync.direct_cuda import CudaParameters
+        from weightsync.engine.one_copy.cuda_exports import CudaParameters
 
         return params, CudaParameters(params, destinations)
     return params, SharedParameters(params, destinations)
@@ -119,8 +119,8 @@ def test_a_writer_copies_first_and_writes_again_when_the_plan_no_longer_holds(
     its stale copy overwritten by a new plan's before the write returns, and its bytes are
     counted once. (On the GPU the engine's CUDA storages are handed to the writer in-process:
     a process cannot open its own CUDA IPC exports.)"""
-    from weightsync import direct_cuda
-    from weightsync.shard_writes import OneCopyWriter
+    from weightsync.engine.one_copy import cuda_exports
+    from weightsync.trainer.shard_writes import OneCopyWriter
 
     if device == "cuda":
         storages: dict[int, torch.UntypedStorage] = {}
@@ -133,7 +133,7 @@ def test_a_writer_copies_first_and_writes_again_when_the_plan_no_longer_holds(
             return torch.empty(0, dtype=torch.uint8, device="cuda").set_(
                 storages[exported["key"]])
 
-        monkeypatch.setattr(direct_cuda, "export_storage", export)
+        monkeypatch.setattr(cuda_exports, "export_storage", export)
         monkeypatch.setattr("weightsync.transports.cuda_ipc.open_storage", open_storage)
     model = _trainer().to(device)
     source = DTensorV2Source(model, dtype="bfloat16")

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from weightsync.demo import TEXT
+from weightsync.apps.demo import TEXT
 
 
 def _closeness(text: str, target: str) -> int:

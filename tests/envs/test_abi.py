@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from weightsync import abi, envs
+from weightsync.launch import abi, envs
 
 CUDA_ERROR_LOG_CAPTURE = "c10::cuda::CUDAErrorLogCapture::CUDAErrorLogCapture()"
 CUDA_CHECK = ("c10::cuda::c10_cuda_check_implementation(int, char const*, char const*, "

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from weightsync import envs
+from weightsync.launch import envs
 
 
 def _cli(*args):

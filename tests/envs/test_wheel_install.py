@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from weightsync import envs
+from weightsync.launch import envs
 
 pytestmark = pytest.mark.skipif(envs.has_gpu(), reason="builds the CPU vLLM env")
 
 _DRIVER = r"""
 import json, sys
 import weightsync
-from weightsync import envs, launcher
-from weightsync.models import make_tiny_model
+from weightsync.launch import envs, launcher
+from weightsync.apps.models import make_tiny_model
 
 model = make_tiny_model(sys.argv[1], arch="opt", seed=0)
 launcher.init_ray(num_cpus=2)

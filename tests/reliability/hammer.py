@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from tests.engine_checks import prompt_ids
-from weightsync.server import http_json
+from weightsync.engine.server import http_json
 
 MAX_NEW_TOKENS = 8
 NUM_CLIENTS = 3

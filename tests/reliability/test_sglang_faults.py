@@ -9,11 +9,11 @@ import ray
 import torch
 
 from tests.engine_checks import assert_engine_matches_reference, half_update, prompt_ids
-from weightsync import launcher
-from weightsync.dtensor import DTensorV2Source
-from weightsync.models import build_model, make_tiny_model
+from weightsync.launch import launcher
+from weightsync.trainer.source import DTensorV2Source
+from weightsync.apps.models import build_model, make_tiny_model
 from weightsync.transports.shm import ShmSender, list_segments
-from weightsync.wire import TensorMeta
+from weightsync.wire.specs import TensorMeta
 
 NAME = "sglang"
 WORKER = "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker"
@@ -132,9 +132,9 @@ def test_non_contiguous_trainer_tensors_arrive_intact(setup):
     """The same values sent once contiguous and once strided give the engine the same weights,
     down to its answers' logprobs (fingerprints alone would not see a transposed tensor)."""
     engine, trainer, _ = setup
-    from weightsync.endpoint import RayEndpoint
-    from weightsync.sender import WeightSender
-    from weightsync.wire import dtype_from_str, specs_from_dicts
+    from weightsync.trainer.endpoint import RayEndpoint
+    from weightsync.trainer.sender import WeightSender
+    from weightsync.wire.specs import dtype_from_str, specs_from_dicts
 
     specs = specs_from_dicts(trainer.call("refit_info"))  # plain data; values made here
     gen = torch.Generator().manual_seed(11)

@@ -17,8 +17,8 @@ from tests.reliability.hammer import (
     post_json,
     run_syncs_under_requests,
 )
-from weightsync import launcher
-from weightsync.models import make_tiny_model
+from weightsync.launch import launcher
+from weightsync.apps.models import make_tiny_model
 
 NAME = "sglang-http"
 NUM_SYNCS = 50

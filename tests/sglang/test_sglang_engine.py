@@ -13,8 +13,8 @@ from tests.engine_checks import (
     check_sync_after_training,
     prompt_ids,
 )
-from weightsync import launcher
-from weightsync.models import make_tiny_model
+from weightsync.launch import launcher
+from weightsync.apps.models import make_tiny_model
 
 ARCH = "opt"
 

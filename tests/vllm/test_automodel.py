@@ -1,6 +1,6 @@
 """nemo-automodel as the trainer's model builder, in an engine env that installs it.
 
-A tiny Qwen2 built by `weightsync.automodel.build_automodel` (nemo-automodel's model class and
+A tiny Qwen2 built by `weightsync.apps.automodel.build_automodel` (nemo-automodel's model class and
 its own FSDP2 parallelizer, 2 spawned ranks over gloo) yields exactly its checkpoint through
 `DTensorV2Source`. nemo-automodel's Qwen3-MoE model class needs CUDA, so its part is checked
 through what the source reads from such a model: the native (grouped-expert) state dict, sharded
@@ -19,8 +19,8 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import free_port
-from weightsync import launcher
-from weightsync.models import NUM_EXPERTS, make_tiny_model
+from weightsync.launch import launcher
+from weightsync.apps.models import NUM_EXPERTS, make_tiny_model
 
 pytest.importorskip("nemo_automodel")
 
@@ -62,7 +62,7 @@ def _checkpoint(path: str) -> dict[str, torch.Tensor]:
 def _rank_main(rank, port, results, qwen2_path, moe_path):
     """Both parts on the same 2 ranks: importing nemo-automodel costs each process ~15 s."""
 
-    from weightsync.dtensor import close_trainer_group, init_trainer_group
+    from weightsync.trainer.source import close_trainer_group, init_trainer_group
 
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     start = time.perf_counter()
@@ -91,8 +91,8 @@ def ranks(tmp_path_factory):
 def _qwen2_part(model_path, moe_path):
     from torch.distributed.tensor import Shard
 
-    from weightsync.automodel import build_automodel
-    from weightsync.dtensor import DTensorV2Source
+    from weightsync.apps.automodel import build_automodel
+    from weightsync.trainer.source import DTensorV2Source
 
     model = build_automodel(model_path, dtype="float32", device="cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # over the sharded parameters
@@ -218,7 +218,7 @@ def _moe_part(model_path):
     from nemo_automodel.components.distributed.mesh_utils import _create_device_meshes
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from weightsync.dtensor import DTensorV2Source
+    from weightsync.trainer.source import DTensorV2Source
 
     adapter = _qwen3_moe_adapter(model_path)
     native = adapter.from_hf(_checkpoint(model_path))

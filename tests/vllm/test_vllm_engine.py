@@ -14,8 +14,8 @@ from tests.engine_checks import (
     half_update,
     prompt_ids,
 )
-from weightsync import launcher
-from weightsync.models import make_tiny_model
+from weightsync.launch import launcher
+from weightsync.apps.models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import pytest
 import ray
 
 from tests.engine_checks import MAX_NEW_TOKENS, half_update, prompt_ids, training_batch
-from weightsync import launcher
-from weightsync.models import NUM_EXPERTS, make_tiny_model
+from weightsync.launch import launcher
+from weightsync.apps.models import NUM_EXPERTS, make_tiny_model
 
 ENGINE = "weightsync.backends.vllm.engine.VllmEngineActor"
 TRAINER = "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker"
@@ -36,8 +36,8 @@ def setup(tmp_path_factory):
 def assert_engine_serves_the_trainers_weights(engine, trainer, model_path) -> None:
     """Greedy tokens equal the float32 reference of the trainer's weights; logprobs close.
     The trainer's state goes out as the checkpoint holds it (experts one by one);
-    `weightsync.reference` loads such a state as transformers loads a checkpoint."""
-    from weightsync.reference import reference_generate
+    `weightsync.apps.reference` loads such a state as transformers loads a checkpoint."""
+    from weightsync.apps.reference import reference_generate
 
     ids = prompt_ids()
     state = trainer.call("full_state")

@@ -16,8 +16,8 @@ from tests.engine_checks import (
     prompt_ids,
     training_batch,
 )
-from weightsync import launcher
-from weightsync.models import make_tiny_model
+from weightsync.launch import launcher
+from weightsync.apps.models import make_tiny_model
 
 ENGINE = "weightsync.backends.vllm.engine.VllmEngineActor"
 
@@ -91,7 +91,7 @@ def test_repeated_syncs_take_the_one_copy_path_into_every_worker(setup):
     """From the second sync on, each trainer rank writes its shards straight into the shared
     parameters of the TP=1 replica and, through each worker's placements, only the slices each
     TP worker holds into its own parameters. The second round is not verified, so the ranks
-    copy through their write plans (weightsync/write_plan.py); `verify` checks it after."""
+    copy through their write plans (weightsync/trainer/one_copy/writer.py); `verify` checks it after."""
     engines, trainer, *_ = setup
     for round_ in range(2):
         trainer.call("train_step", training_batch(10 + round_))

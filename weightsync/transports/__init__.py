@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from weightsync.bucket import unpack
+from weightsync.wire.bucket import unpack
 
 if TYPE_CHECKING:
-    from weightsync.bucket import BucketPlan
-    from weightsync.wire import BucketDescriptor
+    from weightsync.wire.bucket import BucketPlan
+    from weightsync.wire.specs import BucketDescriptor
 
 
 class SenderTransport(ABC):

@@ -7,7 +7,7 @@ default process groups and needs no `init_process_group` on either side. Receive
 sender broadcasts and every receiver waits in `receive`. Every wait has a timeout.
 
 The store listens on `host` only (loopback by default; pass the host's address for engines on
-other machines), on a port the kernel picks while the store holds it (weightsync/rendezvous.py);
+other machines), on a port the kernel picks while the store holds it (weightsync/transports/rendezvous.py);
 the handles carry it. The gloo group's devices listen on the address that reaches `host`.
 
 With NCCL the copies overlap the broadcasts. Each side runs its broadcasts from a side stream:
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.bucket import BucketPlan, write_tensor
-from weightsync.errors import CollectiveFailed
-from weightsync.rendezvous import gloo_device, host_store
+from weightsync.wire.bucket import BucketPlan, write_tensor
+from weightsync.wire.errors import CollectiveFailed
+from weightsync.transports.rendezvous import gloo_device, host_store
 from weightsync.transports import ReceiverTransport, SenderTransport
 
 logger = logging.getLogger(__name__)

@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from weightsync.bucket import BucketPlan, tensor_view, write_tensor
-from weightsync.errors import BucketRejected
+from weightsync.wire.bucket import BucketPlan, tensor_view, write_tensor
+from weightsync.wire.errors import BucketRejected
 from weightsync.transports import ReceiverTransport, SenderTransport
-from weightsync.wire import BucketDescriptor, dtype_from_str, element_size
+from weightsync.wire.specs import BucketDescriptor, dtype_from_str, element_size
 
 _uids = itertools.count()
 _data_ptr = torch.Tensor.data_ptr

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from weightsync.transports import ReceiverTransport, SenderTransport
-from weightsync.wire import ALIGNMENT_BYTES, align
+from weightsync.wire.specs import ALIGNMENT_BYTES, align
 
 logger = logging.getLogger(__name__)
 

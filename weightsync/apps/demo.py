@@ -1,0 +1,324 @@
+"""`weightsync demo`: one trainer group keeps an SGLang and a vLLM engine in step, in one Ray job.
+
+`--task grpo` (the default) is an RL loop (weightsync/apps/grpo.py): both engines sample rollouts, the
+trainer learns from their rewards, every step ends in a verified sync. `--task sft` trains one
+sentence by supervised steps and compares greedy continuations with the trainer's reference.
+
+Who runs where: the driver and the 2 trainer ranks (DTensorV2WeightSyncWorker, FSDP2 over gloo)
+run in the root environment, which has neither engine; the SGLang engine actor runs in env
+"sglang", the vLLM engine actor in "vllm-cpu" (or "vllm" on a GPU machine). What crosses between
+them: bucket descriptors and reports as plain dicts over Ray, and raw bytes in shared memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+TEXT = "weightsync keeps every engine in step with the trainer. "
+GRPO_LR = 1e-3
+# The README's bound on a step's mean |sampler - learner log-prob| (float32 engines and trainer),
+# set from measured runs (README, "GRPO"): about 20x the worst step seen, and far below what one
+# step of stale weights gives (tenths of a nat).
+MISMATCH_BOUND = {"opt": 1e-5, "qwen2": 1e-5}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("demo", help="GRPO on a tiny model with SGLang and vLLM kept in step")
+    p.add_argument("--task", choices=("grpo", "sft"), default="grpo",
+                   help="grpo: engines sample, the trainer learns from rewards (default); sft: "
+                        "supervised steps on one sentence, greedy continuations compared")
+    # "%(default).0s" prints nothing; it only keeps the formatter from adding "(default: None)".
+    p.add_argument("--steps", type=int, help="steps, each followed by a sync (default: 24 for "
+                                             "grpo, 30 for sft)%(default).0s")
+    p.add_argument("--engines", default="sglang,vllm", help="comma-separated: sglang, vllm")
+    p.add_argument("--arch", default="opt", help="opt (both engines) or qwen2 (vLLM only)")
+    p.add_argument("--model-size", default="tiny", help="tiny, small, base or medium")
+    p.add_argument("--group-size", type=int, default=8, help="grpo: samples per prompt")
+    p.add_argument("--seed", type=int, default=0, help="grpo: model and sampling seed")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw over steps: grpo reward, mismatch, seconds; sft loss, sync times")
+    p.set_defaults(run=run)
+
+
+def _continuation(tokens: list[int]) -> str:
+    from weightsync.apps.models import make_tokenizer
+
+    return make_tokenizer().decode(tokens)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.task == "grpo":
+        return _run_grpo(args)
+    return _run_sft(args)
+
+
+def _run_sft(args: argparse.Namespace) -> int:
+    import ray
+
+    from weightsync.launch import envs, launcher
+    from weightsync.apps.models import make_tiny_model, make_tokenizer
+
+    engines = _engine_names(args.engines)
+    args.steps = 30 if args.steps is None else args.steps
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: must be at least 1")
+    log = logging.getLogger("weightsync.apps.demo")
+    for name in engines:
+        env = "sglang" if name == "sglang" else envs.default_vllm_env()
+        log.info("env %s: %s", env, envs.build(env)["action"])
+    model = make_tiny_model(tempfile.mkdtemp(prefix="weightsync-demo-"), arch=args.arch,
+                            size=args.model_size, seed=0)
+    tok = make_tokenizer()
+    prompt = tok("weightsync keeps").input_ids
+    batch = [tok(TEXT * 3).input_ids[:96]] * 2
+    launcher.init_ray(num_cpus=2, log_to_driver=False)
+    actors = {
+        "sglang": lambda: launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model),
+        "vllm": lambda: launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model),
+    }
+    handles = {name: actors[name]() for name in engines}
+    trainer = launcher.TrainerGroup("weightsync.apps.worker.DTensorV2WeightSyncWorker",
+                                    model_path=model, lr=2e-3, seed=0)
+    _wait_for_engines(handles)
+    trainer.call("connect", handles)
+    steps: list[dict[str, Any]] = []
+    ok = True
+    table = Table("step", "loss", *[c for n in engines
+                                     for c in (f"{n} ms", "GB/s", "ok", f"{n} continuation")])
+    console = Console()
+    live = Live(table, console=console, auto_refresh=False)
+    if not args.json:
+        live.start()
+    for step in range(1, args.steps + 1):
+        loss = trainer.call("train_step", batch)
+        report = trainer.call("sync", f"step-{step}", verify=True)
+        want = trainer.call("reference_generate", [prompt], max_new_tokens=24)["tokens"][0]
+        row: dict[str, Any] = {"step": step, "loss": loss, "engines": {}}
+        for name, handle in handles.items():
+            got = ray.get(handle.generate.remote([prompt], max_new_tokens=24), timeout=300)
+            verified = bool(report["verify"][name]["verified"])
+            same = got["tokens"][0] == want
+            ok &= verified and same
+            engine_s = report["engines"][name].get("session_s", report["sync_s"])
+            row["engines"][name] = {"verified": verified, "matches_reference": same,
+                                    "sync_s": engine_s, "gbps": report["nbytes"] / engine_s / 1e9,
+                                    "text": _continuation(got["tokens"][0])}
+        steps.append(row)
+        table.add_row(str(step), f"{loss:.3f}", *[c for e in row["engines"].values() for c in (
+            f"{e['sync_s'] * 1e3:.1f}", f"{e['gbps']:.2f}",
+            "yes" if e["verified"] and e["matches_reference"] else "NO", repr(e["text"][:28]))])
+        live.refresh()
+    if not args.json:
+        live.stop()
+        console.line()
+    summary = {"ok": ok, "steps": steps, "reference": _continuation(want)}
+    if args.json:
+        json.dump(summary, sys.stdout, indent=1)
+        print()
+    else:
+        print(f"reference continuation: {summary['reference'][:60]!r}")
+        print("every sync verified and every engine matched the trainer" if ok
+              else "FAILED: a sync did not verify or an engine differed from the trainer")
+    if args.plot:
+        _plot(steps, args.plot)
+    _shutdown(handles)
+    return 0 if ok else 1
+
+
+def _engine_names(spec: str) -> list[str]:
+    engines = [e.strip() for e in spec.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ("sglang", "vllm")]
+    if bad or not engines:
+        raise ValueError(f"--engines {spec!r}: expected a list of sglang, vllm")
+    return engines
+
+
+def _run_grpo(args: argparse.Namespace) -> int:
+    from weightsync.launch import envs, launcher
+    from weightsync.apps.grpo import GrpoConfig, GrpoLoop, Verdict
+    from weightsync.apps.models import make_tiny_model, make_tokenizer
+
+    engines = _engine_names(args.engines)
+    if args.arch not in ("opt", "qwen2"):
+        raise ValueError(f"--arch {args.arch!r}: expected opt or qwen2")
+    if args.arch != "opt" and "sglang" in engines:
+        raise ValueError(f"--arch {args.arch}: SGLang cannot run rope models on a CPU; use "
+                         f"--engines vllm")
+    # Bad options (steps, group size, sampling) fail here, before any engine starts.
+    config = GrpoConfig(steps=24 if args.steps is None else args.steps,
+                        group_size=args.group_size, seed=args.seed)
+    log = logging.getLogger("weightsync.apps.demo")
+    for name in engines:
+        env = "sglang" if name == "sglang" else envs.default_vllm_env()
+        log.info("env %s: %s", env, envs.build(env)["action"])
+    model = make_tiny_model(tempfile.mkdtemp(prefix="weightsync-grpo-"), arch=args.arch,
+                            size=args.model_size, seed=args.seed)
+    tok = make_tokenizer()
+    launcher.init_ray(num_cpus=2, log_to_driver=False)
+    classes = {"sglang": "weightsync.backends.sglang.engine.SglEngineActor",
+               "vllm": "weightsync.backends.vllm.engine.VllmEngineActor"}
+    handles = {name: launcher.launch(classes[name], model) for name in engines}
+    trainer = launcher.TrainerGroup("weightsync.apps.worker.DTensorV2WeightSyncWorker",
+                                    model_path=model, lr=GRPO_LR, seed=args.seed)
+    _wait_for_engines(handles)
+    trainer.call("connect", handles)
+    loop = GrpoLoop(trainer, handles, config, encode=lambda text: tok(text).input_ids,
+                    decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    started = time.perf_counter()
+    first = loop.start()
+    table = Table("step", *[c for n in engines for c in (f"{n} reward", "|dlogp|", "KL",
+                                                         "version", "ok")],
+                  "rollout s", "train s", "sync s", f"sample ({engines[0]})")
+    console = Console()
+    live = Live(table, console=console, auto_refresh=False)
+    if not args.json:
+        live.start()
+    steps: list[dict[str, Any]] = []
+    for step in range(1, config.steps + 1):
+        row = loop.step(step)
+        steps.append(row)
+        es = row["engines"]
+        table.add_row(str(step), *[c for e in es.values() for c in (
+            f"{e['reward']:.3f}", f"{e['mean_abs']:.1e}", f"{e['kl']:.1e}",
+            ",".join(e["versions"]), "yes" if e["verified"] and e["on_version"] else "NO")],
+            f"{row['rollout_s']:.2f}", f"{row['train_s']:.2f}", f"{row['sync_s']:.2f}",
+            repr(es[engines[0]]["sample"][:16]))
+        live.refresh()
+    loop_s = time.perf_counter() - started
+    if not args.json:
+        live.stop()
+        console.line()
+    verdict = Verdict(max_mean_abs=MISMATCH_BOUND[args.arch]).judge(
+        steps, start_verified=first["verified"])
+    summary = {"ok": verdict.ok, "failures": verdict.failures, "arch": args.arch,
+               "engines": engines, "loop_s": loop_s, "mismatch_bound": verdict.max_mean_abs,
+               "first_sync": first, "phases": _phases(steps), "steps": steps}
+    if args.json:
+        json.dump(summary, sys.stdout, indent=1)
+        print()
+    else:
+        for name in engines:
+            rewards = [s["engines"][name]["reward"] for s in steps]
+            worst = max(s["engines"][name]["mean_abs"] for s in steps)
+            print(f"{name}: mean reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; worst mean "
+                  f"|dlogp| {worst:.1e} (bound {verdict.max_mean_abs:.0e})")
+        phases = summary["phases"]
+        print(f"{config.steps} steps in {loop_s:.1f} s; a step after the first (median s, "
+              f"share): " + ", ".join(f"{k} {phases[k + '_s']:.3f} ({phases[k + '_share']:.0%})"
+                                      for k in ("rollout", "train", "sync")))
+        print("every sync verified, every rollout came from the version just synced, the reward "
+              "rose and the mismatch stayed in bound" if verdict.ok else
+              "FAILED: " + "; ".join(verdict.failures))
+    if args.plot:
+        _plot_grpo(steps, args.plot, bound=verdict.max_mean_abs)
+    _shutdown(handles)
+    return 0 if verdict.ok else 1
+
+
+def _phases(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Median seconds of rollout, train and sync over the steps after the first (which includes
+    one-time work: the first one-copy sync, first engine batches), and each one's share of their
+    sum."""
+    later = steps[1:] or steps
+    out = {}
+    for key in ("rollout", "train", "sync"):
+        values = sorted(s[f"{key}_s"] for s in later)
+        out[f"{key}_s"] = values[len(values) // 2]
+    total = sum(out.values())
+    out.update({f"{key}_share": out[f"{key}_s"] / total for key in ("rollout", "train", "sync")})
+    return out
+
+
+def _shutdown(handles: dict[str, Any]) -> None:
+    import ray
+
+    for handle in handles.values():
+        try:
+            ray.get(handle.shutdown.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            pass
+    ray.shutdown()
+    time.sleep(0.1)
+
+
+def _plot_grpo(steps: list[dict[str, Any]], path: str, *, bound: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_reward, ax_gap, ax_time) = plt.subplots(1, 3, figsize=(14, 4))
+    xs = [s["step"] for s in steps]
+    for name in steps[0]["engines"]:
+        ax_reward.plot(xs, [s["engines"][name]["reward"] for s in steps], marker="o", label=name)
+        ax_gap.plot(xs, [s["engines"][name]["mean_abs"] for s in steps], marker="o",
+                    label=f"{name} mean |dlogp|")
+        ax_gap.plot(xs, [max(s["engines"][name]["kl"], 1e-18) for s in steps], marker="x",
+                    linestyle=":", label=f"{name} KL (k3)")
+    ax_gap.axhline(bound, color="red", linestyle="--", label="bound (mean |dlogp|)")
+    ax_gap.set_yscale("log")
+    for key in ("rollout_s", "train_s", "sync_s"):
+        ax_time.plot(xs, [s[key] for s in steps], marker="o", label=key.removesuffix("_s"))
+    ax_reward.set(xlabel="step", ylabel="mean reward", title="reward per engine")
+    ax_gap.set(xlabel="step", ylabel="nats per token", title="sampler vs learner log-probs")
+    ax_time.set(xlabel="step", ylabel="seconds", title="time per step")
+    for ax in (ax_reward, ax_gap, ax_time):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _wait_for_engines(handles: dict[str, Any]) -> None:
+    """Engines take a minute or two to start on a CPU: show each one's state and elapsed time
+    (on stderr) until all answer; an engine that died raises its error here."""
+    import ray
+
+    start = time.monotonic()
+    pending = {name: handle.weight_version.remote() for name, handle in handles.items()}
+    ready: dict[str, float] = {}
+
+    def status() -> Text:
+        now = time.monotonic() - start
+        return Text("  ".join(f"{n}: ready after {ready[n]:.0f} s" if n in ready
+                              else f"{n}: starting, {now:.0f} s" for n in handles))
+
+    with Live(status(), console=Console(stderr=True), refresh_per_second=2) as live:
+        while pending:
+            done, _ = ray.wait(list(pending.values()), timeout=0.5)
+            for name, ref in list(pending.items()):
+                if ref in done:
+                    ray.get(ref)
+                    ready[name] = time.monotonic() - start
+                    del pending[name]
+            live.update(status())
+
+
+def _plot(steps: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_sync) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [s["step"] for s in steps]
+    ax_loss.plot(xs, [s["loss"] for s in steps], marker="o")
+    ax_loss.set(xlabel="step", ylabel="training loss", title="loss")
+    for name in steps[0]["engines"]:
+        ax_sync.plot(xs, [s["engines"][name]["sync_s"] * 1e3 for s in steps], marker="o",
+                     label=name)
+    ax_sync.set(xlabel="step", ylabel="sync ms", title="sync time per engine")
+    ax_sync.legend()
+    fig.tight_layout()
+    fig.savefig(path)

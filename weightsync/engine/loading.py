@@ -1,0 +1,176 @@
+"""Loading buckets, inside an engine's model process: transport bytes in, the engine's loader out.
+
+Each bucket is checked against what the refit check accepted before any byte is read (a refusal
+is `BucketRejected`: nothing was written), mapped as views through its transport, and handed to
+the engine's own loader, so fused QKV, transposed Conv1D and tied heads stay the engine's
+business.
+
+Plain copies in one call, for receivers whose load function hands each tensor to its parameter
+under the same name (`plain_copies`: the reference `ModuleWeightReceiver`; never an engine, whose
+`load_weights` may rename, stack or transpose before any parameter loader runs): a tensor that
+lands in exactly one parameter of its own shape and dtype, which has no loader of its own and
+whose default loader is `copy_loader`, is copied together with the bucket's other such tensors
+below 4 MiB in one `torch._foreach_copy_` (a few fused kernels on a GPU), larger ones each in one
+`copy_`, not one loader call each. Everything else goes through the load function. A bucket the
+transport replays (CUDA IPC: the same views as last time) reuses the copy lists it was split into
+the first time it was replayed. On a GPU those lists are also coalesced: consecutive plain copies
+whose sources lie back to back in one allocation and whose parameters lie back to back in one
+allocation become one byte copy (a trainer's and an engine's parameters allocated in the same
+order: a few copies at the copy rate instead of one kernel slice per tensor), captured once into
+a CUDA graph (weightsync/gpu/copies.py). A replayed load then costs a pointer comparison per parameter (a
+parameter whose memory moved rebuilds the lists and the graph) and one graph launch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from weightsync.gpu import copies
+from weightsync.wire.errors import BucketRejected
+from weightsync.gpu.copies import capture, coalesce, issue
+from weightsync.engine.refit import copy_loader
+from weightsync.transports import ReceiverTransport, make_receiver
+
+if TYPE_CHECKING:
+    from weightsync.engine.refit import LoadFn, RefitCheck
+    from weightsync.wire.specs import BucketDescriptor
+
+
+
+class BucketLoader:
+    """Receives one model replica's buckets through their transports (one receiving transport
+    per kind, kept open across syncs) and loads them through the engine's loader."""
+
+    def __init__(self, refit: RefitCheck, *, load_fn: LoadFn, name: str = "engine",
+                 plain_copies: bool = False) -> None:
+        self.refit = refit
+        self.load_fn = load_fn
+        self.name = name
+        self._transports: dict[str, ReceiverTransport] = {}
+        self.plain_copies = plain_copies  # see the module doc
+        self._params: dict[str, torch.nn.Parameter] | None = None
+        self._plain: dict[str, torch.nn.Parameter | None] = {}  # tensor -> parameter
+        self._replayed: tuple[int, list] | None = None  # (bucket, views) `receive` replayed
+        # bucket index -> (its replayed views, big copies [(dst, src)], small copies
+        # [(dsts, srcs)], the rest, the parameters copied into, their data pointers then)
+        self._copy_lists: dict[int, tuple] = {}
+
+    def transport(self, kind: str) -> ReceiverTransport:
+        """The receiving transport for handles of `kind`, made on first use."""
+        transport = self._transports.get(kind)
+        if transport is None:
+            transport = self._transports[kind] = make_receiver(kind)
+        return transport
+
+    def check_descriptor(self, descriptor: BucketDescriptor) -> None:
+        """Every tensor of the bucket was accepted by the refit check, with the same dtype and
+        shape."""
+        accepted = self.refit.accepted
+        if not accepted:
+            raise BucketRejected(f"{self.name}: load before check_refit; call check_refit first")
+        for meta in descriptor.tensors:
+            spec = accepted.get(meta.name)
+            if spec is None:
+                raise BucketRejected(f"{self.name}: bucket {descriptor.index} carries "
+                                     f"{meta.name!r}, which refit info did not announce")
+            if spec.shape != meta.shape or spec.dtype != meta.dtype:
+                raise BucketRejected(
+                    f"{self.name}: tensor {meta.name!r}: bucket has {meta.dtype} {meta.shape}, "
+                    f"refit info announced {spec.dtype} {spec.shape}"
+                )
+
+    def receive(self, descriptor: BucketDescriptor) -> list[tuple[str, torch.Tensor]]:
+        """Views of one bucket's tensors, after checking them against refit info."""
+        self.check_descriptor(descriptor)
+        views = self.transport(descriptor.handle["kind"]).receive_tensors(descriptor)
+        self._replayed = None
+        if descriptor.handle.get("same"):
+            self._replayed = (descriptor.index, views)
+        else:
+            self._copy_lists.pop(descriptor.index, None)  # its views changed
+        return views
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Into the live parameters: plain copies together, the rest through the engine's
+        loaders (module doc)."""
+        if not self.plain_copies:
+            self.load_fn(iter(named_tensors))
+            return
+        replayed = self._replayed if self._replayed and self._replayed[1] is named_tensors \
+            else None
+        lists = self._copy_lists.get(replayed[0]) if replayed else None
+        if lists is not None and (lists[0] is not named_tensors
+                                  or list(map(_data_ptr, lists[4])) != lists[5]):
+            lists = None  # new views, or a parameter's memory moved
+        if lists is None:
+            big, params, srcs, rest, plain = self._split(named_tensors)
+            if replayed and plain and plain[0][1].is_cuda:  # kept while replayed: coalesce
+                targets = [p for p, _ in plain]
+                big, small = coalesce(plain)
+                if copies.GRAPHS:  # the copies captured once, then one launch per load
+                    big, small = [(capture(big, small, plain[0][1].device), None)], []
+                lists = (named_tensors, big, small, rest, targets, list(map(_data_ptr, targets)))
+                self._copy_lists[replayed[0]] = lists
+            else:
+                big = [(param.data, tensor) for param, tensor in big]
+                lists = (named_tensors, big, [([p.data for p in params], srcs)], rest)
+                if replayed:
+                    targets = [p for p, _ in plain]
+                    self._copy_lists[replayed[0]] = (*lists, targets,
+                                                     list(map(_data_ptr, targets)))
+        _, big, small, rest = lists[:4]
+        issue(big, small)
+        if rest:
+            self.load_fn(iter(rest))
+
+    def _split(self, named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[list, ...]:
+        """(big plain copies, small plain copies' parameters, their sources, the rest, every
+        plain copy as (parameter, source) in bucket order)."""
+        big, params, srcs, rest, plain = [], [], [], [], []
+        for name, tensor in named_tensors:
+            param = self._plain_target(name, tensor)
+            if param is None:
+                rest.append((name, tensor))
+                continue
+            plain.append((param, tensor))
+            if tensor.numel() * tensor.element_size() >= copies.ONE_COPY_BYTES:
+                big.append((param, tensor))
+            else:
+                params.append(param)
+                srcs.append(tensor)
+        return big, params, srcs, rest, plain
+
+    def _plain_target(self, name: str, tensor: torch.Tensor) -> torch.nn.Parameter | None:
+        """The parameter `tensor` is copied into whole by a plain loader, or None. Which
+        parameter and loader is decided once per name, after the refit check (or the first
+        load) mapped it; shape, dtype and device are checked on every call."""
+        param = self._plain.get(name, False)
+        if param is False:
+            targets = self.refit.param_of.get(name)
+            if targets is None:  # not mapped yet (an engine that learns it while loading)
+                return None
+            if self._params is None:
+                self._params = dict(self.refit.model.named_parameters())
+            param = self._params.get(targets[0]) if len(targets) == 1 else None
+            if param is not None and (getattr(param, "weight_loader", None) is not None
+                                      or self.refit.default_loader is not copy_loader):
+                param = None
+            self._plain[name] = param
+        if param is None or param.shape != tensor.shape or param.dtype != tensor.dtype \
+                or param.device != tensor.device:
+            return None
+        return param
+
+    def release(self, descriptor: BucketDescriptor) -> None:
+        """The bucket is loaded: its transport may hand the bytes back to the sender."""
+        self.transport(descriptor.handle["kind"]).release(descriptor.handle)
+
+    def close(self) -> None:
+        for transport in self._transports.values():
+            transport.close()
+        self._transports.clear()
+
+
+_data_ptr = torch.Tensor.data_ptr

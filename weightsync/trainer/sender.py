@@ -1,0 +1,285 @@
+"""The sender: streams a model's tensors through buckets into one or more engines.
+
+Runs on the sending rank of the trainer (rank 0); the other ranks only take part in gathering.
+One sync, for every engine at once:
+  begin(version) -> for each bucket: fill a transport slot, load_bucket(descriptor) -> end(version)
+With two slots the trainer gathers and packs bucket i+1 while the engines load bucket i; a slot
+is reused only after every engine has finished loading what it held. Any failure aborts the
+session on every engine (they keep their previous version tag) and is raised, naming the engine.
+Every engine's answer becomes its weightsync/wire/protocol.py class where it arrives
+(weightsync/trainer/endpoint.py's `EngineCalls`); what verification compares is weightsync/trainer/verify.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from weightsync.wire.bucket import (
+    BucketPlan,
+    check_stream_end,
+    fill_buckets,
+    plan_buckets,
+    take_bucket,
+    tensor_view,
+)
+from weightsync.trainer.endpoint import Call, Endpoint, EngineCalls, EngineState
+from weightsync.wire.fingerprint import Fingerprint
+from weightsync.wire.protocol import (
+    BeginAnswer,
+    EndReport,
+    EngineSyncReport,
+    LoadReport,
+    RefitAnswer,
+    SyncReport,
+    from_wire,
+)
+from weightsync.transports import SenderTransport
+from weightsync.trainer.verify import SentPrints, Verifier
+from weightsync.wire.specs import BucketDescriptor, TensorSpec, specs_to_dicts
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class WeightSender:
+    """Plans buckets once from refit info, then runs syncs into registered engines."""
+
+    def __init__(self, specs: list[TensorSpec], *, transport: SenderTransport | None,
+                 capacity_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """`transport` may be set later (`self.transport = ...`), e.g. once the engines are
+        known, as a collective transport needs their number."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s}: must be positive")
+        self.specs = specs
+        self.nbytes = sum(s.nbytes for s in specs)
+        self.plans: list[BucketPlan] = plan_buckets(specs, capacity_bytes=capacity_bytes)
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.engines: dict[str, EngineState] = {}
+        self.calls = EngineCalls(self.engines, timeout_s=timeout_s)
+        self.verifier = Verifier(self.calls, specs)
+        self._last_names: list[str] = []
+        self.num_syncs = 0
+
+
+    def add_engine(self, endpoint: Endpoint, *, timeout_s: float | None = None) -> RefitAnswer:
+        """Check refit info with the engine (nothing is written) and remember it.
+
+        `timeout_s` bounds this first call, which also waits for an engine still starting."""
+        if endpoint.name in self.engines:
+            raise ValueError(f"engine {endpoint.name!r} is registered already")
+        answer = from_wire("check_refit", endpoint.call(
+            "check_refit", specs_to_dicts(self.specs), timeout_s=timeout_s or self.timeout_s))
+        self.engines[endpoint.name] = EngineState(endpoint=endpoint, param_of=answer.param_of)
+        if self.transport is not None:
+            self.transport.forget_replays()  # the new engine holds none of them
+        return answer
+
+    def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """`method(*args)` on engine `name`; its answer as `EngineCalls.wait_all` gives it."""
+        return self.calls.call(name, method, *args, timeout_s=timeout_s)
+
+    def _wait_loads(self, calls: list[Call], load_s: dict[str, float]) -> None:
+        """Wait for `load_bucket` calls, adding each engine's loading seconds to `load_s`."""
+        reports: list[LoadReport] = self.calls.wait_all(calls)
+        for (name, _, _), report in zip(calls, reports):
+            load_s[name] = load_s.get(name, 0.0) + report.seconds
+
+    def sync(self, tensors: Iterator[tuple[str, torch.Tensor]] | None, *, version: str,
+             engines: list[str] | None = None, verify: bool = False,
+             write_bucket: Callable[[BucketPlan, int, torch.Tensor], None] | None = None,
+             ) -> SyncReport:
+        """Send every tensor of `tensors` (in refit-info order) to `engines` (default: all).
+
+        Instead of `tensors`, `write_bucket(plan, slot, buffer)` may fill each bucket itself
+        (the trainer's ranks writing their own shards into shared memory)."""
+        if self.transport is None:
+            raise ValueError("sync without a transport; set WeightSender.transport first")
+        names = list(self.engines) if engines is None else list(engines)
+        unknown = [n for n in names if n not in self.engines]
+        if unknown:
+            raise ValueError(f"unknown engine(s) {unknown}; registered: {list(self.engines)}")
+        num_slots = self.transport.num_slots
+        if names != self._last_names:  # some receiver missed earlier syncs' descriptions
+            self.transport.forget_replays()
+        self._last_names = names
+        # Transports that can pass the tensors themselves (CUDA IPC) take them in `attach`.
+        attach = self.transport.attach if (self.transport.takes_tensors
+                                           and write_bucket is None) else None
+        in_flight: dict[int, list[Call]] = {}
+        sent = SentPrints(self.engines, names, self.verifier.specs) if verify else None
+        load_s: dict[str, float] = {}
+        start = time.perf_counter()
+        self.calls.call_all("begin", version, names=names)
+        try:
+
+            def wait_slot(plan: BucketPlan) -> int:
+                slot = plan.index % num_slots
+                self._wait_loads(in_flight.pop(slot, []), load_s)
+                return slot
+
+            def get_buffer(plan: BucketPlan) -> torch.Tensor:
+                return self.transport.buffer(wait_slot(plan), plan.nbytes)
+
+            if write_bucket is not None:
+                filled = _write_each(self.plans, get_buffer, write_bucket, num_slots)
+            elif attach is not None:
+                filled = _attach_each(self.plans, tensors, wait_slot, attach,
+                                      sent.add if sent else None)
+            else:
+                filled = fill_buckets(self.plans, tensors, get_buffer)
+            for plan in filled:
+                slot = plan.index % num_slots
+                handle = self.transport.handle(slot)
+                descriptor = (BucketDescriptor(index=plan.index, nbytes=plan.nbytes, tensors=[],
+                                               handle=handle) if handle.get("same")
+                              else plan.descriptor(handle)).to_dict()
+                in_flight[slot] = [self.calls.submit(n, "load_bucket", descriptor) for n in names]
+                self.transport.send(slot, plan.nbytes)
+                if sent and attach is None:
+                    buffer = self.transport.buffer(slot, plan.nbytes)
+                    sent.add([meta.name for meta in plan.tensors],
+                             [tensor_view(buffer, meta) for meta in plan.tensors])
+            for slot in list(in_flight):
+                self._wait_loads(in_flight.pop(slot), load_s)
+            checked = None
+            if sent:  # stage, verify, then commit: nothing failed is ever adopted
+                staged = self.calls.call_all("stage", version, names=names)
+                checked = self.verifier.check_staged(
+                    dict(zip(names, staged)), sent.result(), version=version,
+                    worker_sent=sent.worker_results())
+            ends: list[EndReport] = self.calls.call_all("end", version, names=names)
+            for name, end in zip(names, ends):
+                # Engines that learn the tensor -> parameter map while loading report it here.
+                if end.param_of is not None:
+                    self.engines[name].param_of = end.param_of
+                if end.placements is not None:
+                    self.engines[name].placements = end.placements
+        except BaseException as exc:
+            self.transport.forget_replays()
+            self.calls.abort(names, f"{type(exc).__name__}: {exc}")
+            raise
+        sync_s = time.perf_counter() - start
+        self.num_syncs += 1
+        if checked is not None:  # the sync proper leaves out the checking
+            sync_s -= checked["verify_s"]
+        return SyncReport(
+            version=version, path="buckets", nbytes=self.nbytes, num_buckets=len(self.plans),
+            sync_s=sync_s, verify=checked,
+            engines={n: EngineSyncReport.of(e, path="buckets", load_s=load_s.get(n, 0.0))
+                     for n, e in zip(names, ends)})
+
+
+    def sync_direct(self, write: Callable[[list[str], list[str]], dict[str, Any] | None], *,
+                    version: str, engines: list[str], verify: bool = False,
+                    sharing: dict[str, list[str]] | None = None,
+                    ) -> tuple[SyncReport | None, list[str]]:
+        """The one-copy path (weightsync/trainer/one_copy/targets.py) into engines whose parameters are shared.
+
+        begin(version, direct=...) on each: the sharings the trainer holds mapped for it
+        (`sharing[name]`: its workers' segment names or CUDA export owners; an engine shared
+        otherwise now answers why not and takes buckets), or True where `sharing` names none;
+        then `write(direct, fallback)` has every trainer
+        rank write its shards into the direct engines' parameters and returns, when verifying,
+        {"pieces": how many were written, "mismatched": names whose bytes read back differed};
+        a difference aborts the update and raises; then end, where each engine confirms its
+        parameters still are the bytes written (see weightsync/trainer/one_copy/targets.py). `write` is called
+        even when no engine can take the path, so the trainer's ranks stay in step. Returns the
+        report (None without direct engines) and the engines to sync by buckets instead (their
+        parameters are no longer shared)."""
+        start = time.perf_counter()
+        direct: list[str] = []
+        failure: BaseException | None = None
+        phases: dict[str, float] = {}
+        try:
+            sharing = sharing or {}
+            answers: list[BeginAnswer] = self.calls.wait_all(
+                [self.calls.submit(n, "begin", version, sharing.get(n, True)) for n in engines])
+            phases["begin"] = time.perf_counter() - start
+            for name, answer in zip(engines, answers):
+                if answer.direct:
+                    direct.append(name)
+                else:
+                    logger.info("engine %r takes buckets this sync: %s", name, answer.why)
+        except BaseException as exc:
+            failure, direct = exc, []
+            self.calls.abort(engines, f"{type(exc).__name__}: {exc}")
+        fallback = [n for n in engines if n not in direct] if failure is None else []
+        checked: dict[str, Any] | None = None
+        try:
+            written = write(direct, fallback) or {}
+            if failure is not None:
+                raise failure
+            written_s = time.perf_counter() - start
+            phases["write"] = written_s - phases["begin"]
+            if direct and verify:
+                # Checked before `end`: an engine whose bytes differ is aborted, never served.
+                checked = self.verifier.check_direct(written, engines=direct, version=version)
+            ends: list[EndReport] = (self.calls.call_all("end", version, names=direct) if direct
+                                     else [])
+        except BaseException as exc:
+            if failure is None:
+                self.calls.abort(direct, f"{type(exc).__name__}: {exc}")
+            raise
+        if not direct:
+            return None, fallback
+        sync_s = time.perf_counter() - start
+        self.num_syncs += 1
+        if checked is not None:  # the sync proper ends where checking began
+            sync_s -= checked["verify_s"]
+        phases["end"] = sync_s - written_s
+        report = SyncReport(
+            version=version, path="direct", nbytes=self.nbytes, num_buckets=0, sync_s=sync_s,
+            phases_s=phases, bytes_written=int(written.get("bytes", 0)), verify=checked,
+            engines={n: EngineSyncReport.of(e, path="direct") for n, e in zip(direct, ends)})
+        return report, fallback
+
+    def verify_direct(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
+        """The ranks' read-back comparison of the bytes (each engine's `end` then confirms its
+        parameters still are those bytes, or fails)."""
+        return self.verifier.verify_direct(written, engines=engines)
+
+    def verify(self, sent: dict[str, Fingerprint], *, engines: list[str],
+               worker_sent: dict[str, list[dict[str, Fingerprint]]] | None = None,
+               ) -> dict[str, Any]:
+        """Compare the engines' parameter fingerprints with what was sent (`sent`: trainer
+        tensor -> fingerprint). A tensor-parallel engine is compared worker by worker with
+        `worker_sent[engine]` (per worker, parameter -> fingerprint of the slices it holds,
+        `placement.WorkerPrints`); without it its result is {"verified": None, "pending":
+        True}: the caller computes it from the tensors and verifies again."""
+        return self.verifier.verify(sent, engines=engines, worker_sent=worker_sent)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _write_each(plans: list[BucketPlan], get_buffer: Callable[[BucketPlan], torch.Tensor],
+                write_bucket: Callable[[BucketPlan, int, torch.Tensor], None],
+                num_slots: int) -> Iterator[BucketPlan]:
+    for plan in plans:
+        write_bucket(plan, plan.index % num_slots, get_buffer(plan))
+        yield plan
+
+
+def _attach_each(plans: list[BucketPlan], tensors: Iterator[tuple[str, torch.Tensor]],
+                 wait_slot: Callable[[BucketPlan], int],
+                 attach: Callable[[int, BucketPlan, list[torch.Tensor]], None],
+                 record: Callable[[list[str], list[torch.Tensor]], None] | None,
+                 ) -> Iterator[BucketPlan]:
+    """Hand each bucket's tensors to the transport's `attach(slot, plan, tensors)`, which
+    passes them in place (no copy into a bucket); `record` takes each for verification."""
+    for plan in plans:
+        slot = wait_slot(plan)
+        bucket = take_bucket(plan, tensors)
+        attach(slot, plan, bucket)
+        if record is not None:
+            record([meta.name for meta in plan.tensors], bucket)
+        yield plan
+    check_stream_end(tensors)

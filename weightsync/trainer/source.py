@@ -1,0 +1,454 @@
+"""The DTensor v2 source: full, HF-named tensors out of a model whose parameters are DTensors.
+
+"DTensor v2" is the layout nemo-automodel builds: FSDP2 (`fully_shard`) and/or tensor parallel
+DTensor parameters, with an optional `state_dict_adapter` whose `to_hf()` maps the training
+state dict to Hugging Face names. The source gathers one tensor at a time (`full_tensor()`), so no
+rank ever holds more than one full tensor beyond the model itself. Gathering is a collective:
+every rank of the trainer group iterates `tensors()` in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from weightsync.wire.specs import TensorSpec, dtype_from_str, dtype_to_str
+
+if TYPE_CHECKING:
+    from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """alias name -> primary name, for parameters registered under more than one name.
+
+    GPT-2 and OPT tie `lm_head.weight` to the token embedding: the engines tie them the same way
+    and load only the embedding, so the alias is not sent (a differing lm_head would be ignored
+    by the engine and leave trainer and engine silently apart).
+    """
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        primary = first.setdefault(id(param), name)
+        if primary != name:
+            aliases[name] = primary
+    return aliases
+
+
+def _global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple(tensor.shape)  # a DTensor's shape is already the global one
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else tensor
+
+
+class CheckpointFormat:
+    """The tensors that transformers stores differently in a model and in its checkpoints.
+
+    transformers 5 builds some modules from several checkpoint tensors and splits them again
+    in `save_pretrained` (`revert_weight_conversion`): a MoE layer's experts are two grouped
+    parameters, `mlp.experts.gate_up_proj` (experts, 2 * ffn, hidden) and
+    `mlp.experts.down_proj` (experts, hidden, ffn), which a checkpoint, and so an engine's
+    loader, holds per expert: `mlp.experts.{e}.gate_proj.weight`, `.up_proj.weight`,
+    `.down_proj.weight`. Engines receive what `save_pretrained` would write.
+
+    `layouts`: native name -> {checkpoint name: "meta" tensor of its shape}, for the native
+    tensors that convert (the others go as they are). `runs(name)`: where each checkpoint
+    tensor lies in the native one, as the first element of one contiguous run (row-major), or
+    None where it is not one run; the expert split is one run per checkpoint tensor, so a rank
+    holding a dim-0 shard of the grouped tensor writes the experts it holds itself.
+    """
+
+    def __init__(self, model: nn.Module, native: dict[str, torch.Tensor]) -> None:
+        self.model = model
+        self.layouts: dict[str, dict[str, torch.Tensor]] = {}
+        self._runs: dict[tuple[str, tuple[int, ...]], list[int | None]] = {}
+        self._revert = _transformers_revert(model)
+        if self._revert is None:
+            return
+        meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                for name, t in native.items()}
+        whole = self._revert(model, dict(meta))
+        changed = [name for name, t in meta.items()
+                   if name not in whole or tuple(whole[name].shape) != tuple(t.shape)]
+        made: set[str] = set()
+        for name in changed:
+            layout = self._revert(model, {name: meta[name]})
+            if not set(layout) <= set(whole) or set(layout) & made:
+                raise ValueError(
+                    f"tensor {name!r}: transformers converts it to checkpoint tensors "
+                    f"{sorted(layout)[:4]} only together with other tensors; give the model a "
+                    f"state_dict_adapter whose to_hf() maps each tensor on its own")
+            made |= set(layout)
+            self.layouts[name] = layout
+
+    def to_checkpoint(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors of the full native tensor `name`."""
+        return self._revert(self.model, {name: tensor})
+
+    def runs(self, name: str, shape: tuple[int, ...]) -> list[int | None]:
+        """Each checkpoint tensor of `name` (in `layouts[name]` order): the index of its first
+        element in the flattened native tensor when it is one contiguous run of it, else None.
+        Learned once per layout (layers share one) by converting a tensor whose every element
+        holds its own index."""
+        key = (re.sub(r"\d+", "#", name), shape)
+        runs = self._runs.get(key)
+        if runs is None:
+            numel = math.prod(shape)
+            index_dtype = torch.int32 if numel < 2**31 else torch.int64
+            probe = torch.arange(numel, dtype=index_dtype).view(shape)
+            runs = []
+            for out in self.to_checkpoint(name, probe).values():
+                flat = out.reshape(-1)
+                start = int(flat[0]) if flat.numel() else 0
+                expected = torch.arange(start, start + flat.numel(), dtype=index_dtype)
+                runs.append(start if torch.equal(flat, expected) else None)
+            self._runs[key] = runs
+        return runs
+
+
+def _transformers_revert(model: nn.Module):
+    """transformers' `revert_weight_conversion(model, state_dict)` when `model` is a
+    transformers model with tensors to convert, else None."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4.x keeps checkpoint layouts in its modules
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    if getattr(model, "_weight_conversions", None) is None and \
+            not get_model_conversion_mapping(model, add_legacy=False):
+        return None
+    return revert_weight_conversion
+
+
+class DTensorV2Source:
+    """Names, specs and gathered tensors of a (possibly sharded) model, in HF naming.
+
+    `dtype`: convert floating-point tensors to this dtype ("bfloat16", ...) on the way out;
+    None sends each tensor in its training dtype.
+    """
+
+    def __init__(self, model: nn.Module, *, dtype: str | None = None) -> None:
+        self.model = model
+        self.dtype = dtype_from_str(dtype) if dtype is not None else None
+        self.aliases = tied_aliases(model)
+        adapter = getattr(model, "state_dict_adapter", None)
+        self.adapter = adapter if hasattr(adapter, "to_hf") else None
+        from torch.distributed.fsdp import FSDPModule
+
+        self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        # Without an adapter, the tensors transformers converts between its modules and its
+        # checkpoints (grouped experts) are sent as the checkpoint holds them.
+        self.checkpoint_format = (CheckpointFormat(model, self._native())
+                                  if self.adapter is None else None)
+
+    def _native(self) -> dict[str, torch.Tensor]:
+        """The model's own state dict (training names), tied aliases left out.
+
+        A forward that no backward followed (a no-grad pass for log-probs, an eval) leaves some
+        FSDP2 units unsharded: the root always, and with nemo-automodel the last layer and the
+        output head. Their parameters are then plain tensors in the compute dtype, so each unit
+        is resharded first (local, no communication; never call this between a forward and
+        its backward)."""
+        self.reshard()
+        # The parameters themselves (no DTensor detach per tensor, ~8 us each); readers only
+        # read, without autograd (`detach` or `torch.no_grad` where they compute).
+        state = self.model.state_dict(keep_vars=True)
+        for alias in self.aliases:
+            state.pop(alias, None)
+        return state
+
+    def reshard(self) -> None:
+        """Put every FSDP2 unit back in its sharded state (local, no communication)."""
+        for module in self._fsdp_modules:
+            module.reshard()
+
+    def converts(self, name: str) -> bool:
+        """Whether native tensor `name` reaches the engines renamed or split."""
+        if self.adapter is not None:
+            return True
+        return self.checkpoint_format is not None and name in self.checkpoint_format.layouts
+
+    def _to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The HF tensors of one native tensor, which must be full (or on "meta"): given a
+        grouped-expert DTensor sharded on the expert dim, nemo-automodel's MoE adapters return
+        only this rank's experts (rank 0 of 2 would send experts 0-3 of 8)."""
+        if self.adapter is not None:
+            return self.adapter.to_hf({name: tensor})
+        if self.converts(name):
+            return self.checkpoint_format.to_checkpoint(name, tensor)
+        return {name: tensor}
+
+    def _hf_layout(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What `_to_hf` makes of `tensor`, as "meta" tensors of the global shape."""
+        if self.adapter is not None:
+            return self._to_hf(name, torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                 device="meta"))
+        if self.converts(name):
+            return self.checkpoint_format.layouts[name]
+        return {name: tensor}
+
+    def _out_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        if self.dtype is not None and tensor.dtype.is_floating_point:
+            return self.dtype
+        return tensor.dtype
+
+    def specs(self) -> list[TensorSpec]:
+        """What `tensors()` will yield, without gathering anything."""
+        return [
+            TensorSpec(name=hf_name, dtype=dtype_to_str(self._out_dtype(t)), shape=_global_shape(t))
+            for name, native in self._native().items()
+            for hf_name, t in self._hf_layout(name, native).items()
+        ]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) pairs, gathered one native tensor at a time. Collective: all
+        ranks call."""
+        for name, native in self._native().items():
+            for hf_name, full in self._to_hf(name, _full(native.detach())).items():
+                out_dtype = self._out_dtype(full)
+                if full.dtype != out_dtype:
+                    full = full.to(out_dtype)
+                yield hf_name, full.contiguous()
+
+
+def init_trainer_group(*, rank: int, world_size: int, master_addr: str, master_port: int,
+                       timeout_s: float = 300.0, rank0_hosts_store: bool = True,
+                       device: str | None = None) -> str:
+    """Join the trainer's process group (gloo on CPU, NCCL on GPU); returns the device type.
+
+    `device`: "cpu" (gloo) or "cuda" (NCCL, one GPU a rank); default "cuda" where a GPU is
+    visible. A CPU trainer on a machine with GPUs passes "cpu".
+
+    The group meets at a TCPStore on (`master_addr`, `master_port`). With `rank0_hosts_store`,
+    rank 0 hosts it there; otherwise it already runs (the driver's `TrainerGroup` hosts it, on a
+    port the kernel chose: `weightsync.transports.rendezvous.host_store`) and every rank joins it. Either
+    way the store listens on `master_addr` only, and this process's gloo groups on the
+    interface that reaches it (GLOO_SOCKET_IFNAME, unless set)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from weightsync.transports.rendezvous import host_store, use_gloo_interface_for
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: pass 'cpu' (gloo) or 'cuda' (NCCL), or None for "
+                         f"'cuda' where a GPU is visible")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no GPU is visible here; pass device='cpu' (gloo)")
+    if not dist.is_initialized():
+        if rank0_hosts_store and master_port == 0:
+            raise ValueError("master_port=0 with rank0_hosts_store=True: the other ranks cannot "
+                             "learn the port; host the store first (weightsync.transports.rendezvous."
+                             "host_store) and pass its port with rank0_hosts_store=False")
+        use_gloo_interface_for(master_addr)
+        if rank == 0 and rank0_hosts_store:
+            store = host_store(master_addr, port=master_port, timeout_s=timeout_s,
+                               world_size=world_size)
+        else:
+            store = dist.TCPStore(master_addr, master_port, world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo", store=store, rank=rank,
+            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    return device
+
+
+def close_trainer_group() -> None:
+    """Leave every process group of this rank (`weightsync.trainer.sync_group.leave_group`, in
+    group-name order; not those a failed sync abandoned), so ranks that share several groups meet in each in the same order), then
+    destroy them all. All ranks call it, after their last collective."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    from weightsync.trainer.sync_group import abandoned, leave_group
+
+    if not dist.is_initialized():
+        return
+    for group in sorted(_world.pg_names, key=_world.pg_names.__getitem__):
+        if not abandoned(group):  # left out of step by a failed sync: no collective there
+            leave_group(group)
+    dist.destroy_process_group()
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The outermost modules whose class names a transformer block ("...Block",
+    "...DecoderLayer"), in module order. A block nested in one of them (a MoE layer's
+    "Qwen3MoeSparseMoeBlock") is not a block of its own: its parameters are its layer's."""
+    blocks: list[nn.Module] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in taken):
+            continue
+        if type(module).__name__.endswith(("Block", "DecoderLayer")):
+            blocks.append(module)
+            taken.append(name + ".")
+    return blocks
+
+
+def shard_model(model: nn.Module, *, device: str = "cpu") -> nn.Module:
+    """FSDP2-shard `model` over all ranks the way nemo-automodel does: each transformer block,
+    then the root. Parameters become DTensors sharded on dim 0 (a MoE layer's grouped expert
+    tensors, (experts, rows, cols), on the expert dim)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    model.to(device)
+    # Outermost blocks only: fully_shard of a module nested in a sharded block would take its
+    # parameters, already DTensors, for tensor-parallel ones and fail in
+    # DeviceMesh._concatenate (the 1-D mesh has no dim names).
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _dim0_sharded(tensor: torch.Tensor) -> bool:
+    placements = getattr(tensor, "placements", None)
+    if placements is None or tensor.device_mesh.ndim != 1:
+        return False
+    from torch.distributed.tensor import Shard
+
+    return isinstance(placements[0], Shard) and placements[0].dim == 0
+
+
+def _replicated(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import Replicate
+
+    placements = getattr(tensor, "placements", None)
+    return placements is not None and all(isinstance(p, Replicate) for p in placements)
+
+
+class Piece(NamedTuple):
+    """One rank's part of one engine tensor, before conversion to the dtype the engines get."""
+
+    name: str
+    src: torch.Tensor | None  # None: another rank writes this one (or it is empty here)
+    offset: int  # byte offset of `src`'s bytes inside the full engine tensor
+    dtype: torch.dtype  # the dtype the engines receive
+    static: bool  # `src` is a view of the parameter's own storage (not gathered per sync)
+
+    def data(self) -> torch.Tensor | None:
+        return None if self.src is None else self.src.to(self.dtype).contiguous()
+
+
+class ShardPieces:
+    """Each rank's own part of every tensor, with its byte offset inside the full tensor.
+
+    FSDP2 shards along dim 0, so a rank's shard is one contiguous byte range of the full
+    (row-major) tensor: ranks can write their shards straight into a shared bucket, with no
+    all-gather. Tensors sharded otherwise (tensor parallel) are gathered and written by rank 0.
+    Yields (name, data or None, byte offset); every rank iterates in the same order.
+    """
+
+    def __init__(self, source: DTensorV2Source, *, rank: int) -> None:
+        self.source = source
+        self.rank = rank
+
+    def _offset(self, name: str, tensor: torch.Tensor, out_dtype: torch.dtype) -> int:
+        """Byte offset of this rank's shard in the full tensor; the DTensor placement math
+        costs ~40 us a tensor, so it is done once per layout and kept on the source."""
+        cache = self.source.__dict__.setdefault("_shard_offsets", {})
+        key = (name, tuple(tensor.shape), tuple(tensor.placements), out_dtype)
+        offset = cache.get(key)
+        if offset is None:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            _, start = compute_local_shape_and_global_offset(
+                tensor.shape, tensor.device_mesh, tensor.placements)
+            offset = cache[key] = start[0] * math.prod(tensor.shape[1:]) * out_dtype.itemsize
+        return offset
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None, int]]:
+        for name, tensor in self.source._native().items():
+            with torch.no_grad():  # `_native` gives the parameters themselves
+                pieces = [(p.name, p.data(), p.offset) for p in self.pieces(name, tensor)]
+            yield from pieces
+
+    def gathers(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether `pieces(name, tensor)` gathers the tensor (a collective; its pieces are then
+        made afresh every sync). Depends only on the layout, so it is the same on every rank."""
+        layout = self._split_layout(name, tensor)
+        if layout is not None:
+            return not self._runs_held(name, tensor)
+        return not (_dim0_sharded(tensor) or _replicated(tensor)
+                    or not hasattr(tensor, "placements"))
+
+    def _split_layout(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The engine tensors of a native tensor that reaches the engines renamed or split."""
+        if self.source.converts(name):
+            layout = self.source._hf_layout(name, tensor)
+            if list(layout) != [name] or layout[name].shape != tensor.shape:
+                return layout
+        return None
+
+    def _runs_held(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether each engine tensor of split tensor `name` is a contiguous run of it that the
+        ranks write from their dim-0 shards (grouped experts)."""
+        source = self.source
+        if source.adapter is not None or not _dim0_sharded(tensor):
+            return False
+        return None not in source.checkpoint_format.runs(name, tuple(tensor.shape))
+
+    def pieces(self, name: str, tensor: torch.Tensor) -> Iterator[Piece]:
+        """The pieces of native tensor `name`, unconverted. A collective where `gathers`:
+        every rank calls, in the same order."""
+        layout = self._split_layout(name, tensor)
+        if layout is not None:
+            yield from self._converted(name, tensor, layout)
+            return
+        out_dtype = self.source._out_dtype(tensor)
+        if _dim0_sharded(tensor):
+            local = tensor.to_local()
+            yield Piece(name, local if local.numel() else None,
+                        self._offset(name, tensor, out_dtype), out_dtype, True)
+        elif _replicated(tensor) or not hasattr(tensor, "placements"):
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            yield Piece(name, local if self.rank == 0 else None, 0, out_dtype, True)
+        else:
+            full = tensor.full_tensor()
+            yield Piece(name, full if self.rank == 0 else None, 0, out_dtype, False)
+
+    def _converted(self, name: str, tensor: torch.Tensor, layout: dict[str, torch.Tensor]
+                   ) -> Iterator[Piece]:
+        """The pieces of a native tensor that reaches the engines renamed or split. Checkpoint
+        tensors that are each one contiguous run of a dim-0 sharded tensor (grouped experts):
+        each rank writes the part of each run it holds. Otherwise (an adapter's conversion):
+        gathered, converted and written by rank 0."""
+        source = self.source
+        if not self._runs_held(name, tensor):
+            for hf_name, full in source._to_hf(name, _full(tensor)).items():
+                yield Piece(hf_name, full if self.rank == 0 else None, 0,
+                            source._out_dtype(full), False)
+            return
+        runs = source.checkpoint_format.runs(name, tuple(tensor.shape))
+        assert len(runs) == len(layout), (name, runs, list(layout))
+        out_dtype = source._out_dtype(tensor)
+        local = tensor.to_local().reshape(-1)
+        low = self._offset(name, tensor, out_dtype) // out_dtype.itemsize
+        high = low + local.numel()
+        for (hf_name, meta), start in zip(layout.items(), runs):
+            first, last = max(start, low), min(start + meta.numel(), high)
+            if first >= last:
+                yield Piece(hf_name, None, 0, out_dtype, True)
+                continue
+            yield Piece(hf_name, local[first - low:last - low],
+                        (first - start) * out_dtype.itemsize, out_dtype, True)

@@ -1,0 +1,342 @@
+"""`TrainerSync`: the trainer side of weightsync, for any FSDP2 / DTensor training loop.
+
+One `TrainerSync` per trainer rank, built from the framework's own model after its process group
+is up. Every method is called on every rank at once (gathering a DTensor is a collective); only
+rank 0 talks to engines, the other ranks write their own shards where the path allows it:
+
+    sync = TrainerSync(model, options=SyncOptions(transport="shm"))
+    sync.connect({"vllm": engine})           # refit check: nothing is written before it passes
+    for step in ...:
+        train(...)
+        report = sync.sync(f"step-{step}")   # begin, bytes, end on every engine
+    sync.close()
+
+Paths, chosen per engine and per sync: buckets (every transport; with `shm` and several ranks
+each rank writes its own shards into the shared bucket) and, with `shm` or `cuda_ipc` from the
+second sync on, the one-copy path (weightsync/trainer/one_copy/path.py: ranks write straight into the
+engine's parameters).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from weightsync.wire.bucket import DEFAULT_BUCKET_BYTES
+from weightsync.trainer.source import DTensorV2Source
+from weightsync.trainer.endpoint import Endpoint, RayEndpoint
+from weightsync.wire.fingerprint import FingerprintBatch
+from weightsync.trainer.one_copy.path import OneCopyPath
+from weightsync.wire.placement import WorkerPrints
+from weightsync.wire.protocol import SyncReport
+from weightsync.trainer.sender import DEFAULT_TIMEOUT_S, WeightSender
+from weightsync.trainer.shard_writes import BeforeWrite, BucketShardWriter
+from weightsync.trainer.sync_group import SyncGroup
+from weightsync.wire.specs import as_plain, dtype_from_str, specs_to_dicts
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch import nn
+
+    from weightsync.transports import SenderTransport
+
+logger = logging.getLogger(__name__)
+
+Transport = Literal["shm", "cuda_ipc", "gloo", "nccl"]
+ONE_COPY_TRANSPORTS = ("shm", "cuda_ipc")  # engines on this host: ranks write into them
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncOptions:
+    """How `TrainerSync` moves weights. Checked when made: a bad value raises ValueError."""
+
+    transport: Transport = "shm"
+    """"shm": CPU shared memory, engines on this host. "cuda_ipc": GPU memory by IPC handle,
+    engines on this host. "gloo" / "nccl": a broadcast group of rank 0 and every engine
+    process, for engines on other hosts (`collective_host` is the address they connect to)."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Largest bucket; two buckets are in flight at once (the trainer fills one while the
+    engines load the other)."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Deadline of every engine call and every collective of one sync."""
+    connect_timeout_s: float = 900.0
+    """Deadline of `connect`, which also waits for engines that are still starting."""
+    verify: bool = False
+    """Default of `sync(verify=...)`: compare what each engine holds with what was sent."""
+    keep_previous: bool = False
+    """Engines that can (SGLang, vLLM) keep a copy of their weights during an update and put
+    it back when the update fails; engines that cannot are logged and go on without."""
+    one_copy: bool | None = None
+    """The one-copy path from the second sync on. None: wherever the transport allows it
+    (`shm`: into CPU engines' parameters; `cuda_ipc`: into GPU engines' parameters by IPC
+    handle); True: required (a transport that cannot is refused); False: buckets only."""
+    shard_writes: bool = True
+    """With `shm` and several ranks: each rank writes its own shards into the shared buckets
+    (no gather to rank 0)."""
+    sync_dtype: str | None = None
+    """Send floating-point tensors in this dtype ("bfloat16", ...); None: the training dtype."""
+    collective_host: str = "127.0.0.1"
+    """`gloo` / `nccl`: the address of rank 0 that engine processes connect to."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"SyncOptions.transport={self.transport!r}: expected one of "
+                             f"{list(TRANSPORTS)}")
+        for name in ("bucket_bytes", "timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"SyncOptions.{name}={value!r}: must be a positive number")
+        if not isinstance(self.bucket_bytes, int):
+            raise ValueError(f"SyncOptions.bucket_bytes={self.bucket_bytes!r}: must be an int")
+        if self.one_copy and self.transport not in ONE_COPY_TRANSPORTS:
+            raise ValueError(f"SyncOptions.one_copy=True with transport={self.transport!r}: "
+                             f"the one-copy path needs transport='shm' or 'cuda_ipc' (engines "
+                             f"on this host); set one_copy=None or "
+                             f"False for {self.transport!r}")
+        if self.sync_dtype is not None:
+            try:
+                dtype_from_str(self.sync_dtype)
+            except (ValueError, KeyError, AttributeError):
+                raise ValueError(f"SyncOptions.sync_dtype={self.sync_dtype!r}: not a torch "
+                                 f"dtype name (e.g. 'bfloat16', 'float32')") from None
+
+
+class _RankLog(logging.LoggerAdapter):
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[rank {self.extra['rank']}] {msg}", kwargs
+
+
+def _gpu_of(model: nn.Module) -> str | None:
+    """The UUID of the GPU the model's parameters are on (None: not on a GPU)."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return None
+    from weightsync.engine.one_copy.cuda_exports import device_uuid
+
+    return device_uuid(device)
+
+
+class TrainerSync:
+    """Keeps engines in step with one trainer rank's model. Every method: all ranks, together.
+
+    `model`: the framework's FSDP2 / DTensor model (or any `nn.Module`: unsharded parameters
+    are sent from rank 0); names reach the engines through `model.state_dict_adapter.to_hf`
+    when it has one. `group`: the process group whose ranks hold the model (default: the
+    world); construct on every process of the default group at once. `before_write`: called on
+    rank 0 before each bucket / one-copy piece is written (fault injection in tests)."""
+
+    def __init__(self, model: nn.Module, *, options: SyncOptions | None = None,
+                 group: dist.ProcessGroup | None = None,
+                 before_write: BeforeWrite | None = None) -> None:
+        self.options = options = options or SyncOptions()
+        self.group = SyncGroup(group, timeout_s=options.timeout_s)
+        self.rank = self.group.rank
+        self.log = _RankLog(logger, {"rank": self.rank})
+        self.source = DTensorV2Source(model, dtype=options.sync_dtype)
+        self.shard_writes = options.shard_writes and options.transport == "shm"
+        if options.shard_writes and self.shard_writes and self.group.world_size == 1:
+            self.shard_writes = False
+        if options.shard_writes and not self.shard_writes and self.rank == 0:
+            self.log.info("shard_writes off: %s", "one rank" if self.group.world_size == 1
+                          else f"transport {options.transport!r} sends from rank 0")
+        self.one_copy = (options.one_copy is not False
+                         and options.transport in ONE_COPY_TRANSPORTS)
+        if options.one_copy is None and not self.one_copy and self.rank == 0:
+            self.log.info("one_copy off: transport %r has no one-copy path", options.transport)
+        self.buckets = BucketShardWriter(self.source, self.group,
+                                         bucket_bytes=options.bucket_bytes,
+                                         before_write=before_write)
+        rank_gpus = None
+        if self.one_copy and options.transport == "cuda_ipc":  # where each rank's shards are
+            rank_gpus = self.group.gather(_gpu_of(model))
+        self.one_copy_path = OneCopyPath(self.source, self.group, log=self.log,
+                                         before_write=before_write,
+                                         transport=options.transport, rank_gpus=rank_gpus)
+        self.sender: WeightSender | None = None
+        self._num_syncs = 0
+
+    def refit_info(self) -> list[dict]:
+        """[{name, dtype, shape, nbytes}] in send order: what every sync sends."""
+        return specs_to_dicts(self.source.specs())
+
+    def connect(self, engines: Mapping[str, Any]) -> dict[str, Any]:
+        """Register engines {name: engine actor handle or `Endpoint`} and check refit info with
+        each (rank 0; the other ranks' `engines` are ignored). Nothing is written to an engine
+        before every check passed. Returns {name: {"num_params", "num_receivers"}} on rank 0."""
+        if self.rank != 0:
+            return {"rank": self.rank}
+        opts = self.options
+        if self.sender is None:
+            self.sender = WeightSender(self.source.specs(), transport=None,
+                                       capacity_bytes=opts.bucket_bytes, timeout_s=opts.timeout_s)
+        elif engines and opts.transport in ("gloo", "nccl"):
+            raise ValueError(f"transport {opts.transport!r} forms one group for all engines: "
+                             f"connect every engine in one connect() call")
+        answers = {}
+        for name, engine in engines.items():
+            endpoint = engine if isinstance(engine, Endpoint) else RayEndpoint(engine, name=name)
+            answer = self.sender.add_engine(endpoint, timeout_s=opts.connect_timeout_s)
+            answers[name] = {"num_params": answer.num_params,
+                             "num_receivers": answer.num_receivers}
+            if opts.keep_previous:
+                self._keep_previous(name)
+        if self.sender.transport is None and answers:
+            self.sender.transport = self._make_transport(
+                sum(a["num_receivers"] for a in answers.values()))
+        return as_plain(answers)
+
+    def _keep_previous(self, name: str) -> None:
+        try:
+            self.sender.call(name, "set_keep_previous", True)
+        except (AttributeError, RuntimeError) as exc:
+            self.log.info("keep_previous off for engine %r: it cannot keep its previous "
+                          "weights (%s)", name, str(exc).splitlines()[0][:200])
+
+    def _make_transport(self, num_receivers: int) -> SenderTransport:
+        from weightsync.transports import make_sender
+
+        return make_sender(self.options.transport, num_receivers=num_receivers,
+                           host=self.options.collective_host, timeout_s=self.options.timeout_s)
+
+    def sync(self, version: str | None = None, *, verify: bool | None = None,
+             engines: list[str] | None = None) -> dict[str, Any]:
+        """Deliver the model's current weights to `engines` (default: all connected) as
+        `version` (default "v<n>"). On rank 0 a `SyncReport` as plain data (its `to_dict()`:
+        {"version", "path", "nbytes", "sync_s", "gbps", "engines": {name: {...}}, ...}),
+        {"rank": r} elsewhere. Raises on rank 0's error on every rank; a failed engine keeps
+        its previous version. After a sync that failed on any rank, the next one first
+        rebuilds the ranks' sync group, so the same trainer syncs again."""
+        if self.group.recover():
+            self.log.warning("the last sync failed on some rank: the ranks' sync group was "
+                             "rebuilt")
+        try:
+            return self._sync(version, verify=verify, engines=engines)
+        except BaseException:
+            self.group.failed = True  # the next sync rebuilds the group on every rank
+            raise
+
+    def _sync(self, version: str | None, *, verify: bool | None,
+              engines: list[str] | None) -> dict[str, Any]:
+        self._num_syncs += 1
+        version = version or f"v{self._num_syncs}"
+        verify = self.options.verify if verify is None else verify
+        plan = self.group.broadcast(self._plan(engines) if self.rank == 0 else None)
+        if "error" in plan:
+            raise ValueError(plan["error"])
+        buckets = list(plan["buckets"])
+        direct_report = None
+        if plan["direct"]:
+            direct_report, fallback = self.one_copy_path.sync(self.sender, version,
+                                                              plan["direct"], verify=verify)
+            buckets += fallback
+        bucket_report = None
+        if buckets:
+            bucket_report = self._sync_buckets(version, buckets, verify=verify)
+            if bucket_report is not None and self.one_copy:
+                bucket_report = self.one_copy_path.share(self.sender, buckets, bucket_report)
+        report = _merge(direct_report, bucket_report) if self.rank == 0 else None
+        if verify:
+            report = self._verify_pending(report)
+        if self.rank != 0:
+            return {"rank": self.rank}
+        self.log.info("sync %s: %.3f s, %.2f GB/s (%s)", version, report.sync_s, report.gbps,
+                      report.path)
+        return as_plain(report.to_dict())
+
+    def verify(self, engines: list[str] | None = None) -> dict[str, Any]:
+        """Compare each engine's parameters with the model's current weights, without syncing:
+        {engine: {"verified", "mismatched", "num_checked"}, "verify_s"} on rank 0. A
+        tensor-parallel engine is checked worker by worker against the slices it holds."""
+        connected = self.sender is not None and bool(self.sender.engines)
+        names = [] if self.rank != 0 or not connected else \
+            list(self.sender.engines) if engines is None else list(engines)
+        workers = {n: WorkerPrints(self.sender.engines[n].placements) for n in names
+                   if self.sender.engines[n].placements is not None}
+        batch, order = FingerprintBatch(), []
+        for name, tensor in self.source.tensors():  # every rank takes part in each gather
+            if self.rank == 0 and connected:
+                order.append(name)
+                batch.add(tensor)
+                batch.flush()  # a gathered tensor's memory may be reused by the next
+                for prints in workers.values():
+                    prints.add(name, tensor)
+        sent = dict(zip(order, batch.read()))
+        if self.rank != 0:
+            return {"rank": self.rank}
+        if not connected:
+            raise ValueError("verify before connect: call connect({name: engine}) first")
+        return as_plain(self.sender.verify(
+            sent, engines=names, worker_sent={n: w.result() for n, w in workers.items()}))
+
+    def _verify_pending(self, report: SyncReport | None) -> SyncReport | None:
+        """After a verified sync: engines whose workers hold slices were left "pending" (their
+        expected fingerprints need the tensors again); verify those now, on every rank. Rank 0's
+        report with their results."""
+        pending = None
+        if self.rank == 0:
+            checked = report.verify or {}
+            pending = sorted(n for n, v in checked.items()
+                             if isinstance(v, dict) and v.get("pending"))
+        pending = self.group.broadcast(pending)
+        if not pending:
+            return report
+        again = self.verify(engines=pending)
+        if self.rank != 0:
+            return report
+        return replace(report, verify={**report.verify, **{n: again[n] for n in pending},
+                                       "verify_s": report.verify["verify_s"] + again["verify_s"]})
+
+    def close(self) -> None:
+        """Free the transport, the mapped segments and the sync group (all ranks)."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        self.one_copy_path.close()
+        self.buckets.close()
+        self.group.close()
+
+    def _plan(self, engines: list[str] | None) -> dict[str, Any]:
+        """Rank 0: which engines take the one-copy path this sync, which take buckets."""
+        if self.sender is None or not self.sender.engines:
+            return {"error": "sync before connect: call connect({name: engine}) first"}
+        names = list(self.sender.engines) if engines is None else list(engines)
+        unknown = [n for n in names if n not in self.sender.engines]
+        if unknown:
+            return {"error": f"unknown engine(s) {unknown}; registered: "
+                             f"{list(self.sender.engines)}"}
+        direct = [n for n in names if self.one_copy_path.takes(n)]
+        return {"direct": direct, "buckets": [n for n in names if n not in direct]}
+
+    def _sync_buckets(self, version: str, names: list[str], *,
+                      verify: bool) -> SyncReport | None:
+        if self.shard_writes:
+            if self.rank != 0:
+                self.buckets.follow()
+                return None
+            return self.sender.sync(None, version=version, engines=names, verify=verify,
+                                    write_bucket=self.buckets.sender_hook(self.sender.transport))
+        tensors = self.source.tensors()
+        if self.rank != 0:
+            for _ in tensors:  # take part in every gather
+                pass
+            return None
+        return self.sender.sync(tensors, version=version, engines=names, verify=verify)
+
+
+def _merge(direct: SyncReport | None, buckets: SyncReport | None) -> SyncReport:
+    """One report for a sync whose engines took different paths."""
+    if direct is None or buckets is None:
+        report = direct or buckets
+        if report is None:
+            raise RuntimeError("a sync produced no report: no engine took either path")
+        return report
+    verify = None
+    if direct.verify is not None or buckets.verify is not None:
+        verify = {**(direct.verify or {}), **(buckets.verify or {}),
+                  "verify_s": ((direct.verify or {}).get("verify_s", 0.0)
+                               + (buckets.verify or {}).get("verify_s", 0.0))}
+    return replace(buckets, path="mixed", engines={**direct.engines, **buckets.engines},
+                   sync_s=direct.sync_s + buckets.sync_s, verify=verify)

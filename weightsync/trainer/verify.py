@@ -1,0 +1,179 @@
+"""Verification: whether each engine holds the bytes the trainer sent.
+
+Runs on the sending rank, inside `WeightSender` (which owns the engines and the calls to them).
+Each engine's workers fingerprint their parameters in the engine process, and each parameter is
+compared with the fingerprint expected from what was sent, placed where the engine's own loader
+puts each tensor (its placements, weightsync/wire/placement.py). Fingerprints are position-sensitive
+(weightsync/wire/fingerprint.py): a transposed tensor, swapped rows or q and k swapped inside a fused
+parameter fail. Where every tensor lies whole in its parameter (TP=1) the expected values follow
+from the sent tensors' fingerprints; a worker that holds slices needs the tensors' elements
+(`worker_sent`, `placement.WorkerPrints`), without which its result is left `pending`. A
+receiver that reports no placements is compared for the parameters one tensor fills from its
+first word.
+
+Stage, verify, commit: a verified sync by buckets asks every engine to `stage` (report what the
+open update holds) before `end`; `check_staged` raises `VerificationFailed` where an engine's
+bytes differ, and the sender aborts the update, so no engine adopts, or serves, weights that
+failed (with keep_previous the engine puts its previous weights back). `verify` checks engines
+at any other time. On the one-copy path the ranks read their own writes back instead
+(`check_direct`), and an engine whose bytes differ is aborted before `end` too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from weightsync.trainer.endpoint import EngineCalls
+from weightsync.wire.errors import VerificationFailed
+from weightsync.wire.fingerprint import Fingerprint, FingerprintBatch, expected_fingerprints
+from weightsync.wire.placement import WorkerPrints, placed_params, prints_from_sent, sliced
+from weightsync.wire.protocol import StageReport
+from weightsync.wire.specs import TensorSpec
+
+if TYPE_CHECKING:
+    import torch
+
+WorkerSent = dict[str, list[dict[str, Fingerprint]]]
+
+
+class SentPrints:
+    """What a verified sync sent, collected bucket by bucket as the tensors stream past: each
+    tensor's fingerprint (hashed in batches), and for engines whose workers hold slices (their
+    placements known) each worker's expected fingerprints (`placement.WorkerPrints`)."""
+
+    def __init__(self, engines: dict[str, Any], names: list[str],
+                 specs: dict[str, TensorSpec]) -> None:
+        self._batch, self._order = FingerprintBatch(), []
+        self._workers = {n: WorkerPrints(engines[n].placements) for n in names
+                         if engines[n].placements is not None
+                         and any(sliced(p, specs) for p in engines[n].placements)}
+
+    def add(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        """One bucket's tensors, hashed before its memory is reused."""
+        for name, tensor in zip(names, tensors):
+            self._order.append(name)
+            self._batch.add(tensor)
+            for prints in self._workers.values():
+                prints.add(name, tensor)
+        self._batch.flush()
+
+    def result(self) -> dict[str, Fingerprint]:
+        return dict(zip(self._order, self._batch.read()))
+
+    def worker_results(self) -> WorkerSent:
+        return {n: w.result() for n, w in self._workers.items()}
+
+
+class Verifier:
+    """Compares engines' parameter fingerprints, or the ranks' read-back, with what was sent."""
+
+    def __init__(self, calls: EngineCalls, specs: list[TensorSpec]) -> None:
+        self.calls = calls
+        self.engines = calls.engines
+        self.specs = {spec.name: spec for spec in specs}
+
+    def verify(self, sent: dict[str, Fingerprint], *, engines: list[str],
+               worker_sent: WorkerSent | None = None) -> dict[str, Any]:
+        """`WeightSender.verify`: {engine: {"verified", "mismatched", "num_checked"},
+        "verify_s"}; an engine whose workers hold slices, without `worker_sent`, is left
+        pending."""
+        start = time.perf_counter()
+        out: dict[str, Any] = {}
+        asked = []
+        for name in engines:
+            want = self._expected(name, sent, worker_sent or {})
+            if want is None:
+                out[name] = _pending()
+            else:
+                method = "fingerprints" if want == "by-name" else "worker_fingerprints"
+                asked.append((name, want, self.calls.submit(name, method)))
+        answers = self.calls.wait_all([call for _, _, call in asked])
+        for (name, want, _), prints in zip(asked, answers):
+            workers = [prints] if want == "by-name" else prints
+            out[name] = self._compare(name, want, workers, sent)
+        out["verify_s"] = time.perf_counter() - start
+        return out
+
+    def check_staged(self, staged: dict[str, StageReport], sent: dict[str, Fingerprint], *,
+                     version: str, worker_sent: WorkerSent | None = None) -> dict[str, Any]:
+        """Compare what each engine's open update holds (its `stage` answer) with what was
+        sent; raise `VerificationFailed` naming the engines and parameters that differ (an
+        engine with nothing it could check is reported unverified, not failed)."""
+        start = time.perf_counter()
+        out: dict[str, Any] = {}
+        for name, report in staged.items():
+            state = self.engines[name]
+            if report.param_of is not None:
+                state.param_of = report.param_of
+            if report.placements is not None:
+                state.placements = report.placements
+            want = self._expected(name, sent, worker_sent or {})
+            out[name] = _pending() if want is None else \
+                self._compare(name, want, report.fingerprints, sent)
+        out["verify_s"] = time.perf_counter() - start
+        bad = {n: r["mismatched"] for n, r in out.items()
+               if isinstance(r, dict) and r.get("mismatched")}
+        if bad:
+            raise VerificationFailed(
+                f"verification failed, update {version!r} aborted before any engine adopted "
+                f"it: the staged bytes differ from the trainer's in {bad}", out)
+        return out
+
+    def _expected(self, name: str, sent: dict[str, Fingerprint],
+                  worker_sent: WorkerSent) -> str | list[dict[str, Fingerprint]] | None:
+        """Per worker, what its parameters must fingerprint to; "by-name" for a receiver
+        without placements; None when that needs the tensors again (pending)."""
+        placements = self.engines[name].placements
+        if placements is None:
+            return "by-name"
+        if name in worker_sent:
+            return worker_sent[name]
+        want = [prints_from_sent(p, sent, self.specs) for p in placements]
+        return None if any(w is None for w in want) else want
+
+    def _compare(self, name: str, want: str | list[dict[str, Fingerprint]],
+                 workers: list[dict[str, Any]], sent: dict[str, Fingerprint]) -> dict[str, Any]:
+        state = self.engines[name]
+        if want == "by-name":
+            expected = expected_fingerprints(state.param_of, sent)
+            bad = _mismatched(expected, workers[0])
+            return {"verified": not bad and bool(expected), "mismatched": bad,
+                    "num_checked": len(expected)}
+        bad, checked = [], 0
+        for rank, (placements, wanted, got) in enumerate(zip(state.placements, want, workers)):
+            placed = placed_params(state.param_of, placements)
+            expected = {p: fp for p, fp in wanted.items() if p in placed}
+            bad += [f"worker {rank}: {p}" for p in _mismatched(expected, got)]
+            checked += len(expected)
+        return {"verified": not bad and checked > 0, "mismatched": bad,
+                "num_checked": checked, "num_workers": len(workers)}
+
+    def verify_direct(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
+        """`WeightSender.verify_direct`: the ranks' read-back, the same for every engine."""
+        start = time.perf_counter()
+        pieces = int(written.get("pieces", 0))
+        bad = sorted(set(written.get("mismatched", [])))
+        out: dict[str, Any] = {name: {"verified": not bad and pieces > 0, "mismatched": bad,
+                                      "num_checked": pieces} for name in engines}
+        out["verify_s"] = time.perf_counter() - start
+        return out
+
+    def check_direct(self, written: dict[str, Any], *, engines: list[str],
+                     version: str) -> dict[str, Any]:
+        """`verify_direct`, raising where an engine's bytes differ (the update is aborted)."""
+        checked = self.verify_direct(written, engines=engines)
+        bad = {n: checked[n]["mismatched"] for n in engines if not checked[n]["verified"]}
+        if bad:
+            raise VerificationFailed(f"verification failed, update {version!r} aborted: "
+                                     f"bytes differ from the trainer's in {bad}", checked)
+        return checked
+
+
+def _pending() -> dict[str, Any]:
+    return {"verified": None, "pending": True, "mismatched": [], "num_checked": 0}
+
+
+def _mismatched(expected: dict[str, Fingerprint], actual: dict[str, Any]) -> list[str]:
+    return sorted(p for p, fp in expected.items()
+                  if p not in actual or tuple(actual[p]) != tuple(fp))

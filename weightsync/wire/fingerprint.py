@@ -1,0 +1,304 @@
+"""Position-sensitive fingerprints, computed the same way on the trainer and inside an engine.
+
+A tensor's bytes are read as signed 16-bit words (unsigned bytes for 1-byte dtypes), in the
+tensor's logical (row-major) order: x_0, x_1, ... A fingerprint is three integers:
+
+- `s`: the sum of the words, mod 2**64. One changed element always changes it.
+- `h1`, `h2`: polynomial hashes, sum of x_j * r**j mod p, for two primes p just under 2**21 and a
+  primitive root r of each. Moving an element moves its weight: a transposed tensor, two swapped
+  rows, or q and k swapped inside a fused QKV parameter change them (unless the moved words are
+  equal), and two random changes collide with odds of about 2**-42.
+
+All three are exact integers (the same on any device, thread count or torch release) and
+combinable over the pieces of a parameter, given where each piece sits: a piece whose words
+start at word `o` of the parameter contributes `shift(fingerprint(piece), o)` (the hashes times
+r**o), and a parameter's fingerprint is the `combine`d sum of its pieces' contributions. Zero
+words (the rows an engine pads a vocabulary with) contribute nothing. Where each trainer tensor
+sits in an engine parameter is its placement (weightsync/wire/placement.py), learned from the
+engine's own loader; `placed` gives the contribution of a strided run pattern there.
+
+How: words are widened to float64 in rows of at most 2**16 and multiplied by one [row, 3] table
+(1, r1**j mod p1, r2**j mod p2) with a BLAS (or cuBLAS) GEMM, one pass over the bytes. Every
+product is below 2**36 and every row's sum below 2**52, so float64 holds each exactly, in any
+summation order; the rows are then combined with the powers of their start positions in int64.
+On a GPU the result stays on the device until read (`fingerprints` reads many tensors' at once).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+MASK = (1 << 64) - 1
+PRIMES = (2097143, 2097133)
+ROOTS = (1000005, 1000004)  # a primitive root of each prime
+_ROW = 1 << 16  # words per GEMM row: keeps every float64 row sum exact (see above)
+_BLOCK_WORDS = {"cpu": 1 << 20, "other": 1 << 24}  # float64 scratch per block of rows
+
+Fingerprint = tuple[int, int, int]
+
+_local = threading.local()
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach()
+    flat = flat.view(-1) if flat.is_contiguous() else flat.reshape(-1).contiguous()
+    if flat.dtype == torch.bool or flat.element_size() == 1:
+        return flat.view(torch.uint8)
+    return flat.view(torch.int16)
+
+
+def words_per_element(dtype: torch.dtype) -> int:
+    """How many fingerprint words one element of `dtype` is."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return 1 if size == 1 else size // 2
+
+
+def _table(device: torch.device) -> torch.Tensor:
+    """[3, _ROW] float64 on `device`: 1, r1**j mod p1, r2**j mod p2 for j < _ROW."""
+    tables = getattr(_local, "tables", None)
+    if tables is None:
+        tables = _local.tables = {}
+    if device not in tables:
+        cols = [[1] * _ROW]
+        for p, r in zip(PRIMES, ROOTS):
+            col, v = [], 1
+            for _ in range(_ROW):
+                col.append(v)
+                v = v * r % p
+            cols.append(col)
+        tables[device] = torch.tensor(cols, dtype=torch.float64).to(device)
+    return tables[device]
+
+
+def _powers(start: int, step: int, count: int, device: torch.device) -> torch.Tensor:
+    """[count, 2] int64: r**(start + i * step) mod p for each prime, i < count."""
+    out = torch.empty((count, 2), dtype=torch.int64, device=device)
+    out[0] = torch.tensor([pow(r, start, p) for p, r in zip(PRIMES, ROOTS)])
+    primes = torch.tensor(PRIMES, dtype=torch.int64, device=device)
+    n = 1
+    while n < count:  # doubling: rows [n, 2n) are rows [0, n) times r**(n * step)
+        m = min(n, count - n)
+        mult = torch.tensor([pow(r, n * step, p) for p, r in zip(PRIMES, ROOTS)],
+                            dtype=torch.int64, device=device)
+        out[n:n + m] = out[:m] * mult % primes
+        n += m
+    return out
+
+
+def _row_weights(count: int, device: torch.device) -> torch.Tensor:
+    """[count, 3] int64: 1, r1**(k * _ROW) mod p1, r2**(k * _ROW) mod p2 for row k (cached)."""
+    cache = getattr(_local, "row_weights", None)
+    if cache is None:
+        cache = _local.row_weights = {}
+    have = cache.get(device)
+    if have is None or have.shape[0] < count:
+        size = max(count, 2 * (0 if have is None else have.shape[0]), 64)
+        weights = torch.ones((size, 3), dtype=torch.int64, device=device)
+        weights[:, 1:] = _powers(0, _ROW, size, device)
+        cache[device] = have = weights
+    return have[:count]
+
+
+def _whole_sums(words: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Add to `out` ([G, 3] int64 on the words' device) [s, h1, h2] of each of `words` (G
+    flat word tensors of one length, each its own tensor's words from word 0), the hashes not
+    yet reduced mod p (each stays below 2**62 while a tensor has fewer than 2**20 rows)."""
+    n = words[0].numel()
+    device = words[0].device
+    rows = -(-n // _ROW)
+    per_block = max(1, _BLOCK_WORDS["cpu" if device.type == "cpu" else "other"] // _ROW)
+    if rows <= per_block:  # whole tensors, as many as fit, widened side by side
+        width = _ROW if rows > 1 else n  # a short tensor is one row of its own length
+        at_once = max(1, per_block * _ROW // (rows * width))
+        for g in range(0, len(words), at_once):
+            part = words[g:g + at_once]
+            wide = _scratch(device, len(part) * rows * width).view(len(part), rows * width)
+            if rows * width != n:
+                wide[:, n:].zero_()  # zero words hash to nothing
+            if len(part) == 1:
+                wide[0, :n].copy_(part[0])
+            else:
+                torch._foreach_copy_([wide[i, :n] for i in range(len(part))], part)
+            _reduce(wide.view(len(part), rows, width), 0, out[g:g + len(part)])
+        return
+    for i, tensor_words in enumerate(words):  # a large tensor: blocks of rows
+        for r in range(0, rows, per_block):
+            chunk = tensor_words[r * _ROW:(r + per_block) * _ROW]
+            count = -(-chunk.numel() // _ROW)
+            wide = _scratch(device, count * _ROW)
+            if count * _ROW != chunk.numel():
+                wide[chunk.numel():].zero_()
+            wide[:chunk.numel()].copy_(chunk)
+            _reduce(wide.view(1, count, _ROW), r, out[i:i + 1])
+
+
+def _reduce(wide: torch.Tensor, first_row: int, out: torch.Tensor) -> None:
+    """Add to `out` ([G, 3]) the sums of `wide` ([G, R, width] float64 words, rows
+    `first_row`.. of G tensors): one GEMM, then each row's hashes reduced and weighted by
+    its position."""
+    device = wide.device
+    groups, count, width = wide.shape
+    sums = torch.mm(wide.view(-1, width), _table(device)[:, :width].t()).to(torch.int64)
+    sums = sums.view(groups, count, 3)
+    sums[:, :, 1:] = sums[:, :, 1:].remainder(
+        torch.tensor(PRIMES, dtype=torch.int64, device=device))
+    sums *= _row_weights(first_row + count, device)[first_row:]
+    out += sums.sum(1)
+
+
+def _scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """A float64 buffer of `numel` elements: per thread and reused on CPU, fresh elsewhere
+    (the caching allocator reuses it there)."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=torch.float64, device=device)
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.numel() < numel:
+        buf = _local.scratch = torch.empty(max(numel, 1 << 16), dtype=torch.float64)
+    return buf[:numel]
+
+
+class FingerprintBatch:
+    """Fingerprints of many tensors with few kernels: tensors of one device and word count
+    are widened and hashed together (one GEMM per group, not per tensor), and results stay on
+    their device until `read()` reads them all back at once."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+        self._done: list[tuple[list[int], torch.Tensor]] = []
+        self._count = 0
+
+    def add(self, tensor: torch.Tensor) -> int:
+        """Queue `tensor`; its index in `read()`'s list."""
+        index = self._count
+        self._count += 1
+        words = _words(tensor)
+        n = words.numel()
+        key = (words.device, words.dtype, n)
+        group = self._groups.setdefault(key, [])
+        group.append((index, words))
+        budget = _BLOCK_WORDS["cpu" if words.device.type == "cpu" else "other"]
+        if n == 0 or len(group) * n >= budget:
+            self._flush(key)
+        return index
+
+    def _flush(self, key: tuple) -> None:
+        group = self._groups.pop(key, [])
+        if not group:
+            return
+        device, _, n = key
+        out = torch.zeros((len(group), 3), dtype=torch.int64, device=device)
+        if n:
+            _whole_sums([words for _, words in group], out)
+        self._done.append(([i for i, _ in group], out))
+
+    def flush(self) -> None:
+        """Hash what is queued now (before its memory is reused); results stay on device."""
+        for key in list(self._groups):
+            self._flush(key)
+
+    def read(self) -> list[Fingerprint]:
+        self.flush()
+        prints: list[Fingerprint | None] = [None] * self._count
+        for indices, sums in self._done:
+            for i, (s, h1, h2) in zip(indices, sums.tolist()):
+                prints[i] = (s & MASK, h1 % PRIMES[0], h2 % PRIMES[1])
+        self._done = []
+        return prints  # type: ignore[return-value]
+
+
+def fingerprint(tensor: torch.Tensor) -> Fingerprint:
+    """(s, h1, h2) of a tensor whose first word is word 0 (see the module doc)."""
+    batch = FingerprintBatch()
+    batch.add(tensor)
+    return batch.read()[0]
+
+
+def fingerprints(tensors: list[torch.Tensor]) -> list[Fingerprint]:
+    """`fingerprint` of each tensor, batched (`FingerprintBatch`)."""
+    batch = FingerprintBatch()
+    for tensor in tensors:
+        batch.add(tensor)
+    return batch.read()
+
+
+def _placed_rows(rows: torch.Tensor, start: int, stride: int) -> list[int]:
+    """[s, h1, h2] of [count, n] words (n <= _ROW) whose row i starts at word
+    `start + i * stride` of a parameter."""
+    count, n = rows.shape
+    device = rows.device
+    table = _table(device)[:, :n].t()
+    wide = rows.to(torch.float64)
+    sums = torch.mm(wide, table).to(torch.int64)
+    primes = torch.tensor(PRIMES, dtype=torch.int64, device=device)
+    hashes = sums[:, 1:].remainder(primes) * _powers(start, stride, count, device) % primes
+    s, h1, h2 = [sums[:, 0].sum().item()] + hashes.sum(0).tolist()
+    return [s, h1 % PRIMES[0], h2 % PRIMES[1]]
+
+
+def placed(runs: torch.Tensor, dst: int, dst_stride: int) -> Fingerprint:
+    """The contribution to a parameter's fingerprint of `runs` ([count, length] elements, as
+    `placement.pattern_view` gives them) whose run i starts at element `dst + i * dst_stride`
+    of the flat parameter."""
+    if runs.numel() == 0:
+        return (0, 0, 0)
+    per = words_per_element(runs.dtype)
+    if runs.stride(-1) != 1:
+        runs = runs.contiguous()
+    words = runs.view(torch.uint8) if runs.element_size() == 1 else runs.view(torch.int16)
+    parts = [_placed_rows(words[:, c:c + _ROW], dst * per + c, dst_stride * per)
+             for c in range(0, words.shape[1], _ROW)]
+    return combine([tuple(p) for p in parts])
+
+
+def shift(fp: Fingerprint, words: int) -> Fingerprint:
+    """The contribution of a piece with fingerprint `fp` whose first word is word `words` of
+    the parameter."""
+    return (fp[0], fp[1] * pow(ROOTS[0], words, PRIMES[0]) % PRIMES[0],
+            fp[2] * pow(ROOTS[1], words, PRIMES[1]) % PRIMES[1])
+
+
+def combine(prints: list[Fingerprint]) -> Fingerprint:
+    """A parameter's fingerprint from its pieces' contributions (each already `shift`ed or
+    `placed` where it sits)."""
+    return (sum(p[0] for p in prints) & MASK, sum(p[1] for p in prints) % PRIMES[0],
+            sum(p[2] for p in prints) % PRIMES[1])
+
+
+def diff(expected: dict[str, Fingerprint], actual: dict[str, Fingerprint]) -> list[str]:
+    """Names whose fingerprints differ or are missing on one side, sorted."""
+    names = set(expected) | set(actual)
+    return sorted(
+        n for n in names
+        if n not in expected or n not in actual or tuple(expected[n]) != tuple(actual[n])
+    )
+
+
+def expected_fingerprints(param_of: dict[str, list[str]],
+                          sent: dict[str, Fingerprint]) -> dict[str, Fingerprint]:
+    """What each engine parameter's fingerprint must be, for a receiver that reports no
+    placements: a parameter exactly one trainer tensor lands in holds it from its first word
+    (the reference receiver's and a padded vocabulary's layout). Parameters made of several
+    tensors, and tensors landing in several parameters, cannot be placed this way and are left
+    out (engines report placements for those)."""
+    holders: dict[str, list[str]] = {}
+    for name, targets in param_of.items():
+        for target in targets:
+            holders.setdefault(target, []).append(name)
+    return {p: tuple(sent[names[0]]) for p, names in holders.items()
+            if len(names) == 1 and len(param_of[names[0]]) == 1}
+
+
+def model_fingerprints(model: nn.Module,
+                       param_of: dict[str, list[str]]) -> dict[str, list[int]]:
+    """Engine side: {parameter name: [s, h1, h2]} of every parameter some trainer tensor lands
+    in (`param_of`: trainer tensor -> engine parameters), as plain data."""
+    covered = {p for targets in param_of.values() for p in targets}
+    named = [(name, p.data) for name, p in model.named_parameters() if name in covered]
+    prints = fingerprints([t for _, t in named])
+    return {name: list(fp) for (name, _), fp in zip(named, prints)}

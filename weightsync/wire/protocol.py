@@ -1,0 +1,302 @@
+"""The protocol above the wire: the answers an engine gives the trainer, as typed objects.
+
+`WeightReceiver`'s methods answer with plain dicts, because that is what crosses between
+environments (a Ray call, an HTTP reply, a JSON file). Each answer has one class here; the
+receiver builds it and calls `to_dict()` where the answer leaves, the sender calls `from_dict()`
+where it arrives (`from_wire`), and everything in between reads attributes. `to_dict()` writes
+the keys the wire has always carried, so engines built from other checkouts keep working;
+`from_dict()` fills absent optional fields with their defaults, ignores keys it does not know
+(a newer peer's), and raises ValueError naming a missing required field.
+
+Fingerprints stay `dict[str, list[int]]` and verification results stay dicts: the first is a
+plain mapping already, the second never crosses (the sender computes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+_MISSING = object()
+
+
+def _get(d: Mapping[str, Any], cls: type, name: str, default: Any = _MISSING) -> Any:
+    """`d[name]`; without a default, a ValueError naming the field when it is absent."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{cls.__name__}: expected a dict, got {type(d).__name__}: {d!r:.200}")
+    if name in d:
+        return d[name]
+    if default is _MISSING:
+        raise ValueError(f"{cls.__name__}: required field {name!r} missing from the answer "
+                         f"(keys: {sorted(d)}); do both sides run the same weightsync?")
+    return default
+
+
+def _param_of(d: Mapping[str, Any]) -> dict[str, list[str]]:
+    return {str(name): list(params) for name, params in d.items()}
+
+
+def _without_none(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RefitAnswer:
+    """`check_refit`'s answer: the engine accepts the trainer's tensors (it raises if not)."""
+
+    param_of: dict[str, list[str]]
+    """Trainer tensor name -> the engine parameters it lands in (learned later where absent)."""
+    num_params: int
+    """How many parameters the engine's model has."""
+    num_receivers: int = 1
+    """How many processes a sync reaches (an engine's tensor-parallel workers)."""
+    tp_size: int = 1
+    """The engine's tensor-parallel size."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"param_of": _param_of(self.param_of), "num_params": self.num_params,
+                "num_receivers": self.num_receivers, "tp_size": self.tp_size}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RefitAnswer:
+        return cls(param_of=_param_of(_get(d, cls, "param_of")),
+                   num_params=int(_get(d, cls, "num_params")),
+                   num_receivers=int(_get(d, cls, "num_receivers", 1)),
+                   tp_size=int(_get(d, cls, "tp_size", 1)))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BeginAnswer:
+    """`begin`'s answer: whether the update is open on the path the trainer asked for."""
+
+    direct: bool
+    """True: the trainer writes into the shared parameters (the one-copy path) this update."""
+    why: str | None = None
+    """Why a one-copy update was refused (then nothing was opened); None otherwise."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return _without_none({"direct": self.direct, "why": self.why})
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BeginAnswer:
+        return cls(direct=bool(_get(d, cls, "direct")), why=_get(d, cls, "why", None))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ShareAnswer:
+    """`share_params`'s answer: where the engine's parameters are shared, or why they are not."""
+
+    shared: dict[str, Any] | list[dict[str, Any]] | None
+    """The shared segment's description (one per worker at TP > 1), or None when not shared."""
+    why: str | None = None
+    """Why the parameters are not shared; None when they are."""
+    retry: bool = False
+    """Whether asking again after a later sync may succeed."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shared": self.shared, "why": self.why, "retry": self.retry}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ShareAnswer:
+        return cls(shared=_get(d, cls, "shared"), why=_get(d, cls, "why", None),
+                   retry=bool(_get(d, cls, "retry", False)))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LoadReport:
+    """`load_bucket`'s answer: one bucket loaded."""
+
+    num_tensors: int
+    """How many tensors the bucket held."""
+    nbytes: int
+    """How many bytes of the buffer the bucket used."""
+    seconds: float
+    """How long the engine took to load it."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"num_tensors": self.num_tensors, "nbytes": self.nbytes, "seconds": self.seconds}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LoadReport:
+        return cls(num_tensors=int(_get(d, cls, "num_tensors")),
+                   nbytes=int(_get(d, cls, "nbytes")), seconds=float(_get(d, cls, "seconds")))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EndReport:
+    """`end`'s answer: the update is complete and the engine serves `weight_version`."""
+
+    weight_version: str
+    """The version tag the engine serves now."""
+    end_s: float | None = None
+    """Seconds `end` took (post-processing, cache reset)."""
+    session_s: float | None = None
+    """Seconds from `begin` to the end of `end`."""
+    cache_flushed: bool | None = None
+    """Whether the engine's prefix cache was reset."""
+    param_of: dict[str, list[str]] | None = None
+    """Trainer tensor -> engine parameters, from an engine that learns it while loading."""
+    placements: list[dict[str, Any] | None] | None = None
+    """Per tensor-parallel worker, which elements of each tensor it holds
+    (weightsync/wire/placement.py); None where every worker holds all."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return _without_none({
+            "weight_version": self.weight_version, "end_s": self.end_s,
+            "session_s": self.session_s, "cache_flushed": self.cache_flushed,
+            "param_of": None if self.param_of is None else _param_of(self.param_of),
+            "placements": self.placements})
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EndReport:
+        param_of = _get(d, cls, "param_of", None)
+        return cls(weight_version=_get(d, cls, "weight_version"),
+                   end_s=_get(d, cls, "end_s", None), session_s=_get(d, cls, "session_s", None),
+                   cache_flushed=_get(d, cls, "cache_flushed", None),
+                   param_of=None if param_of is None else _param_of(param_of),
+                   placements=_get(d, cls, "placements", None))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StageReport:
+    """`stage`'s answer: what an open update holds, before the engine adopts it, for
+    verification (stage, verify, then `end` commits or `abort` rolls back)."""
+
+    fingerprints: list[dict[str, list[int]]]
+    """Per worker, {parameter: fingerprint} of the parameters trainer tensors land in,
+    computed in the engine process (weightsync/wire/fingerprint.py)."""
+    placements: list[dict[str, Any]] | None = None
+    """Per worker, where its loader put the elements of each tensor (weightsync/wire/placement.py);
+    None from a receiver that reports none."""
+    param_of: dict[str, list[str]] | None = None
+    """Trainer tensor -> engine parameters, from an engine that learns it while loading."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return _without_none({
+            "fingerprints": self.fingerprints, "placements": self.placements,
+            "param_of": None if self.param_of is None else _param_of(self.param_of)})
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StageReport:
+        param_of = _get(d, cls, "param_of", None)
+        return cls(fingerprints=list(_get(d, cls, "fingerprints")),
+                   placements=_get(d, cls, "placements", None),
+                   param_of=None if param_of is None else _param_of(param_of))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SettleReport:
+    """`settle`'s answer: background work after an update has finished."""
+
+    background_s: float | None = None
+    """Seconds the background work took; None for an engine that does none."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return _without_none({"background_s": self.background_s})
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SettleReport:
+        return cls(background_s=_get(d, cls, "background_s", None))
+
+
+ANSWERS: dict[str, type] = {
+    "check_refit": RefitAnswer, "begin": BeginAnswer, "share_params": ShareAnswer,
+    "load_bucket": LoadReport, "end": EndReport, "settle": SettleReport, "stage": StageReport,
+}
+"""`WeightReceiver` method -> the class of its answer (the other methods answer plain data)."""
+
+
+def from_wire(method: str, reply: Any) -> Any:
+    """A receiver's reply to `method` as it arrived, turned into its `ANSWERS` class (a reply
+    to a method without one, as it is)."""
+    cls = ANSWERS.get(method)
+    return reply if cls is None else cls.from_dict(reply)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EngineSyncReport:
+    """One engine's part of a `SyncReport`."""
+
+    path: str
+    """How its weights travelled: "buckets" or "direct" (the one-copy path)."""
+    status: str = "ok"
+    """"ok" (a sync that failed raises instead of reporting)."""
+    weight_version: str | None = None
+    """The version tag the engine serves now, as its `end` reported."""
+    load_s: float | None = None
+    """Seconds the engine spent loading buckets (the buckets path only)."""
+    end_s: float | None = None
+    """Seconds its `end` took."""
+    session_s: float | None = None
+    """Seconds from its `begin` to the end of its `end`."""
+    cache_flushed: bool | None = None
+    """Whether its prefix cache was reset."""
+    share_s: float | None = None
+    """Seconds it took to share its parameters after this sync (once, for the one-copy path)."""
+
+    @classmethod
+    def of(cls, end: EndReport, *, path: str, load_s: float | None = None) -> EngineSyncReport:
+        return cls(path=path, weight_version=end.weight_version, load_s=load_s,
+                   end_s=end.end_s, session_s=end.session_s, cache_flushed=end.cache_flushed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "path": self.path, **_without_none({
+            "weight_version": self.weight_version, "load_s": self.load_s, "end_s": self.end_s,
+            "session_s": self.session_s, "cache_flushed": self.cache_flushed,
+            "share_s": self.share_s})}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EngineSyncReport:
+        return cls(path=_get(d, cls, "path"), status=_get(d, cls, "status", "ok"),
+                   **{name: _get(d, cls, name, None) for name in (
+                       "weight_version", "load_s", "end_s", "session_s", "cache_flushed",
+                       "share_s")})
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SyncReport:
+    """What one sync did: `WeightSender.sync`'s result; `TrainerSync.sync` returns its
+    `to_dict()` (plain data, so it can travel from a trainer actor to its driver)."""
+
+    version: str
+    """The version tag the engines serve now."""
+    path: str
+    """"buckets", "direct" (the one-copy path) or "mixed" (engines took different paths)."""
+    nbytes: int
+    """Bytes of one copy of the model's weights."""
+    num_buckets: int
+    """Buckets sent (0 on the one-copy path)."""
+    sync_s: float
+    """Seconds the sync took, verification excluded."""
+    engines: dict[str, EngineSyncReport] = field(default_factory=dict)
+    """Engine name -> its part."""
+    phases_s: dict[str, Any] | None = None
+    """The one-copy path: seconds of "begin", "write", "end", and each rank's "rank_write"."""
+    bytes_written: int | None = None
+    """The one-copy path: bytes the trainer's ranks wrote, into all engines' workers."""
+    verify: dict[str, Any] | None = None
+    """With verify: {engine: {"verified", "mismatched", "num_checked", ...}, "verify_s"}."""
+
+    @property
+    def gbps(self) -> float:
+        """Gigabytes of the model per second of sync."""
+        return self.nbytes / self.sync_s / 1e9 if self.sync_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "path": self.path, "nbytes": self.nbytes,
+                "num_buckets": self.num_buckets, "sync_s": self.sync_s, "gbps": self.gbps,
+                "engines": {n: e.to_dict() for n, e in self.engines.items()},
+                **_without_none({"phases_s": self.phases_s, "bytes_written": self.bytes_written,
+                                 "verify": self.verify})}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SyncReport:
+        engines = _get(d, cls, "engines", {})
+        return cls(version=_get(d, cls, "version"), path=_get(d, cls, "path"),
+                   nbytes=int(_get(d, cls, "nbytes")), num_buckets=int(_get(d, cls, "num_buckets")),
+                   sync_s=float(_get(d, cls, "sync_s")),
+                   engines={n: EngineSyncReport.from_dict(e) for n, e in engines.items()},
+                   phases_s=_get(d, cls, "phases_s", None),
+                   bytes_written=_get(d, cls, "bytes_written", None),
+                   verify=_get(d, cls, "verify", None))
