@@ -21,7 +21,10 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 import weightsync
-from weightsync.apps.models import make_tiny_model, make_tokenizer  # a tiny checkpoint, no downloads
+from weightsync.apps.models import (  # a tiny checkpoint, no downloads
+    make_tiny_model,
+    make_tokenizer,
+)
 
 TEXT = "the engines follow the trainer, step by step."
 

@@ -20,7 +20,10 @@ import ray
 import torch
 
 import weightsync
-from weightsync.apps.models import make_tiny_model, make_tokenizer  # a tiny checkpoint, no downloads
+from weightsync.apps.models import (  # a tiny checkpoint, no downloads
+    make_tiny_model,
+    make_tokenizer,
+)
 
 
 class PolicyWorker:

@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import PipeEndpoint, stop_receiver, timed_copy  # noqa: E402
 
-from weightsync import layouts  # noqa: E402
+from weightsync.apps import layouts  # noqa: E402
 from weightsync.trainer.endpoint import Endpoint  # noqa: E402
 
 PATHS = ("buckets", "one_copy")
@@ -93,8 +93,8 @@ _PROCESS_CALLS = {"pid": os.getpid, "gpu_reset": _gpu_reset,
 
 def _receiver_main(shapes: layouts.Layout, conn, device: str = "cpu",
                    receiver_layout: str = "checkpoint") -> None:
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
     from weightsync.wire.errors import error_to_wire
-    from weightsync.engine.session import ModuleWeightReceiver
 
     torch.set_num_threads(1)
     if receiver_layout == "fused":  # an engine's parameters: q/k/v, gate/up, experts fused
@@ -190,7 +190,7 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
         child.start()
         engines = {"receiver": _PipeEndpoint(here, "receiver")}
     sync.connect(engines)
-    expected = "direct" if path == "one_copy" else "buckets"
+    expected = "one_copy" if path == "one_copy" else "buckets"
     warm = [sync.sync(f"warm-{i}") for i in range(2)]
     pids = trainer_pids + ([engines["receiver"].call("pid", timeout_s=60)] if rank == 0 else [])
     dist.barrier()
@@ -284,7 +284,11 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
 def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
     import torch.distributed as dist
 
-    from weightsync.trainer.source import close_trainer_group, init_trainer_group, shard_model
+    from weightsync.trainer.process_group import (
+        close_trainer_group,
+        init_trainer_group,
+        shard_model,
+    )
 
     torch.set_num_threads(1)
     init_trainer_group(rank=rank, world_size=args.ranks, master_addr="127.0.0.1",

@@ -65,8 +65,8 @@ def _receiver_main(device: int, num_tensors: int, numel: int, conn,
                    tp: tuple[int, int, int, int] | None = None) -> None:
     """`tp`: (rank, size, rows, cols): a sliced worker of 2-D tensors of rows x cols."""
     torch.cuda.set_device(device)
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
     from weightsync.wire.errors import error_to_wire
-    from weightsync.engine.session import ModuleWeightReceiver
 
     if tp is None:
         receiver = ModuleWeightReceiver(_model(num_tensors, numel, f"cuda:{device}"),
@@ -157,8 +157,8 @@ def source_model(num_tensors: int, numel: int, device: int) -> torch.nn.Module:
 def run(kind: str, size_gb: float, repeats: int, bucket_bytes: int | list[int],
         zero_copy: bool = True) -> dict | list[dict]:
     """One result per bucket size (a dict when `bucket_bytes` is one int)."""
-    from weightsync.trainer.source import DTensorV2Source
     from weightsync.trainer.sender import WeightSender
+    from weightsync.trainer.source import DTensorV2Source
 
     buckets = [bucket_bytes] if isinstance(bucket_bytes, int) else list(bucket_bytes)
     sender_device, receiver_device = (0, 0) if kind == "ipc" else (0, 1)
@@ -251,11 +251,11 @@ def run_tp(size_gb: float, repeats: int, bucket_bytes: int) -> dict:
     the columns of odd ones). Verified per worker through the placements each learned. The
     references: a bare copy of one worker's slice bytes GPU 0 -> GPU 0 and GPU 0 -> GPU 1.
     (NCCL would need three GPUs: one per rank of the trainer-and-workers group.)"""
+    from weightsync.trainer.sender import WeightSender
     from weightsync.trainer.source import DTensorV2Source
+    from weightsync.transports.cuda_ipc import CudaIpcSender
     from weightsync.wire.fingerprint import fingerprint
     from weightsync.wire.placement import WorkerPrints
-    from weightsync.trainer.sender import WeightSender
-    from weightsync.transports.cuda_ipc import CudaIpcSender
 
     torch.cuda.set_device(0)
     rows, cols = 8192, 4096  # 64 MiB of bf16 each

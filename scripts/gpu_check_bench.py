@@ -20,9 +20,8 @@ import json
 
 import torch
 
-from weightsync.gpu import kernel
-
 from weightsync.apps import layouts
+from weightsync.gpu import kernel
 
 
 def _best_ms(fn, repeats: int = 5) -> float:

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import PipeEndpoint, stop_receiver, timed_copy  # noqa: E402
 
-from weightsync import layouts  # noqa: E402
+from weightsync.apps import layouts  # noqa: E402
 
 
 def _receiver_main(shapes: layouts.Layout, conn, one_copy_bytes: int | None = None,
@@ -43,8 +43,8 @@ def _receiver_main(shapes: layouts.Layout, conn, one_copy_bytes: int | None = No
         copies.GRAPH_BRANCHES = int(os.environ["WS_GRAPH_BRANCHES"])
     if one_copy_bytes is not None:
         copies.ONE_COPY_BYTES = one_copy_bytes
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
     from weightsync.wire.errors import error_to_wire
-    from weightsync.engine.session import ModuleWeightReceiver
 
     receiver = ModuleWeightReceiver(layouts.build_module(shapes, device="cuda:0"),
                                     name="receiver")

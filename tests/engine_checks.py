@@ -54,7 +54,7 @@ def check_sync_after_training(engine, trainer, name: str, version: str, *, steps
 def check_repeated_syncs(engine, trainer, name: str, prefix: str, *, rounds: int,
                          path: str = "buckets") -> None:
     """Several syncs of very different weights, with requests served in between; each takes
-    `path` ("direct": the trainer writes into the engine's shared parameters)."""
+    `path` ("one_copy": the trainer writes into the engine's shared parameters)."""
     before = ray.get(engine.generate.remote(prompt_ids()))
     for round_ in range(rounds):
         trainer.call("set_weights_from", 100 + round_)
@@ -128,9 +128,9 @@ def check_failed_verification_is_never_adopted(engine, trainer, name: str) -> No
     import torch
 
     from weightsync.trainer.endpoint import RayEndpoint
-    from weightsync.wire.errors import VerificationFailed
     from weightsync.trainer.sender import WeightSender
     from weightsync.transports.shm import ShmSender
+    from weightsync.wire.errors import VerificationFailed
     from weightsync.wire.specs import dtype_from_str, specs_from_dicts
 
     specs = specs_from_dicts(trainer.call("refit_info"))

@@ -23,9 +23,9 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "TrainerSync": "weightsync.trainer.sync",
     "SyncOptions": "weightsync.trainer.sync",
-    "init_trainer_group": "weightsync.trainer.source",
-    "shard_model": "weightsync.trainer.source",
-    "close_trainer_group": "weightsync.trainer.source",
+    "init_trainer_group": "weightsync.trainer.process_group",
+    "shard_model": "weightsync.trainer.process_group",
+    "close_trainer_group": "weightsync.trainer.process_group",
     "host_store": "weightsync.transports.rendezvous",
     "DTensorV2Source": "weightsync.trainer.source",
     "init_ray": "weightsync.launch.launcher",
@@ -34,7 +34,7 @@ _EXPORTS: dict[str, str] = {
     "TrainerGroup": "weightsync.launch.launcher",
     "WeightSender": "weightsync.trainer.sender",
     "WeightReceiver": "weightsync.engine.session",
-    "ModuleWeightReceiver": "weightsync.engine.session",
+    "ModuleWeightReceiver": "weightsync.engine.module_receiver",
     "Endpoint": "weightsync.trainer.endpoint",
     "RayEndpoint": "weightsync.trainer.endpoint",
 }
@@ -45,18 +45,19 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from weightsync.trainer.source import (
-        DTensorV2Source,
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
+    from weightsync.engine.session import WeightReceiver
+    from weightsync.launch.launcher import TrainerGroup, init_ray, launch, register_actor
+    from weightsync.trainer.endpoint import Endpoint, RayEndpoint
+    from weightsync.trainer.process_group import (
         close_trainer_group,
         init_trainer_group,
         shard_model,
     )
-    from weightsync.trainer.endpoint import Endpoint, RayEndpoint
-    from weightsync.launch.launcher import TrainerGroup, init_ray, launch, register_actor
-    from weightsync.engine.session import ModuleWeightReceiver, WeightReceiver
-    from weightsync.transports.rendezvous import host_store
     from weightsync.trainer.sender import WeightSender
+    from weightsync.trainer.source import DTensorV2Source
     from weightsync.trainer.sync import SyncOptions, TrainerSync
+    from weightsync.transports.rendezvous import host_store
 
 
 def _map_checkout_backends() -> None:

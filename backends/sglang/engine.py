@@ -28,12 +28,13 @@ import torch
 
 from weightsync.backends.sglang.loader import LOADER
 from weightsync.backends.sglang.serve import KEY_VARIABLE
-from weightsync.launch.preflight import refuse_unsupported_sglang
-from weightsync.wire.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer, StageReport
-from weightsync.engine.session import EngineSession, sharing_of
+from weightsync.engine.one_copy.sharing import combine_worker_shares
+from weightsync.engine.replica import sharing_of
 from weightsync.engine.sampling import SamplingOptions
 from weightsync.engine.server import LocalServer, cli_flags
-from weightsync.engine.one_copy.sharing import combine_worker_shares
+from weightsync.engine.session import EngineSession
+from weightsync.launch.preflight import refuse_unsupported_sglang
+from weightsync.wire.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer, StageReport
 from weightsync.wire.specs import as_plain, unwrap_all
 
 logger = logging.getLogger(__name__)
@@ -303,12 +304,12 @@ class SglEngineActor(EngineSession):
         first = RefitAnswer.from_dict(answers[0])
         return replace(first, num_receivers=len(answers), tp_size=self.tp_size).to_dict()
 
-    def _engine_begin(self, direct: bool | list[str]) -> str | None:
+    def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
         self._session("begin")
-        if direct:
-            whys = [r["why"] for r in self._control_all("begin_direct",
+        if one_copy:
+            whys = [r["why"] for r in self._control_all("begin_one_copy",
                                                         keep_previous=self.keep_previous,
-                                                        sharing=sharing_of(direct))
+                                                        sharing=sharing_of(one_copy))
                     if r["why"] is not None]
             if whys:
                 self._session("end", needed=False)
@@ -321,7 +322,7 @@ class SglEngineActor(EngineSession):
 
     def _engine_end(self, version: str) -> EndReport:
         # The version rides on a last, empty control call, so SGLang's own tag moves too.
-        commits = self._control_all("commit", weight_version=version, direct=self._direct)
+        commits = self._control_all("commit", weight_version=version, one_copy=self._one_copy)
         self._session("end")
         # Where each scheduler's loader puts each tensor (slices at TP > 1), for verification.
         placements = [c["placements"] for c in commits]

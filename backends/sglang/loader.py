@@ -2,7 +2,7 @@
 
 SGLang calls `weightsync_load(model, named_tensors)` from `update_weights_from_tensor` when the
 request's load_format names it. We pass one control item: its name is a JSON message
-{"op": "check"|"load"|"commit"|"rollback"|"fingerprints"|"share"|"begin_direct",
+{"op": "check"|"load"|"commit"|"rollback"|"fingerprints"|"share"|"begin_one_copy",
 "reply": dir, ...} and its tensor is empty; the weights
 themselves are in a transport buffer that the message's descriptor points at. SGLang ignores
 what a custom loader returns and an exception kills the scheduler (and with it the caller), so
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from typing import Any
 
 from weightsync.wire.specs import error_reply, ok_reply
@@ -27,7 +26,7 @@ _receivers: dict[int, Any] = {}
 def _receiver(model: Any) -> Any:
     from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-    from weightsync.engine.session import ModelReceiver
+    from weightsync.engine.replica import ModelReceiver
 
     receiver = _receivers.get(id(model))
     if receiver is None:
@@ -55,7 +54,6 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
     adds the scheduler's `tp_rank` to every reply). The scheduler learns and reports its
     placements (where its loader puts the elements of each tensor it holds, slices at TP > 1;
     weightsync/wire/placement.py), which verification compares against."""
-    from weightsync.wire.protocol import LoadReport
     from weightsync.wire.specs import BucketDescriptor, specs_from_dicts
 
     receiver = _receiver(model)
@@ -64,23 +62,17 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
     if op == "check":
         return receiver.check_refit(specs_from_dicts(message["specs"])).to_dict()
     if op == "load":
-        start = time.perf_counter()
-        bucket = BucketDescriptor.from_dict(message["descriptor"])
-        views = receiver.receive(bucket)
-        receiver.load(views, keep_previous=bool(message.get("keep_previous")))
-        receiver.learn_placements(views)
-        del views
-        receiver.release(bucket)
-        return LoadReport(num_tensors=len(bucket.tensors), nbytes=bucket.nbytes,
-                          seconds=time.perf_counter() - start).to_dict()
+        report, _ = receiver.load_bucket(BucketDescriptor.from_dict(message["descriptor"]),
+                                         keep_previous=bool(message.get("keep_previous")))
+        return report.to_dict()
     if op == "share":
         return receiver.share(receiver.placements if size > 1 else None).to_dict()
-    if op == "begin_direct":
-        return {"why": receiver.begin_direct(keep_previous=bool(message.get("keep_previous")),
+    if op == "begin_one_copy":
+        return {"why": receiver.begin_one_copy(keep_previous=bool(message.get("keep_previous")),
                                              sharing=message.get("sharing"))}
     if op == "commit":
-        if message.get("direct"):
-            receiver.end_direct()
+        if message.get("one_copy"):
+            receiver.end_one_copy()
         receiver.drop_previous()
         return {"placements": receiver.placements}
     if op == "rollback":

@@ -21,6 +21,10 @@ from dataclasses import replace
 from typing import Any
 
 from weightsync.backends.vllm.guard import KEY_VARIABLE
+from weightsync.engine.one_copy.sharing import combine_worker_shares
+from weightsync.engine.sampling import SamplingOptions
+from weightsync.engine.server import LocalServer, cli_flags
+from weightsync.engine.session import EngineSession
 from weightsync.launch.preflight import cpu_binding, cuda_device_present, refuse_unsupported_vllm
 from weightsync.wire.protocol import (
     EndReport,
@@ -30,10 +34,6 @@ from weightsync.wire.protocol import (
     ShareAnswer,
     StageReport,
 )
-from weightsync.engine.session import EngineSession
-from weightsync.engine.sampling import SamplingOptions
-from weightsync.engine.server import LocalServer, cli_flags
-from weightsync.engine.one_copy.sharing import combine_worker_shares
 from weightsync.wire.specs import as_plain, unwrap_all
 
 logger = logging.getLogger(__name__)
@@ -188,8 +188,8 @@ class VllmEngineActor(EngineSession):
         first = RefitAnswer.from_dict(results[0])
         return replace(first, num_receivers=len(results), tp_size=self.tp_size).to_dict()
 
-    def _engine_begin(self, direct: bool | list[str]) -> str | None:
-        whys = [r["why"] for r in self._rpc_all("weightsync_begin", direct, self.keep_previous)
+    def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
+        whys = [r["why"] for r in self._rpc_all("weightsync_begin", one_copy, self.keep_previous)
                 if r["why"]]
         return "; ".join(whys) if whys else None
 

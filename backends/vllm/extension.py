@@ -20,7 +20,6 @@ exception into a bare Exception and loses its type.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,8 +48,8 @@ class WeightsyncWorkerExtension:
         if state is None:
             from vllm.platforms import current_platform
 
-            from weightsync.engine.session import ModelReceiver
             from weightsync.engine.refit import copy_loader
+            from weightsync.engine.replica import ModelReceiver
 
             model = self.model_runner.model
             state = self._weightsync = {
@@ -72,8 +71,8 @@ class WeightsyncWorkerExtension:
 
     @_guard
     def weightsync_check(self, specs: list[dict]) -> dict[str, Any]:
-        from weightsync.wire.protocol import RefitAnswer
         from weightsync.engine.refit import check_against_checkpoint
+        from weightsync.wire.protocol import RefitAnswer
         from weightsync.wire.specs import dtype_to_str, specs_from_dicts
 
         config = self.vllm_config.model_config
@@ -86,10 +85,10 @@ class WeightsyncWorkerExtension:
                            tp_size=self._ws_tp()[1]).to_dict()
 
     @_guard
-    def weightsync_begin(self, direct: bool | list[str] = False, keep_previous: bool = False,
+    def weightsync_begin(self, one_copy: bool | list[str] = False, keep_previous: bool = False,
                          ) -> dict[str, Any]:
         """Open an update; with `keep_previous`, what it overwrites is copied first (each
-        parameter once) so that `weightsync_rollback` can put it back. A list `direct` names
+        parameter once) so that `weightsync_rollback` can put it back. A list `one_copy` names
         the sharings the trainer writes into (this worker's must be one)."""
         state = self._ws_state()
         experts = self._ws_experts()
@@ -97,15 +96,15 @@ class WeightsyncWorkerExtension:
         state["gemms"].rewrap()
         state["receiver"].open_update()
         experts.unpack()  # loaders, writers and verification see the checkpoint layout
-        if direct:
-            from weightsync.engine.session import sharing_of
+        if one_copy:
+            from weightsync.engine.replica import sharing_of
 
-            why = state["receiver"].begin_direct(keep_previous=keep_previous,
-                                                 sharing=sharing_of(direct))
+            why = state["receiver"].begin_one_copy(keep_previous=keep_previous,
+                                                 sharing=sharing_of(one_copy))
             if why is not None:
                 experts.pack()  # nothing is left open: the engine serves on
                 return {"why": why}
-        state["open"], state["direct"], state["keep"] = True, bool(direct), keep_previous
+        state["open"], state["one_copy"], state["keep"] = True, bool(one_copy), keep_previous
         return {"why": None}
 
     def _ws_experts(self) -> Any:
@@ -132,7 +131,7 @@ class WeightsyncWorkerExtension:
         restored = receiver.restore_previous()
         self._ws_experts().pack()
         state["gemms"].mark_stale({n for n, _ in receiver.model.named_parameters()})
-        state["open"], state["direct"], state["keep"] = False, False, False
+        state["open"], state["one_copy"], state["keep"] = False, False, False
         state["gemms"].start()
         return {"restored": restored}
 
@@ -160,54 +159,30 @@ class WeightsyncWorkerExtension:
         import torch
         from vllm.config import set_current_vllm_config
 
-        from weightsync.wire.protocol import LoadReport
         from weightsync.wire.specs import BucketDescriptor
 
         state = self._ws_state()
         if not state["open"]:
             raise RuntimeError("vllm: load outside an update; begin first")
-        receiver = state["receiver"]
-        start = time.perf_counter()
         bucket = BucketDescriptor.from_dict(descriptor)
-        views = receiver.receive(bucket)
-        model = receiver.model
-        touched: set[str] = set()
+        # vLLM's loaders learn where each tensor lands on first sight (its refit check runs no
+        # dry run): `load_bucket` keeps what `load_weights` says it wrote.
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            known = [(n, t) for n, t in views if n in receiver.param_of]
-            if state.get("keep"):
-                if len(known) < len(views):  # where a new tensor lands is not known yet
-                    receiver.previous.keep_all(dict(model.named_parameters()))
-                receiver.previous.keep([n for n, _ in known])
-            if known:
-                touched.update(model.load_weights(known))
-            # First sight of a tensor: load it alone to learn which parameters it lands in
-            # (and, in a tensor-parallel worker, which of its elements land where).
-            for name, tensor in views:
-                if name not in receiver.param_of:
-                    receiver.param_of[name] = sorted(model.load_weights([(name, tensor)]))
-                    touched.update(receiver.param_of[name])
-                    self._ws_learn_placement(name, tensor)
-        state["gemms"].mark_stale(touched)
-        del views, known
-        receiver.release(bucket)
-        return LoadReport(num_tensors=len(bucket.tensors), nbytes=bucket.nbytes,
-                          seconds=time.perf_counter() - start).to_dict()
-
-    def _ws_learn_placement(self, name: str, tensor: Any) -> None:
-        """Where this worker's loader puts the elements of `name` (for verification; at
-        TP > 1 also for the one-copy path's slices)."""
-        self._ws_state()["receiver"].learn_placements([(name, tensor)])
+            report, written = state["receiver"].load_bucket(bucket,
+                                                            keep_previous=bool(state.get("keep")))
+        state["gemms"].mark_stale(written)
+        return report.to_dict()
 
     @_guard
     def weightsync_end(self) -> dict[str, Any]:
         state = self._ws_state()
-        if state.get("direct"):
-            state["receiver"].end_direct()  # raises if a parameter no longer is those bytes
+        if state.get("one_copy"):
+            state["receiver"].end_one_copy()  # raises if a parameter no longer is those bytes
             # The trainer wrote into the shared parameters: their layers compute from them
             # until re-packed, as after a load.
-            state["gemms"].mark_stale(set(state["receiver"].direct_params()))
+            state["gemms"].mark_stale(set(state["receiver"].one_copy_params()))
         self._ws_experts().pack()  # before the engine serves again
-        state["open"], state["direct"], state["keep"] = False, False, False
+        state["open"], state["one_copy"], state["keep"] = False, False, False
         state["receiver"].drop_previous()
         state["gemms"].start()
         return {"param_of": state["receiver"].param_of, "tp_rank": self._ws_tp()[0],

@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
+from weightsync.transports import make_receiver
+from weightsync.transports.collective import CollectiveSender
 from weightsync.wire.bucket import fill_buckets, plan_buckets, unpack
 from weightsync.wire.errors import CollectiveFailed
 from weightsync.wire.fingerprint import fingerprint
-from weightsync.transports import make_receiver
-from weightsync.transports.collective import CollectiveSender
 from weightsync.wire.specs import BucketDescriptor, TensorSpec
 
 

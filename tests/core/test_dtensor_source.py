@@ -6,13 +6,9 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import free_port
-from weightsync.trainer.source import (
-    DTensorV2Source,
-    close_trainer_group,
-    init_trainer_group,
-    shard_model,
-)
 from weightsync.apps.models import build_model
+from weightsync.trainer.process_group import close_trainer_group, init_trainer_group, shard_model
+from weightsync.trainer.source import DTensorV2Source
 
 
 def _rank_main(rank, world_size, port, arch, results):

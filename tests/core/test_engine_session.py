@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from weightsync.wire.protocol import EndReport, LoadReport
 from weightsync.engine.session import EngineSession
+from weightsync.wire.protocol import EndReport, LoadReport
 
 BUCKET = {"index": 0, "nbytes": 4, "handle": {}, "tensors": []}
 
@@ -37,7 +37,7 @@ class PausingEngine(EngineSession):
         assert not self.generating, "resumed without a pause"
         self.generating = True
 
-    def _engine_begin(self, direct: bool) -> str | None:
+    def _engine_begin(self, one_copy: bool) -> str | None:
         if self.fail_begin:
             raise RuntimeError("engine refused to begin")
         return None

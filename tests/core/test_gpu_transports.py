@@ -40,8 +40,8 @@ def test_nccl_sync_to_another_gpu_is_verified():
 def ipc_pair():
     """A CUDA IPC sender for 4 bf16 tensors of 1 Mi elements (2 per bucket) and a receiver
     process holding parameters of the same names."""
-    from weightsync.trainer.source import DTensorV2Source
     from weightsync.trainer.sender import WeightSender
+    from weightsync.trainer.source import DTensorV2Source
     from weightsync.transports.cuda_ipc import CudaIpcSender
 
     bench = _bench()
@@ -142,8 +142,8 @@ def test_zero_copy_hooks_pass_tensors_in_place_on_cpu():
     """The sender's `attach` and the receiver's `receive_tensors` hooks (what CUDA IPC's
     zero-copy path uses), with an in-process stand-in that passes tensors by reference."""
     from weightsync import transports
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
     from weightsync.trainer.endpoint import LocalEndpoint
-    from weightsync.engine.session import ModuleWeightReceiver
     from weightsync.trainer.sender import WeightSender
     from weightsync.wire.specs import TensorSpec
 
@@ -296,7 +296,7 @@ def test_an_update_that_keeps_previous_weights_takes_the_one_copy_path_only_on_t
     the writers off by giving each parameter new memory); on exported CUDA storages it is
     refused with the reason (new memory would leave an engine's CUDA graphs reading the old),
     and the trainer sends that update by buckets. Shared CUDA storages name their GPU."""
-    from weightsync.engine.session import ModuleWeightReceiver
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
     from weightsync.wire.specs import TensorSpec, specs_to_dicts
 
     g = torch.Generator().manual_seed(0)
@@ -309,14 +309,14 @@ def test_an_update_that_keeps_previous_weights_takes_the_one_copy_path_only_on_t
     receiver.check_refit(specs_to_dicts([TensorSpec.of(n, t) for n, t in source.items()]))
     shared = receiver.share_params()["shared"]
     try:
-        why = receiver.receiver.begin_direct(keep_previous=True)
+        why = receiver.receiver.begin_one_copy(keep_previous=True)
         if device == "cpu":
             assert why is None and "segment" in shared
-            receiver.receiver.end_direct()
+            receiver.receiver.end_one_copy()
         else:
             assert "keep_previous on GPU parameters" in why, why
             assert shared["cuda"]["uuid"] == str(torch.cuda.get_device_properties(0).uuid)
-            assert receiver.receiver.begin_direct(keep_previous=False) is None
-            receiver.receiver.end_direct()
+            assert receiver.receiver.begin_one_copy(keep_previous=False) is None
+            receiver.receiver.end_one_copy()
     finally:
         receiver.receiver.close()

@@ -18,8 +18,8 @@ import torch
 
 from tests.conftest import free_port
 from weightsync.engine import server
-from weightsync.transports.rendezvous import host_store, listening_socket
 from weightsync.transports.collective import CollectiveSender
+from weightsync.transports.rendezvous import host_store, listening_socket
 
 
 def _listening(pid: int | None = None) -> set[tuple[str, int]]:
@@ -106,7 +106,7 @@ def test_collective_senders_made_at_once_hold_distinct_ports_the_kernel_chose():
 def _trainer_rank(rank: int, host: str, port: int, rank0_hosts_store: bool, results) -> None:
     import torch.distributed as dist
 
-    from weightsync.trainer.source import close_trainer_group, init_trainer_group
+    from weightsync.trainer.process_group import close_trainer_group, init_trainer_group
     from weightsync.trainer.sync_group import SyncGroup
 
     init_trainer_group(rank=rank, world_size=2, master_addr=host, master_port=port,
@@ -163,7 +163,7 @@ def test_a_trainer_group_given_a_multi_node_address_listens_there_only():
 
 
 def test_rank_0_cannot_host_the_store_on_port_0():
-    from weightsync.trainer.source import init_trainer_group
+    from weightsync.trainer.process_group import init_trainer_group
 
     with pytest.raises(ValueError, match="master_port=0 with rank0_hosts_store=True"):
         init_trainer_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=0)
@@ -173,7 +173,7 @@ def test_a_trainer_group_on_an_unknown_device_is_refused_before_joining():
     """A device other than cpu/cuda is named in the error; nothing is joined (no store)."""
     import torch.distributed as dist
 
-    from weightsync.trainer.source import init_trainer_group
+    from weightsync.trainer.process_group import init_trainer_group
 
     with pytest.raises(ValueError, match="device='tpu': pass 'cpu' \\(gloo\\) or 'cuda'"):
         init_trainer_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=1,

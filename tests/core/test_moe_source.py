@@ -10,15 +10,14 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import free_port
-from weightsync.trainer.source import (
-    DTensorV2Source,
-    ShardPieces,
+from weightsync.apps.models import NUM_EXPERTS, build_model
+from weightsync.trainer.process_group import (
     close_trainer_group,
     init_trainer_group,
     shard_model,
     transformer_blocks,
 )
-from weightsync.apps.models import NUM_EXPERTS, build_model
+from weightsync.trainer.source import DTensorV2Source, ShardPieces
 
 
 def _numpy(tensor: torch.Tensor):

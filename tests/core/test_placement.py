@@ -147,12 +147,12 @@ def test_two_sliced_workers_are_each_verified_against_what_they_hold():
     """The reference receiver with slicing loaders stands for two TP workers (the GPU script's
     tensor-parallel mode runs the same over CUDA IPC): each learns its placements during the
     first sync, and the sender checks each against the trainer's elements it holds."""
-    from weightsync.trainer.source import DTensorV2Source
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
     from weightsync.trainer.endpoint import LocalEndpoint
-    from weightsync.wire.placement import WorkerPrints
-    from weightsync.engine.session import ModuleWeightReceiver
     from weightsync.trainer.sender import WeightSender
+    from weightsync.trainer.source import DTensorV2Source
     from weightsync.transports.shm import ShmSender
+    from weightsync.wire.placement import WorkerPrints
 
     torch.manual_seed(0)
     full = torch.nn.Module()

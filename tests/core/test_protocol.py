@@ -22,8 +22,8 @@ ANSWERS = [
     RefitAnswer(param_of={"w": ["w"], "qkv.q": ["qkv"]}, num_params=2, num_receivers=2,
                 tp_size=2),
     RefitAnswer(param_of={}, num_params=7),
-    BeginAnswer(direct=True),
-    BeginAnswer(direct=False, why="vllm: parameters are not shared"),
+    BeginAnswer(one_copy=True),
+    BeginAnswer(one_copy=False, why="vllm: parameters are not shared"),
     ShareAnswer(shared={"segment": "weightsync-1-abc", "nbytes": 4096, "offsets": {"w": 0}}),
     ShareAnswer(shared=[{"segment": "a"}, {"segment": "b"}]),
     ShareAnswer(shared=None, why="not known yet", retry=True),
@@ -37,7 +37,7 @@ ANSWERS = [
                engines={"a": EngineSyncReport(path="buckets", weight_version="v3", load_s=0.2,
                                               end_s=0.01, session_s=0.4, cache_flushed=True,
                                               share_s=0.3),
-                        "b": EngineSyncReport(path="direct", weight_version="v3")},
+                        "b": EngineSyncReport(path="one_copy", weight_version="v3")},
                phases_s={"begin": 0.1, "rank_write": [0.1, 0.2]}, bytes_written=2 * 10**9,
                verify={"a": {"verified": True, "mismatched": [], "num_checked": 3},
                        "verify_s": 0.05}),
@@ -52,8 +52,8 @@ def test_answer_survives_to_dict_json_and_from_dict(answer):
 
 
 def test_to_dict_carries_the_keys_the_wire_always_carried():
-    assert BeginAnswer(direct=True).to_dict() == {"direct": True}
-    assert BeginAnswer(direct=False, why="x").to_dict() == {"direct": False, "why": "x"}
+    assert BeginAnswer(one_copy=True).to_dict() == {"one_copy": True}
+    assert BeginAnswer(one_copy=False, why="x").to_dict() == {"one_copy": False, "why": "x"}
     assert ShareAnswer(shared=None, why="x").to_dict() == {"shared": None, "why": "x",
                                                            "retry": False}
     assert LoadReport(num_tensors=1, nbytes=2, seconds=0.5).to_dict() == {
@@ -82,7 +82,7 @@ def test_from_dict_fills_absent_optional_fields_and_ignores_unknown_keys():
 
 @pytest.mark.parametrize("cls, d, missing", [
     (RefitAnswer, {"param_of": {}}, "num_params"),
-    (BeginAnswer, {"why": "x"}, "direct"),
+    (BeginAnswer, {"why": "x"}, "one_copy"),
     (ShareAnswer, {"why": "x", "retry": True}, "shared"),
     (LoadReport, {"num_tensors": 1, "seconds": 0.1}, "nbytes"),
     (EndReport, {"end_s": 0.1}, "weight_version"),
@@ -101,6 +101,6 @@ def test_from_dict_of_something_else_than_a_dict_says_what_it_got():
 
 
 def test_from_wire_types_the_answers_of_the_receiver_methods_only():
-    assert from_wire("begin", {"direct": True}) == BeginAnswer(direct=True)
+    assert from_wire("begin", {"one_copy": True}) == BeginAnswer(one_copy=True)
     prints = {"w": [1, 2]}
     assert from_wire("fingerprints", prints) is prints

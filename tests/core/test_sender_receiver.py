@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.trainer.source import DTensorV2Source
-from weightsync.trainer.endpoint import LocalEndpoint
 from weightsync.apps.models import build_model
-from weightsync.engine.session import ModuleWeightReceiver
+from weightsync.engine.module_receiver import ModuleWeightReceiver
+from weightsync.trainer.endpoint import LocalEndpoint
 from weightsync.trainer.sender import WeightSender
+from weightsync.trainer.source import DTensorV2Source
 from weightsync.transports.shm import ShmSender
 
 

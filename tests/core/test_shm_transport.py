@@ -12,8 +12,6 @@ import sys
 import pytest
 import torch
 
-from weightsync.wire.bucket import fill_buckets, plan_buckets
-from weightsync.wire.fingerprint import fingerprint
 from weightsync.transports.shm import (
     SHM_DIR,
     ShmReceiver,
@@ -22,6 +20,8 @@ from weightsync.transports.shm import (
     list_segments,
     sweep_stale_segments,
 )
+from weightsync.wire.bucket import fill_buckets, plan_buckets
+from weightsync.wire.fingerprint import fingerprint
 from weightsync.wire.specs import BucketDescriptor, TensorSpec
 
 

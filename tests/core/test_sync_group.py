@@ -16,7 +16,7 @@ def _rank(rank: int, world_size: int, port: int, results) -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from weightsync.trainer.source import close_trainer_group, init_trainer_group
+    from weightsync.trainer.process_group import close_trainer_group, init_trainer_group
     from weightsync.trainer.sync_group import SyncGroup
 
     def refuse(*args, **kwargs):
@@ -33,7 +33,7 @@ def _rank(rank: int, world_size: int, port: int, results) -> None:
         for name in ("broadcast", "all_gather", "gather"):
             setattr(dist, name, refuse)
     out: dict = {}
-    plan = {"direct": ["a"], "new": {"a": {"segment": "x", "offsets": {"t": 64}}}, "n": None}
+    plan = {"one_copy": ["a"], "new": {"a": {"segment": "x", "offsets": {"t": 64}}}, "n": None}
     out["broadcast"] = group.broadcast(plan if rank == 0 else None)
     out["gathered"] = group.gather((rank, [f"bad-{rank}"], 0.5 * rank, 10 ** 12))
     try:
@@ -59,7 +59,7 @@ def test_plain_data_crosses_as_json_and_an_unencodable_value_fails_every_rank(wo
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    want = {"direct": ["a"], "new": {"a": {"segment": "x", "offsets": {"t": 64}}}, "n": None}
+    want = {"one_copy": ["a"], "new": {"a": {"segment": "x", "offsets": {"t": 64}}}, "n": None}
     assert outs[0]["broadcast"] == want
     assert outs[0]["unencodable"].startswith("TypeError: sync group: Object of type object")
     assert outs[0]["after"] == "still in step"

@@ -9,14 +9,16 @@ import time
 import pytest
 import ray
 
-from weightsync import SyncOptions, launcher
+from weightsync import SyncOptions
+from weightsync.apps.models import build_model
 from weightsync.backends.sglang.engine import SglEngineActor
 from weightsync.backends.vllm.engine import VllmEngineActor
-from weightsync.trainer.source import DTensorV2Source
+from weightsync.engine.module_receiver import ModuleWeightReceiver
+from weightsync.engine.session import EngineSession
+from weightsync.launch import launcher
 from weightsync.trainer.endpoint import RayEndpoint
-from weightsync.apps.models import build_model
-from weightsync.engine.session import EngineSession, ModuleWeightReceiver
 from weightsync.trainer.sender import WeightSender
+from weightsync.trainer.source import DTensorV2Source
 from weightsync.transports.shm import ShmSender
 
 

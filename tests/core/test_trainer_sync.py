@@ -65,10 +65,14 @@ def _run_two_ranks_of(target, options: dict) -> dict:
 
 def _rank_main(rank: int, port: int, results, options: dict) -> None:
     from weightsync import SyncOptions, TrainerSync
-    from weightsync.trainer.source import close_trainer_group, init_trainer_group, shard_model
-    from weightsync.trainer.endpoint import LocalEndpoint
     from weightsync.apps.models import build_model
-    from weightsync.engine.session import ModuleWeightReceiver
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
+    from weightsync.trainer.endpoint import LocalEndpoint
+    from weightsync.trainer.process_group import (
+        close_trainer_group,
+        init_trainer_group,
+        shard_model,
+    )
 
     records = _collect_logs()
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
@@ -113,8 +117,8 @@ def test_trainer_sync_takes_buckets_then_the_one_copy_path_and_verifies():
     assert "unknown engine(s) ['nope']" in out["unknown_engine_error"]
     first, second, third, fourth = out["reports"]
     assert first["path"] == "buckets" and first["verify"]["ref"]["verified"]
-    assert second["path"] == "direct" and second["verify"]["ref"]["verified"]
-    assert third["path"] == fourth["path"] == "direct"
+    assert second["path"] == "one_copy" and second["verify"]["ref"]["verified"]
+    assert third["path"] == fourth["path"] == "one_copy"
     # verify() compares the engine with the model as it is now: stale before the sync.
     assert not out["stale"]["ref"]["verified"] and out["stale"]["ref"]["mismatched"]
     for fresh in (out["fresh"], out["fresh_again"]):
@@ -130,8 +134,12 @@ def test_trainer_sync_without_one_copy_keeps_buckets_and_says_why_for_a_transpor
 
 def _construct_only(rank: int, port: int, results, options: dict) -> None:
     from weightsync import SyncOptions, TrainerSync
-    from weightsync.trainer.source import close_trainer_group, init_trainer_group, shard_model
     from weightsync.apps.models import build_model
+    from weightsync.trainer.process_group import (
+        close_trainer_group,
+        init_trainer_group,
+        shard_model,
+    )
 
     records = _collect_logs()
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
@@ -157,10 +165,14 @@ def _fail_then_sync_again(rank: int, port: int, results, options: dict) -> None:
     import time
 
     from weightsync import SyncOptions, TrainerSync
-    from weightsync.trainer.source import close_trainer_group, init_trainer_group, shard_model
-    from weightsync.trainer.endpoint import LocalEndpoint
     from weightsync.apps.models import build_model
-    from weightsync.engine.session import ModuleWeightReceiver
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
+    from weightsync.trainer.endpoint import LocalEndpoint
+    from weightsync.trainer.process_group import (
+        close_trainer_group,
+        init_trainer_group,
+        shard_model,
+    )
 
     class FailsMidSync(ModuleWeightReceiver):
         loads = 0
@@ -171,9 +183,9 @@ def _fail_then_sync_again(rank: int, port: int, results, options: dict) -> None:
                 raise RuntimeError("engine failed mid-sync (test)")
             return super().load_bucket(descriptor)
 
-        def begin(self, version: str, direct: bool = False) -> dict:
+        def begin(self, version: str, one_copy: bool = False) -> dict:
             self.loads = 0
-            return super().begin(version, direct)
+            return super().begin(version, one_copy)
 
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     model = shard_model(build_model("opt", "tiny", seed=3), device="cpu")

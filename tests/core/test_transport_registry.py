@@ -10,7 +10,6 @@ from typing import get_args
 import pytest
 import torch
 
-from weightsync.wire.bucket import plan_buckets
 from weightsync.transports import (
     ReceiverTransport,
     SenderTransport,
@@ -19,6 +18,7 @@ from weightsync.transports import (
     register_transport,
     transport_names,
 )
+from weightsync.wire.bucket import plan_buckets
 from weightsync.wire.specs import TensorSpec
 
 

@@ -16,14 +16,15 @@ from collections.abc import Iterable
 import pytest
 import torch
 
-from weightsync.trainer.source import DTensorV2Source
+from weightsync.engine.module_receiver import ModuleWeightReceiver
+from weightsync.engine.refit import copy_loader
+from weightsync.engine.replica import ModelReceiver
 from weightsync.trainer.endpoint import LocalEndpoint
+from weightsync.trainer.sender import WeightSender
+from weightsync.trainer.source import DTensorV2Source
+from weightsync.transports.shm import ShmSender
 from weightsync.wire.errors import VerificationFailed
 from weightsync.wire.fingerprint import fingerprint
-from weightsync.engine.session import ModelReceiver, ModuleWeightReceiver
-from weightsync.engine.refit import copy_loader
-from weightsync.trainer.sender import WeightSender
-from weightsync.transports.shm import ShmSender
 
 HEAD = 4  # q, k and v are 4 x 8 each; q and k swap cleanly
 SHARDS = {"q": 0, "k": 1, "v": 2}

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.trainer.one_copy.targets import DirectTarget, SharedParameters, probe_destinations
+from weightsync.engine.one_copy.segment import SharedParameters, probe_destinations
+from weightsync.trainer.one_copy.targets import OneCopyTarget
+from weightsync.trainer.one_copy.writer import WritePlan
 from weightsync.trainer.source import DTensorV2Source, ShardPieces
 from weightsync.wire.specs import TensorSpec, dtype_to_str
-from weightsync.trainer.one_copy.writer import WritePlan
 
 
 def _trainer() -> torch.nn.Module:
@@ -57,7 +58,7 @@ def test_a_write_plan_copies_current_bytes_and_notices_replaced_parameters():
     assert {s.name: s.dtype for s in source.specs()} == {
         "inner.a": dtype_to_str(torch.bfloat16), "b": "bfloat16", "inner.c": "bfloat16"}
     params, shared = _engine(source)
-    target = DirectTarget(shared.describe())
+    target = OneCopyTarget(shared.describe())
     try:
         with torch.no_grad():
             plan = WritePlan.build(ShardPieces(source, rank=0), [target])
@@ -120,7 +121,7 @@ def test_a_writer_copies_first_and_writes_again_when_the_plan_no_longer_holds(
     counted once. (On the GPU the engine's CUDA storages are handed to the writer in-process:
     a process cannot open its own CUDA IPC exports.)"""
     from weightsync.engine.one_copy import cuda_exports
-    from weightsync.trainer.shard_writes import OneCopyWriter
+    from weightsync.trainer.one_copy.writer import OneCopyWriter
 
     if device == "cuda":
         storages: dict[int, torch.UntypedStorage] = {}
@@ -139,14 +140,14 @@ def test_a_writer_copies_first_and_writes_again_when_the_plan_no_longer_holds(
     source = DTensorV2Source(model, dtype="bfloat16")
     params, shared = _engine(source, device=device)
     writer = OneCopyWriter(source, _OneRank())
-    msg = {"direct": ["e"], "new": {"e": shared.describe()}}
+    msg = {"one_copy": ["e"], "new": {"e": shared.describe()}}
     nbytes = 2 * (16 * 8 + 33 + 15)
     done = {"pieces": 3, "mismatched": [], "bytes": nbytes}
     try:
         assert writer.write(msg, verify=verify) == done
         first = writer.plan
         assert first.checks == (device == "cuda")
-        again = {"direct": ["e"], "new": {}}
+        again = {"one_copy": ["e"], "new": {}}
         with torch.no_grad():
             model.inner.a.mul_(-2)
         assert writer.write(again, verify=verify) == done

@@ -28,12 +28,12 @@ def test_torchrun_fsdp2_loop_keeps_vllm_in_step_through_trainer_sync():
     stdout = _run([torchrun, "--nproc-per-node", "2", "examples/fsdp2_torchrun.py",
                    "--steps", "3"])
     # First sync by buckets; then the engine shares its parameters: one copy from then on.
-    assert _steps(stdout) == [("1", "buckets", "True"), ("2", "direct", "True"),
-                              ("3", "direct", "True")]
+    assert _steps(stdout) == [("1", "buckets", "True"), ("2", "one_copy", "True"),
+                              ("3", "one_copy", "True")]
     assert "engine serves step-3" in stdout
 
 
 def test_ray_policy_worker_keeps_vllm_in_step_through_trainer_sync():
     stdout = _run([sys.executable, "examples/ray_policy_worker.py", "--steps", "2"])
-    assert _steps(stdout) == [("1", "buckets", "True"), ("2", "direct", "True")]
+    assert _steps(stdout) == [("1", "buckets", "True"), ("2", "one_copy", "True")]
     assert "engine serves step-2" in stdout

@@ -8,8 +8,8 @@ import shutil
 import ray
 
 from tests.engine_checks import assert_engine_matches_reference
-from weightsync.launch import envs, launcher
 from weightsync.apps.models import make_tiny_model
+from weightsync.launch import envs, launcher
 
 NAME = "sglang"
 

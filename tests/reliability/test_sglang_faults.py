@@ -9,9 +9,9 @@ import ray
 import torch
 
 from tests.engine_checks import assert_engine_matches_reference, half_update, prompt_ids
+from weightsync.apps.models import build_model, make_tiny_model
 from weightsync.launch import launcher
 from weightsync.trainer.source import DTensorV2Source
-from weightsync.apps.models import build_model, make_tiny_model
 from weightsync.transports.shm import ShmSender, list_segments
 from weightsync.wire.specs import TensorMeta
 
@@ -49,7 +49,7 @@ def _paused_trainer(model: str, engine, path: str = "buckets",
                     pause_s: float = PAUSE_S, **options) -> launcher.TrainerGroup:
     """A second trainer on the same engine whose rank 0 pauses mid-sync, so that a test can
     kill a process while an update is half done: before bucket 2 of each sync by buckets, or
-    (path "direct") before writing piece 5 of each one-copy sync, once rank 1 wrote its
+    (path "one_copy") before writing piece 5 of each one-copy sync, once rank 1 wrote its
     pieces into the engine's parameters. `options`: more `SyncOptions` fields."""
     pause = ("bucket", 2, pause_s) if path == "buckets" else ("piece", 5, pause_s)
     trainer = launcher.TrainerGroup(WORKER, model_path=model, bucket_bytes=1 << 20, seed=7,
@@ -188,7 +188,7 @@ def test_an_update_left_open_by_a_dead_sender_is_aborted_by_the_next(setup):
     assert ray.get(engine.weight_version.remote()) == "after-orphan"
 
 
-@pytest.mark.parametrize("path", ["buckets", "direct"])
+@pytest.mark.parametrize("path", ["buckets", "one_copy"])
 @pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0-the-sender"])
 def test_a_trainer_rank_killed_mid_sync_fails_it_within_the_timeout(setup, victim, path):
     engine, trainer, model = setup
@@ -196,7 +196,7 @@ def test_a_trainer_rank_killed_mid_sync_fails_it_within_the_timeout(setup, victi
     doomed = _paused_trainer(model, engine, path, keep_previous=True)
     version = f"before-kill-{victim}-{path}"
     # On the one-copy path the doomed trainer's own first sync (by buckets) comes first.
-    before = (doomed if path == "direct" else trainer).call("sync", version, verify=True)
+    before = (doomed if path == "one_copy" else trainer).call("sync", version, verify=True)
     assert before["verify"][NAME]["verified"]
     prints = ray.get(engine.fingerprints.remote())
     served = ray.get(engine.generate.remote(prompt_ids()))
@@ -228,7 +228,7 @@ def test_a_one_copy_update_that_outlasts_the_idle_timeout_is_fenced_before_it_is
     its pause reaches no parameter the engine computes with."""
     engine, trainer, model = setup
     ray.get(engine.set_keep_previous.remote(True))
-    slow = _paused_trainer(model, engine, "direct", pause_s=IDLE_TIMEOUT_S + 5)
+    slow = _paused_trainer(model, engine, "one_copy", pause_s=IDLE_TIMEOUT_S + 5)
     slow.call("sync", "before-slow", verify=True)  # by buckets; then the engine shares
     slow.call("set_weights_from", 42)  # the slow sync writes other weights than those served
     prints = ray.get(engine.fingerprints.remote())

@@ -17,8 +17,8 @@ from tests.reliability.hammer import (
     post_json,
     run_syncs_under_requests,
 )
-from weightsync.launch import launcher
 from weightsync.apps.models import make_tiny_model
+from weightsync.launch import launcher
 
 NAME = "sglang-http"
 NUM_SYNCS = 50
@@ -58,14 +58,14 @@ def _hammer(engine) -> Hammer:
     return Hammer(ask, parse)
 
 
-def test_direct_http_clients_never_see_half_written_weights_during_many_syncs(setup):
+def test_one_copy_http_clients_never_see_half_written_weights_during_many_syncs(setup):
     """The first sync goes by buckets, then the engine's parameters are shared (the probe
     writes random bytes into them) and every later sync writes them in place."""
     engine, trainer = setup
     start = time.monotonic()
     hammer = _hammer(engine)
     run = run_syncs_under_requests(trainer, NAME, hammer, num_syncs=NUM_SYNCS)
-    assert run["paths"][0] == "buckets" and set(run["paths"][1:]) == {"direct"}, run["paths"]
+    assert run["paths"][0] == "buckets" and set(run["paths"][1:]) == {"one_copy"}, run["paths"]
     # SGLang tags each answer with its weight version: "default" before the first sync.
     counts = check_answers(hammer, run["refs"], run["windows"],
                            tag_of=lambda v: f"v{v}" if v else "default")

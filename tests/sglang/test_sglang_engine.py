@@ -13,8 +13,8 @@ from tests.engine_checks import (
     check_sync_after_training,
     prompt_ids,
 )
-from weightsync.launch import launcher
 from weightsync.apps.models import make_tiny_model
+from weightsync.launch import launcher
 
 ARCH = "opt"
 
@@ -56,7 +56,7 @@ def test_one_sync_serves_two_replicas_each_verified(setup):
 def test_repeated_syncs_with_requests_in_between(setup):
     engine, trainer, _ = setup
     # The first sync went by buckets; the engine then shared its parameters.
-    check_repeated_syncs(engine, trainer, "sglang", "round", rounds=3, path="direct")
+    check_repeated_syncs(engine, trainer, "sglang", "round", rounds=3, path="one_copy")
 
 
 def test_shape_mismatch_is_rejected_before_any_engine_weight_changes(setup):

@@ -10,8 +10,8 @@ import time
 import pytest
 import ray
 
-from weightsync.launch import envs, launcher
 from weightsync.apps.models import make_tiny_model
+from weightsync.launch import envs, launcher
 
 SGL = "weightsync.backends.sglang.engine.SglEngineActor"
 

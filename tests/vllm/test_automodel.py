@@ -19,8 +19,8 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import free_port
-from weightsync.launch import launcher
 from weightsync.apps.models import NUM_EXPERTS, make_tiny_model
+from weightsync.launch import launcher
 
 pytest.importorskip("nemo_automodel")
 
@@ -62,7 +62,7 @@ def _checkpoint(path: str) -> dict[str, torch.Tensor]:
 def _rank_main(rank, port, results, qwen2_path, moe_path):
     """Both parts on the same 2 ranks: importing nemo-automodel costs each process ~15 s."""
 
-    from weightsync.trainer.source import close_trainer_group, init_trainer_group
+    from weightsync.trainer.process_group import close_trainer_group, init_trainer_group
 
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     start = time.perf_counter()

@@ -11,8 +11,8 @@ from tests.engine_checks import (
     check_sync_after_training,
     training_batch,
 )
-from weightsync.launch import launcher
 from weightsync.apps.models import make_tiny_model
+from weightsync.launch import launcher
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_automodel_trainer_takes_the_one_copy_path_from_the_second_sync(setup):
     for round_ in range(2):  # training steps between syncs, as in a training loop
         trainer.call("train_step", training_batch(10 + round_))
         report = trainer.call("sync", f"automodel-round-{round_}", verify=True)
-        assert report["engines"]["vllm"]["path"] == "direct", report
+        assert report["engines"]["vllm"]["path"] == "one_copy", report
         assert report["verify"]["vllm"]["verified"], report["verify"]
         assert ray.get(engine.weight_version.remote()) == f"automodel-round-{round_}"
         assert_engine_matches_reference(engine, trainer)

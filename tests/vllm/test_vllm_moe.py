@@ -13,8 +13,8 @@ import pytest
 import ray
 
 from tests.engine_checks import MAX_NEW_TOKENS, half_update, prompt_ids, training_batch
-from weightsync.launch import launcher
 from weightsync.apps.models import NUM_EXPERTS, make_tiny_model
+from weightsync.launch import launcher
 
 ENGINE = "weightsync.backends.vllm.engine.VllmEngineActor"
 TRAINER = "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker"
@@ -91,7 +91,7 @@ def test_syncs_into_vllm_cpu_moe_are_verified_and_serve_the_trainers_weights(set
         paths.append(report["engines"]["vllm"]["path"])
         ray.get(engine.settle.remote(), timeout=300)
         assert_engine_serves_the_trainers_weights(engine, trainer, model)
-    assert paths == ["buckets", "direct", "direct"]
+    assert paths == ["buckets", "one_copy", "one_copy"]
 
 
 def test_an_update_aborted_inside_the_experts_is_rolled_back_and_packed_again(setup):

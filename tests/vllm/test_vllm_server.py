@@ -11,8 +11,8 @@ from tests.engine_checks import (
     check_server_on_loopback_demands_key,
     check_sync_after_training,
 )
-from weightsync.launch import launcher
 from weightsync.apps.models import make_tiny_model
+from weightsync.launch import launcher
 
 API_KEY = "test-key-123"
 

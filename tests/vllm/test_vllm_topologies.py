@@ -16,8 +16,8 @@ from tests.engine_checks import (
     prompt_ids,
     training_batch,
 )
-from weightsync.launch import launcher
 from weightsync.apps.models import make_tiny_model
+from weightsync.launch import launcher
 
 ENGINE = "weightsync.backends.vllm.engine.VllmEngineActor"
 
@@ -96,8 +96,8 @@ def test_repeated_syncs_take_the_one_copy_path_into_every_worker(setup):
     for round_ in range(2):
         trainer.call("train_step", training_batch(10 + round_))
         report = trainer.call("sync", f"round-{round_}", verify=round_ == 0)
-        assert report["engines"]["tp1"]["path"] == "direct", report["engines"]
-        assert report["engines"]["tp2"]["path"] == "direct", report["engines"]
+        assert report["engines"]["tp1"]["path"] == "one_copy", report["engines"]
+        assert report["engines"]["tp2"]["path"] == "one_copy", report["engines"]
         # Bytes written: one model into the replica, and into the TP=2 engine the sum of its
         # workers' slices (one model, plus the norms both workers hold), not two full copies.
         nbytes = report["nbytes"]
@@ -129,13 +129,13 @@ def test_a_one_copy_update_aborted_without_keep_previous_is_not_served(setup):
     parameters: aborted without keep_previous, it refuses to serve until a sync completes."""
     engines, trainer, *_ = setup
     tp1 = engines["tp1"]
-    assert ray.get(tp1.begin.remote("direct-half", True)) == {"direct": True}
+    assert ray.get(tp1.begin.remote("one-copy-half", True)) == {"one_copy": True}
     ray.get(tp1.abort.remote("sender failed"))
-    with pytest.raises(Exception, match=r"does not serve: update 'direct-half' was aborted "
+    with pytest.raises(Exception, match=r"does not serve: update 'one-copy-half' was aborted "
                                         r"after the trainer began writing"):
         ray.get(tp1.generate.remote(prompt_ids()))
-    report = trainer.call("sync", "after-direct-abort", verify=True)
-    assert report["engines"]["tp1"]["path"] == "direct" and report["verify"]["tp1"]["verified"]
+    report = trainer.call("sync", "after-one-copy-abort", verify=True)
+    assert report["engines"]["tp1"]["path"] == "one_copy" and report["verify"]["tp1"]["verified"]
     assert_engine_matches_reference(tp1, trainer)
 
 

@@ -82,8 +82,8 @@ def _bench_topology(size: str, args: argparse.Namespace) -> dict[str, Any]:
     and a memcpy of that many bytes, measured in the trainer's process in the same run."""
     import ray
 
-    from weightsync.launch import launcher
     from weightsync.apps.models import model_bytes
+    from weightsync.launch import launcher
 
     work, model = _bench_model(size)
     engines = {f"vllm-{i}": launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model,
@@ -148,8 +148,8 @@ def _run_topology(args: argparse.Namespace, sizes: list[str]) -> int:
 def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from weightsync.launch import launcher
     from weightsync.apps.models import model_bytes
+    from weightsync.launch import launcher
 
     work, model = _bench_model(size)
     nbytes = model_bytes("opt", size, dtype="bfloat16")

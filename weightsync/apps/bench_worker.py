@@ -49,8 +49,8 @@ class BenchWorker(DTensorV2WeightSyncWorker):
         """Pack already-gathered tensors into shared-memory buckets and copy them out into
         preallocated tensors through a receiver mapping: the transport alone, no gather, no
         engine. Rank 0 measures; the other ranks only take part in the gather beforehand."""
-        from weightsync.wire.bucket import fill_buckets, plan_buckets, unpack
         from weightsync.transports.shm import ShmReceiver, ShmSender
+        from weightsync.wire.bucket import fill_buckets, plan_buckets, unpack
 
         tensors = list(self.weights.source.tensors())
         if self.rank != 0:

@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_sft(args: argparse.Namespace) -> int:
     import ray
 
-    from weightsync.launch import envs, launcher
     from weightsync.apps.models import make_tiny_model, make_tokenizer
+    from weightsync.launch import envs, launcher
 
     engines = _engine_names(args.engines)
     args.steps = 30 if args.steps is None else args.steps
@@ -146,9 +146,9 @@ def _engine_names(spec: str) -> list[str]:
 
 
 def _run_grpo(args: argparse.Namespace) -> int:
-    from weightsync.launch import envs, launcher
     from weightsync.apps.grpo import GrpoConfig, GrpoLoop, Verdict
     from weightsync.apps.models import make_tiny_model, make_tokenizer
+    from weightsync.launch import envs, launcher
 
     engines = _engine_names(args.engines)
     if args.arch not in ("opt", "qwen2"):

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weightsync.gpu import copies
-from weightsync.wire.errors import BucketRejected
-from weightsync.gpu.copies import capture, coalesce, issue
 from weightsync.engine.refit import copy_loader
+from weightsync.gpu import copies
+from weightsync.gpu.copies import capture, coalesce, issue
 from weightsync.transports import ReceiverTransport, make_receiver
+from weightsync.wire.errors import BucketRejected
 
 if TYPE_CHECKING:
     from weightsync.engine.refit import LoadFn, RefitCheck

@@ -1,7 +1,7 @@
 """Verified GPU copies in one pass: each word is read back right after it is written.
 
 A verified one-copy sync on the CPU reads every chunk back while it is in cache
-(`direct.copy_checked`). On a GPU the same idea is one Triton kernel for all of a write plan's
+(`targets.copy_checked`). On a GPU the same idea is one Triton kernel for all of a write plan's
 copies on a device: a program copies one chunk of one copy (at most `CHUNK` bytes) as 8-byte
 words, reads every word back from the destination with a volatile load (from the GPU's memory
 system, not from registers) right after storing it, and adds how many words differ to that

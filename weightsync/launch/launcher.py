@@ -367,7 +367,7 @@ class TrainerGroup:
         while it lives. `master_addr`: where the group's store listens (this process hosts it,
         on a port the kernel picks); give this node's address when ranks run on other nodes.
         The class takes `rank`, `world_size`, `master_addr`, `master_port` and
-        `rank0_hosts_store=False` (for `weightsync.trainer.source.init_trainer_group`)."""
+        `rank0_hosts_store=False` (for `weightsync.trainer.process_group.init_trainer_group`)."""
         from weightsync.transports.rendezvous import host_store
 
         if placements is not None and len(placements) != world_size:

@@ -48,7 +48,7 @@ def unpack(archive: bytes, key: str) -> Path:
 def build_here(env: str, key: str, archive: bytes) -> dict:
     """Runs on the target node: unpack, build `env`, return its python path (plain data)."""
     root = unpack(archive, key)
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from weightsync import envs; "
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from weightsync.launch import envs; "
             "r = envs.build(sys.argv[2], quiet=True); "
             f"print({_MARK!r} + json.dumps({{**r, 'python': str(envs.python_path(sys.argv[2]))}}))")
     result = subprocess.run([sys.executable, "-c", code, str(root), env], capture_output=True,

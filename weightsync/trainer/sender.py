@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from weightsync.trainer.endpoint import Call, Endpoint, EngineCalls, EngineState
+from weightsync.trainer.verify import SentPrints, Verifier
+from weightsync.transports import SenderTransport
 from weightsync.wire.bucket import (
     BucketPlan,
     check_stream_end,
@@ -27,7 +30,6 @@ from weightsync.wire.bucket import (
     take_bucket,
     tensor_view,
 )
-from weightsync.trainer.endpoint import Call, Endpoint, EngineCalls, EngineState
 from weightsync.wire.fingerprint import Fingerprint
 from weightsync.wire.protocol import (
     BeginAnswer,
@@ -38,8 +40,6 @@ from weightsync.wire.protocol import (
     SyncReport,
     from_wire,
 )
-from weightsync.transports import SenderTransport
-from weightsync.trainer.verify import SentPrints, Verifier
 from weightsync.wire.specs import BucketDescriptor, TensorSpec, specs_to_dicts
 
 logger = logging.getLogger(__name__)
@@ -176,25 +176,25 @@ class WeightSender:
                      for n, e in zip(names, ends)})
 
 
-    def sync_direct(self, write: Callable[[list[str], list[str]], dict[str, Any] | None], *,
+    def sync_one_copy(self, write: Callable[[list[str], list[str]], dict[str, Any] | None], *,
                     version: str, engines: list[str], verify: bool = False,
                     sharing: dict[str, list[str]] | None = None,
                     ) -> tuple[SyncReport | None, list[str]]:
         """The one-copy path (weightsync/trainer/one_copy/targets.py) into engines whose parameters are shared.
 
-        begin(version, direct=...) on each: the sharings the trainer holds mapped for it
+        begin(version, one_copy=...) on each: the sharings the trainer holds mapped for it
         (`sharing[name]`: its workers' segment names or CUDA export owners; an engine shared
         otherwise now answers why not and takes buckets), or True where `sharing` names none;
-        then `write(direct, fallback)` has every trainer
-        rank write its shards into the direct engines' parameters and returns, when verifying,
+        then `write(one_copy, fallback)` has every trainer
+        rank write its shards into the one-copy engines' parameters and returns, when verifying,
         {"pieces": how many were written, "mismatched": names whose bytes read back differed};
         a difference aborts the update and raises; then end, where each engine confirms its
         parameters still are the bytes written (see weightsync/trainer/one_copy/targets.py). `write` is called
         even when no engine can take the path, so the trainer's ranks stay in step. Returns the
-        report (None without direct engines) and the engines to sync by buckets instead (their
+        report (None without one-copy engines) and the engines to sync by buckets instead (their
         parameters are no longer shared)."""
         start = time.perf_counter()
-        direct: list[str] = []
+        one_copy: list[str] = []
         failure: BaseException | None = None
         phases: dict[str, float] = {}
         try:
@@ -203,31 +203,31 @@ class WeightSender:
                 [self.calls.submit(n, "begin", version, sharing.get(n, True)) for n in engines])
             phases["begin"] = time.perf_counter() - start
             for name, answer in zip(engines, answers):
-                if answer.direct:
-                    direct.append(name)
+                if answer.one_copy:
+                    one_copy.append(name)
                 else:
                     logger.info("engine %r takes buckets this sync: %s", name, answer.why)
         except BaseException as exc:
-            failure, direct = exc, []
+            failure, one_copy = exc, []
             self.calls.abort(engines, f"{type(exc).__name__}: {exc}")
-        fallback = [n for n in engines if n not in direct] if failure is None else []
+        fallback = [n for n in engines if n not in one_copy] if failure is None else []
         checked: dict[str, Any] | None = None
         try:
-            written = write(direct, fallback) or {}
+            written = write(one_copy, fallback) or {}
             if failure is not None:
                 raise failure
             written_s = time.perf_counter() - start
             phases["write"] = written_s - phases["begin"]
-            if direct and verify:
+            if one_copy and verify:
                 # Checked before `end`: an engine whose bytes differ is aborted, never served.
-                checked = self.verifier.check_direct(written, engines=direct, version=version)
-            ends: list[EndReport] = (self.calls.call_all("end", version, names=direct) if direct
+                checked = self.verifier.check_one_copy(written, engines=one_copy, version=version)
+            ends: list[EndReport] = (self.calls.call_all("end", version, names=one_copy) if one_copy
                                      else [])
         except BaseException as exc:
             if failure is None:
-                self.calls.abort(direct, f"{type(exc).__name__}: {exc}")
+                self.calls.abort(one_copy, f"{type(exc).__name__}: {exc}")
             raise
-        if not direct:
+        if not one_copy:
             return None, fallback
         sync_s = time.perf_counter() - start
         self.num_syncs += 1
@@ -235,15 +235,15 @@ class WeightSender:
             sync_s -= checked["verify_s"]
         phases["end"] = sync_s - written_s
         report = SyncReport(
-            version=version, path="direct", nbytes=self.nbytes, num_buckets=0, sync_s=sync_s,
+            version=version, path="one_copy", nbytes=self.nbytes, num_buckets=0, sync_s=sync_s,
             phases_s=phases, bytes_written=int(written.get("bytes", 0)), verify=checked,
-            engines={n: EngineSyncReport.of(e, path="direct") for n, e in zip(direct, ends)})
+            engines={n: EngineSyncReport.of(e, path="one_copy") for n, e in zip(one_copy, ends)})
         return report, fallback
 
-    def verify_direct(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
+    def verify_one_copy(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
         """The ranks' read-back comparison of the bytes (each engine's `end` then confirms its
         parameters still are those bytes, or fails)."""
-        return self.verifier.verify_direct(written, engines=engines)
+        return self.verifier.verify_one_copy(written, engines=engines)
 
     def verify(self, sent: dict[str, Fingerprint], *, engines: list[str],
                worker_sent: dict[str, list[dict[str, Fingerprint]]] | None = None,

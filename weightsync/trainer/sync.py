@@ -24,16 +24,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from weightsync.wire.bucket import DEFAULT_BUCKET_BYTES
-from weightsync.trainer.source import DTensorV2Source
 from weightsync.trainer.endpoint import Endpoint, RayEndpoint
-from weightsync.wire.fingerprint import FingerprintBatch
 from weightsync.trainer.one_copy.path import OneCopyPath
-from weightsync.wire.placement import WorkerPrints
-from weightsync.wire.protocol import SyncReport
 from weightsync.trainer.sender import DEFAULT_TIMEOUT_S, WeightSender
 from weightsync.trainer.shard_writes import BeforeWrite, BucketShardWriter
+from weightsync.trainer.source import DTensorV2Source
 from weightsync.trainer.sync_group import SyncGroup
+from weightsync.wire.bucket import DEFAULT_BUCKET_BYTES
+from weightsync.wire.fingerprint import FingerprintBatch
+from weightsync.wire.placement import WorkerPrints
+from weightsync.wire.protocol import SyncReport
 from weightsync.wire.specs import as_plain, dtype_from_str, specs_to_dicts
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ def _gpu_of(model: nn.Module) -> str | None:
     device = next(model.parameters()).device
     if device.type != "cuda":
         return None
-    from weightsync.engine.one_copy.cuda_exports import device_uuid
+    from weightsync.transports.cuda_ipc import device_uuid
 
     return device_uuid(device)
 
@@ -227,17 +227,17 @@ class TrainerSync:
         if "error" in plan:
             raise ValueError(plan["error"])
         buckets = list(plan["buckets"])
-        direct_report = None
-        if plan["direct"]:
-            direct_report, fallback = self.one_copy_path.sync(self.sender, version,
-                                                              plan["direct"], verify=verify)
+        one_copy_report = None
+        if plan["one_copy"]:
+            one_copy_report, fallback = self.one_copy_path.sync(self.sender, version,
+                                                              plan["one_copy"], verify=verify)
             buckets += fallback
         bucket_report = None
         if buckets:
             bucket_report = self._sync_buckets(version, buckets, verify=verify)
             if bucket_report is not None and self.one_copy:
                 bucket_report = self.one_copy_path.share(self.sender, buckets, bucket_report)
-        report = _merge(direct_report, bucket_report) if self.rank == 0 else None
+        report = _merge(one_copy_report, bucket_report) if self.rank == 0 else None
         if verify:
             report = self._verify_pending(report)
         if self.rank != 0:
@@ -307,8 +307,8 @@ class TrainerSync:
         if unknown:
             return {"error": f"unknown engine(s) {unknown}; registered: "
                              f"{list(self.sender.engines)}"}
-        direct = [n for n in names if self.one_copy_path.takes(n)]
-        return {"direct": direct, "buckets": [n for n in names if n not in direct]}
+        one_copy = [n for n in names if self.one_copy_path.takes(n)]
+        return {"one_copy": one_copy, "buckets": [n for n in names if n not in one_copy]}
 
     def _sync_buckets(self, version: str, names: list[str], *,
                       verify: bool) -> SyncReport | None:
@@ -326,17 +326,17 @@ class TrainerSync:
         return self.sender.sync(tensors, version=version, engines=names, verify=verify)
 
 
-def _merge(direct: SyncReport | None, buckets: SyncReport | None) -> SyncReport:
+def _merge(one_copy: SyncReport | None, buckets: SyncReport | None) -> SyncReport:
     """One report for a sync whose engines took different paths."""
-    if direct is None or buckets is None:
-        report = direct or buckets
+    if one_copy is None or buckets is None:
+        report = one_copy or buckets
         if report is None:
             raise RuntimeError("a sync produced no report: no engine took either path")
         return report
     verify = None
-    if direct.verify is not None or buckets.verify is not None:
-        verify = {**(direct.verify or {}), **(buckets.verify or {}),
-                  "verify_s": ((direct.verify or {}).get("verify_s", 0.0)
+    if one_copy.verify is not None or buckets.verify is not None:
+        verify = {**(one_copy.verify or {}), **(buckets.verify or {}),
+                  "verify_s": ((one_copy.verify or {}).get("verify_s", 0.0)
                                + (buckets.verify or {}).get("verify_s", 0.0))}
-    return replace(buckets, path="mixed", engines={**direct.engines, **buckets.engines},
-                   sync_s=direct.sync_s + buckets.sync_s, verify=verify)
+    return replace(buckets, path="mixed", engines={**one_copy.engines, **buckets.engines},
+                   sync_s=one_copy.sync_s + buckets.sync_s, verify=verify)

@@ -149,8 +149,8 @@ class Verifier:
         return {"verified": not bad and checked > 0, "mismatched": bad,
                 "num_checked": checked, "num_workers": len(workers)}
 
-    def verify_direct(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
-        """`WeightSender.verify_direct`: the ranks' read-back, the same for every engine."""
+    def verify_one_copy(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
+        """`WeightSender.verify_one_copy`: the ranks' read-back, the same for every engine."""
         start = time.perf_counter()
         pieces = int(written.get("pieces", 0))
         bad = sorted(set(written.get("mismatched", [])))
@@ -159,10 +159,10 @@ class Verifier:
         out["verify_s"] = time.perf_counter() - start
         return out
 
-    def check_direct(self, written: dict[str, Any], *, engines: list[str],
+    def check_one_copy(self, written: dict[str, Any], *, engines: list[str],
                      version: str) -> dict[str, Any]:
-        """`verify_direct`, raising where an engine's bytes differ (the update is aborted)."""
-        checked = self.verify_direct(written, engines=engines)
+        """`verify_one_copy`, raising where an engine's bytes differ (the update is aborted)."""
+        checked = self.verify_one_copy(written, engines=engines)
         bad = {n: checked[n]["mismatched"] for n in engines if not checked[n]["verified"]}
         if bad:
             raise VerificationFailed(f"verification failed, update {version!r} aborted: "

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weightsync.transports import ReceiverTransport, SenderTransport
+from weightsync.transports.rendezvous import gloo_device, host_store
 from weightsync.wire.bucket import BucketPlan, write_tensor
 from weightsync.wire.errors import CollectiveFailed
-from weightsync.transports.rendezvous import gloo_device, host_store
-from weightsync.transports import ReceiverTransport, SenderTransport
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class CollectiveSender(SenderTransport):
         self._slots: list[torch.Tensor | None] = [None] * num_slots
         self._sent: list[Any] = [None] * num_slots  # NCCL: event after the slot's broadcast
         self._stream: Any = None
-        self._direct: list[torch.Tensor | None] = [None] * num_slots  # NCCL: sent in place
+        self._one_copy: list[torch.Tensor | None] = [None] * num_slots  # NCCL: sent in place
 
     @property
     def num_slots(self) -> int:
@@ -121,14 +121,14 @@ class CollectiveSender(SenderTransport):
             tensor = tensors[0]
             if (tensor.device == self.device and tensor.is_contiguous()
                     and 0 < tensor.numel() * tensor.element_size() == plan.nbytes):
-                self._direct[slot] = tensor
+                self._one_copy[slot] = tensor
                 return
         buf = self.buffer(slot, plan.nbytes)
         for meta, tensor in zip(plan.tensors, tensors):
             write_tensor(buf, meta, tensor)
 
     def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
-        self._direct[slot] = None
+        self._one_copy[slot] = None
         if self._sent[slot] is not None:  # writes into the slot wait for its last broadcast
             torch.cuda.current_stream(self.device).wait_event(self._sent[slot])
         buf = self._slots[slot]
@@ -155,9 +155,9 @@ class CollectiveSender(SenderTransport):
                              f"{self.timeout.total_seconds():g} s", fix):
                 self.group = _make_group(self.backend, self.store, 0, self.world_size,
                                          self.timeout, self.host)
-        direct = self._direct[slot]
-        if direct is not None:
-            data = direct.reshape(-1).view(torch.uint8)[:nbytes]
+        one_copy = self._one_copy[slot]
+        if one_copy is not None:
+            data = one_copy.reshape(-1).view(torch.uint8)[:nbytes]
         else:
             buf = self._slots[slot]
             if buf is None:
@@ -179,9 +179,9 @@ class CollectiveSender(SenderTransport):
             sent = torch.cuda.Event()
             sent.record(self._stream)
         self._sent[slot] = sent
-        if direct is not None:
+        if one_copy is not None:
             main.wait_event(sent)  # the trainer changes the tensor only after it went out
-            self._direct[slot] = None
+            self._one_copy[slot] = None
 
     def close(self) -> None:
         if self.backend == "nccl" and self._stream is not None:
@@ -189,7 +189,7 @@ class CollectiveSender(SenderTransport):
         self.group = None
         self._slots = [None] * len(self._slots)
         self._sent = [None] * len(self._sent)
-        self._direct = [None] * len(self._direct)
+        self._one_copy = [None] * len(self._one_copy)
         self.store = None
 
 

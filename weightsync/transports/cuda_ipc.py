@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
+from weightsync.transports import ReceiverTransport, SenderTransport
 from weightsync.wire.bucket import BucketPlan, tensor_view, write_tensor
 from weightsync.wire.errors import BucketRejected
-from weightsync.transports import ReceiverTransport, SenderTransport
 from weightsync.wire.specs import BucketDescriptor, dtype_from_str, element_size
 
 _uids = itertools.count()
@@ -365,3 +365,8 @@ class CudaIpcReceiver(ReceiverTransport):
         torch.cuda.synchronize()
         self._open.clear()
         self._storages.clear()
+
+
+def device_uuid(device: torch.device) -> str:
+    """The GPU's UUID: the same GPU has the same one in every process, whatever its index."""
+    return str(torch.cuda.get_device_properties(device).uuid)

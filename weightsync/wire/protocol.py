@@ -70,17 +70,17 @@ class RefitAnswer:
 class BeginAnswer:
     """`begin`'s answer: whether the update is open on the path the trainer asked for."""
 
-    direct: bool
+    one_copy: bool
     """True: the trainer writes into the shared parameters (the one-copy path) this update."""
     why: str | None = None
     """Why a one-copy update was refused (then nothing was opened); None otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
-        return _without_none({"direct": self.direct, "why": self.why})
+        return _without_none({"one_copy": self.one_copy, "why": self.why})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> BeginAnswer:
-        return cls(direct=bool(_get(d, cls, "direct")), why=_get(d, cls, "why", None))
+        return cls(one_copy=bool(_get(d, cls, "one_copy")), why=_get(d, cls, "why", None))
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -219,7 +219,7 @@ class EngineSyncReport:
     """One engine's part of a `SyncReport`."""
 
     path: str
-    """How its weights travelled: "buckets" or "direct" (the one-copy path)."""
+    """How its weights travelled: "buckets" or "one_copy" (the one-copy path)."""
     status: str = "ok"
     """"ok" (a sync that failed raises instead of reporting)."""
     weight_version: str | None = None
@@ -262,7 +262,7 @@ class SyncReport:
     version: str
     """The version tag the engines serve now."""
     path: str
-    """"buckets", "direct" (the one-copy path) or "mixed" (engines took different paths)."""
+    """"buckets", "one_copy" (the one-copy path) or "mixed" (engines took different paths)."""
     nbytes: int
     """Bytes of one copy of the model's weights."""
     num_buckets: int

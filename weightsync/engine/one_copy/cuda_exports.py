@@ -5,19 +5,19 @@ As on the CPU (weightsync/trainer/one_copy/targets.py), a probe through the engi
 each trainer tensor lands (parameter, byte offset). Unlike the CPU, nothing moves: each
 parameter's storage is exported once with CUDA IPC (`UntypedStorage._share_cuda_()`, as the
 CUDA IPC transport exports the trainer's tensors), and a trainer rank opens it and copies into
-it (`DirectTarget`). No GPU memory is added. The export names its GPU by UUID: the trainer takes
+it (`OneCopyTarget`). No GPU memory is added. The export names its GPU by UUID: the trainer takes
 this path only when every rank's shards are on that same GPU (weightsync/trainer/one_copy/path.py; copies
 between GPUs were not run, so they are not offered).
 
 Only plain data crosses: the exports (handles as base64 text) and {tensor: [storage index, byte
 offset]}. Before every update and at its end the engine confirms that every parameter still
 lives where it was exported (same address, contiguous) and waits for its own GPU work, so the
-trainer writes into idle parameters; the trainer waits for its copies (`DirectTarget.flush`)
+trainer writes into idle parameters; the trainer waits for its copies (`OneCopyTarget.flush`)
 before it reports the update written.
 
 What an export does not do: torch counts one consumer per export, and here several ranks may
 open one. The parameters stay alive as long as the engine shares them. No update with
-`keep_previous` takes this path (`ModelReceiver.begin_direct`): putting the previous weights back
+`keep_previous` takes this path (`ModelReceiver.begin_one_copy`): putting the previous weights back
 while a late rank may still write needs the parameters to take new memory (the CPU's fence), and
 an engine's captured CUDA graphs would go on reading the old addresses.
 """
@@ -30,14 +30,9 @@ from typing import Any
 
 import torch
 
-from weightsync.trainer.one_copy.targets import moved_from
+from weightsync.engine.one_copy.segment import moved_from
+from weightsync.transports.cuda_ipc import device_uuid, export_storage
 from weightsync.wire.errors import NotShared
-from weightsync.transports.cuda_ipc import export_storage
-
-
-def device_uuid(device: torch.device) -> str:
-    """The GPU's UUID: the same GPU has the same one in every process, whatever its index."""
-    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 class CudaParameters:

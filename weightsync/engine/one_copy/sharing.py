@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from weightsync.trainer.one_copy.targets import SharedParameters, probe_destinations
+from weightsync.engine.one_copy.segment import SharedParameters, probe_destinations
 from weightsync.wire.errors import NotShared
 from weightsync.wire.protocol import ShareAnswer
 

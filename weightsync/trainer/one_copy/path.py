@@ -2,7 +2,7 @@
 
 After an engine's first sync by buckets, rank 0 asks it to share its parameters; from the next
 sync on every rank writes its own shards straight into them (`OneCopyWriter`), and the sender
-runs begin/end around the writes (`WeightSender.sync_direct`). An engine whose parameters moved
+runs begin/end around the writes (`WeightSender.sync_one_copy`). An engine whose parameters moved
 takes buckets for that sync and is asked to share again after it; one that cannot share is
 asked no more.
 """
@@ -14,10 +14,11 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from weightsync.trainer.one_copy.writer import OneCopyWriter, worker_shares
+from weightsync.trainer.shard_writes import BeforeWrite
 from weightsync.trainer.source import DTensorV2Source
-from weightsync.wire.protocol import ShareAnswer, SyncReport
-from weightsync.trainer.shard_writes import BeforeWrite, OneCopyWriter, worker_shares
 from weightsync.trainer.sync_group import SyncGroup
+from weightsync.wire.protocol import ShareAnswer, SyncReport
 
 if TYPE_CHECKING:
     from weightsync.trainer.sender import WeightSender
@@ -105,21 +106,21 @@ class OneCopyPath:
         def sharings(n: str) -> list[str]:  # the tokens of an engine's workers' sharings
             return [s["token"] for s in worker_shares(self._shared[n])]
 
-        def write(direct: list[str], fallback: list[str]) -> dict[str, Any] | None:
-            new = {n: self._shared[n] for n in direct if self._sent.get(n) != sharings(n)}
-            self.group.broadcast({"direct": direct, "fallback": fallback, "new": new})
+        def write(one_copy: list[str], fallback: list[str]) -> dict[str, Any] | None:
+            new = {n: self._shared[n] for n in one_copy if self._sent.get(n) != sharings(n)}
+            self.group.broadcast({"one_copy": one_copy, "fallback": fallback, "new": new})
             for n in new:
                 self._sent[n] = sharings(n)
             for n in fallback:  # its parameters moved: buckets now, then share again
                 self._shared.pop(n, None)
                 self._sent.pop(n, None)
-            return self.writer.write({"direct": direct, "new": new, "fallback": fallback},
+            return self.writer.write({"one_copy": one_copy, "new": new, "fallback": fallback},
                                      verify=verify)
 
         # Each engine is asked to confirm the sharing the ranks map (or map in this sync's
         # write): one shared again since (its parameters moved or were fenced off, e.g. by
         # another trainer's update) goes by buckets, then its new sharing is mapped.
-        report, fallback = sender.sync_direct(
+        report, fallback = sender.sync_one_copy(
             write, version=version, engines=names, verify=verify,
             sharing={n: sharings(n) for n in names if n in self._shared})
         if report is not None:

@@ -1,5 +1,5 @@
 """The one-copy path (weightsync/trainer/one_copy/targets.py): probing where an engine's loader puts each tensor,
-parameters moved into shared memory, trainer writes, digests, and the sender's direct sync."""
+parameters moved into shared memory, trainer writes, digests, and the sender's one-copy sync."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import os
 import pytest
 import torch
 
-from weightsync.trainer.one_copy.targets import DirectTarget, SharedParameters, copy_checked, probe_destinations
+from weightsync.engine.module_receiver import ModuleWeightReceiver
+from weightsync.engine.one_copy.segment import SharedParameters, probe_destinations
 from weightsync.trainer.endpoint import LocalEndpoint
-from weightsync.wire.errors import NotShared
-from weightsync.engine.session import ModuleWeightReceiver
+from weightsync.trainer.one_copy.targets import OneCopyTarget, copy_checked
 from weightsync.trainer.sender import WeightSender
 from weightsync.transports.shm import SHM_DIR, ShmSender, list_segments
+from weightsync.wire.errors import NotShared
 from weightsync.wire.specs import TensorSpec
 
 
@@ -80,7 +81,7 @@ def test_shared_parameters_take_trainer_writes_and_notice_when_moved():
     params, specs, param_of, load_one = _fused_engine()
     destinations = probe_destinations(params, param_of, specs, load_one)
     shared = SharedParameters(params, destinations)
-    target = DirectTarget(shared.describe())  # as a trainer rank maps it
+    target = OneCopyTarget(shared.describe())  # as a trainer rank maps it
     try:
         assert shared.segment.name in list_segments()
         k = torch.randn(4, 8).to(torch.bfloat16)
@@ -114,7 +115,7 @@ def test_trainer_refuses_shared_parameters_others_may_read():
         with pytest.raises(RuntimeError, match=rf"segment '{SHM_DIR}/{shared.segment.name}' has "
                                                rf"owner uid {os.geteuid()}, mode 0o640; "
                                                rf"weightsync maps only .* own uid"):
-            DirectTarget(shared.describe())
+            OneCopyTarget(shared.describe())
     finally:
         shared.close()
 
@@ -127,23 +128,23 @@ def _module(seed: int) -> torch.nn.Module:
     return model
 
 
-def test_direct_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_aborts_it():
+def test_one_copy_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_aborts_it():
     trainer = dict(_module(1).named_parameters())
     receiver = ModuleWeightReceiver(_module(2), name="mod")
     specs = [TensorSpec.of(n, t) for n, t in trainer.items()]
     sender = WeightSender(specs, transport=ShmSender(), capacity_bytes=1 << 20)
     sender.add_engine(LocalEndpoint(receiver, name="mod"))
-    targets: dict[str, DirectTarget] = {}
+    targets: dict[str, OneCopyTarget] = {}
     try:
         assert sender.sync(iter(trainer.items()), version="v1", verify=True).verify["mod"][
             "verified"]
         shared = receiver.share_params()["shared"]
-        targets["mod"] = DirectTarget(shared)
+        targets["mod"] = OneCopyTarget(shared)
         for t in trainer.values():
             t.add_(1)
 
-        def write(direct, fallback, corrupt=""):
-            assert direct == ["mod"] and fallback == []
+        def write(one_copy, fallback, corrupt=""):
+            assert one_copy == ["mod"] and fallback == []
             pieces, bad = 0, []
             for name, t in trainer.items():
                 raw = t.reshape(-1).view(torch.uint8)
@@ -155,29 +156,29 @@ def test_direct_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_abo
                     pieces += 1
             return {"pieces": pieces, "mismatched": bad}
 
-        report, fallback = sender.sync_direct(write, version="v2", engines=["mod"], verify=True)
-        assert fallback == [] and report.engines["mod"].path == "direct"
+        report, fallback = sender.sync_one_copy(write, version="v2", engines=["mod"], verify=True)
+        assert fallback == [] and report.engines["mod"].path == "one_copy"
         assert report.verify["mod"]["verified"], report.verify
         got = dict(receiver.receiver.model.named_parameters())
         assert all(torch.equal(got[n], t) for n, t in trainer.items())
         assert receiver.weight_version() == "v2"
         with pytest.raises(RuntimeError, match=r"update 'v3' aborted: .*\{'mod': \['b'\]\}"):
-            sender.sync_direct(lambda d, f: write(d, f, corrupt="b"), version="v3",
+            sender.sync_one_copy(lambda d, f: write(d, f, corrupt="b"), version="v3",
                                engines=["mod"], verify=True)
         assert receiver.weight_version() == "v2"  # the bad update was never adopted
         # A parameter moved while the trainer wrote: the engine's `end` fails the update,
         # verified or not.
 
-        def write_while_moving(direct, fallback):
+        def write_while_moving(one_copy, fallback):
             got["b"].data = got["b"].data.clone()
-            return write(direct, fallback)
+            return write(one_copy, fallback)
 
         with pytest.raises(NotShared, match=r"no longer live in shared segment .*\['b'\]"):
-            sender.sync_direct(write_while_moving, version="v3b", engines=["mod"])
+            sender.sync_one_copy(write_while_moving, version="v3b", engines=["mod"])
         assert receiver.weight_version() == "v2"
         # Parameters moved elsewhere: the engine is handed back to buckets, nothing written.
         calls = []
-        report, fallback = sender.sync_direct(lambda d, f: calls.append((d, f)), version="v4",
+        report, fallback = sender.sync_one_copy(lambda d, f: calls.append((d, f)), version="v4",
                                               engines=["mod"])
         assert report is None and fallback == ["mod"] and calls == [([], ["mod"])]
         assert receiver.weight_version() == "v2"
@@ -187,16 +188,16 @@ def test_direct_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_abo
         # another trainer or after its parameters moved) is sent to buckets, nothing written;
         # one that names the current sharing writes.
         calls.clear()
-        report, fallback = sender.sync_direct(lambda d, f: calls.append((d, f)), version="v5",
+        report, fallback = sender.sync_one_copy(lambda d, f: calls.append((d, f)), version="v5",
                                               engines=["mod"],
                                               sharing={"mod": [shared["segment"]]})
         assert report is None and fallback == ["mod"] and calls == [([], ["mod"])]
-        why = receiver.receiver.begin_direct(keep_previous=False,
+        why = receiver.receiver.begin_one_copy(keep_previous=False,
                                              sharing=[shared["segment"]])
         assert shared["segment"] in why and again["segment"] in why and "buckets" in why
         targets["mod"].close()
-        targets["mod"] = DirectTarget(again)
-        report, fallback = sender.sync_direct(write, version="v6", engines=["mod"],
+        targets["mod"] = OneCopyTarget(again)
+        report, fallback = sender.sync_one_copy(write, version="v6", engines=["mod"],
                                               sharing={"mod": [again["segment"]]}, verify=True)
         assert fallback == [] and report.verify["mod"]["verified"]
         assert receiver.weight_version() == "v6"
@@ -244,16 +245,16 @@ def test_a_shared_parameter_replaced_by_a_new_object_is_noticed():
         sender.sync(iter(trainer.items()), version="v1")
         assert receiver.share_params()["shared"]
 
-        def replace_while_writing(direct, fallback):
-            assert direct == ["mod"]
+        def replace_while_writing(one_copy, fallback):
+            assert one_copy == ["mod"]
             model.b = torch.nn.Parameter(model.b.detach().clone())  # same values, new memory
             return {}
 
         with pytest.raises(NotShared, match=r"no longer live in shared segment .*\['b'\]"):
-            sender.sync_direct(replace_while_writing, version="v2", engines=["mod"])
+            sender.sync_one_copy(replace_while_writing, version="v2", engines=["mod"])
         assert receiver.weight_version() == "v1"
         calls = []
-        report, fallback = sender.sync_direct(lambda d, f: calls.append((d, f)), version="v3",
+        report, fallback = sender.sync_one_copy(lambda d, f: calls.append((d, f)), version="v3",
                                               engines=["mod"])
         assert report is None and fallback == ["mod"] and calls == [([], ["mod"])]
         assert receiver.weight_version() == "v1"
@@ -271,12 +272,12 @@ def test_a_new_update_closes_a_one_copy_begin_other_workers_refused():
     try:
         receiver.check_refit([s.to_dict() for s in specs])
         shared = receiver.share_params()["shared"]
-        assert receiver.receiver.begin_direct(keep_previous=True) is None
+        assert receiver.receiver.begin_one_copy(keep_previous=True) is None
         receiver.receiver.open_update()  # the engine's next update, by buckets
         receiver.receiver.restore_previous()  # that update rolled back
         assert receiver.receiver.sharing.shared is not None
-        assert receiver.receiver.begin_direct(keep_previous=False,
+        assert receiver.receiver.begin_one_copy(keep_previous=False,
                                               sharing=[shared["segment"]]) is None
-        receiver.receiver.end_direct()
+        receiver.receiver.end_one_copy()
     finally:
         receiver.receiver.close()
