@@ -36,8 +36,9 @@ def main() -> int:
 
     dist.init_process_group("gloo")  # torchrun's variables say who is who
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    path = [make_tiny_model(tempfile.mkdtemp(prefix="ws-example-"), arch="opt") if rank == 0
-            else None]
+    path = [
+        make_tiny_model(tempfile.mkdtemp(prefix="ws-example-"), arch="opt") if rank == 0 else None
+    ]
     dist.broadcast_object_list(path, src=0)
     model_path = path[0]
 
@@ -52,7 +53,9 @@ def main() -> int:
     engines = {}
     if rank == 0:
         weightsync.init_ray(num_cpus=2)
-        engines["vllm"] = weightsync.launch("weightsync.backends.vllm.engine.VllmEngineActor", model_path)
+        engines["vllm"] = weightsync.launch(
+            "weightsync.backends.vllm.engine.VllmEngineActor", model_path
+        )
     sync.connect(engines)  # rank 0 checks refit info with the engine; others take part only
 
     batch = torch.tensor([make_tokenizer()(TEXT).input_ids] * 2)
@@ -66,8 +69,11 @@ def main() -> int:
         if rank == 0:
             verified = report["verify"]["vllm"]["verified"]
             all_verified &= verified
-            print(f"step {step}  loss {loss.item():.3f}  sync {report['sync_s'] * 1e3:.1f} ms "
-                  f"({report['path']})  verified {verified}", flush=True)
+            print(
+                f"step {step}  loss {loss.item():.3f}  sync {report['sync_s'] * 1e3:.1f} ms "
+                f"({report['path']})  verified {verified}",
+                flush=True,
+            )
 
     if rank == 0:
         import ray

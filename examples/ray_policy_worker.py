@@ -34,8 +34,13 @@ class PolicyWorker:
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
 
-        weightsync.init_trainer_group(rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                      master_port=master_port, rank0_hosts_store=False)
+        weightsync.init_trainer_group(
+            rank=rank,
+            world_size=world_size,
+            master_addr="127.0.0.1",
+            master_port=master_port,
+            rank0_hosts_store=False,
+        )
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         mesh = init_device_mesh("cpu", (world_size,))
         for layer in self.model.model.decoder.layers:
@@ -74,10 +79,15 @@ def main() -> int:
     model_path = make_tiny_model(tempfile.mkdtemp(prefix="ws-example-"), arch="opt")
     weightsync.init_ray(num_cpus=2)
     engine = weightsync.launch("weightsync.backends.vllm.engine.VllmEngineActor", model_path)
-    store = weightsync.host_store("127.0.0.1")  # the trainer group's rendezvous, on a port of its own
-    workers = [ray.remote(PolicyWorker).options(num_cpus=0).remote(
-        rank=r, world_size=args.world_size, master_port=store.port, model_path=model_path)
-        for r in range(args.world_size)]
+    store = weightsync.host_store(
+        "127.0.0.1"
+    )  # the trainer group's rendezvous, on a port of its own
+    workers = [
+        ray.remote(PolicyWorker)
+        .options(num_cpus=0)
+        .remote(rank=r, world_size=args.world_size, master_port=store.port, model_path=model_path)
+        for r in range(args.world_size)
+    ]
 
     def on_all(method: str, *call_args: Any) -> Any:  # every rank at once; rank 0's answer
         return ray.get([getattr(w, method).remote(*call_args) for w in workers])[0]
@@ -90,8 +100,11 @@ def main() -> int:
         report = on_all("sync_weights", f"step-{step}")
         verified = report["verify"]["vllm"]["verified"]
         all_verified &= verified
-        print(f"step {step}  loss {loss:.3f}  sync {report['sync_s'] * 1e3:.1f} ms "
-              f"({report['path']})  verified {verified}", flush=True)
+        print(
+            f"step {step}  loss {loss:.3f}  sync {report['sync_s'] * 1e3:.1f} ms "
+            f"({report['path']})  verified {verified}",
+            flush=True,
+        )
     served = ray.get(engine.generate.remote([batch[0][:4]]))["weight_version"]
     print(f"engine serves {served}")
     on_all("close")

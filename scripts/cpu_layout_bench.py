@@ -86,24 +86,31 @@ def _profile_dump(path: str) -> None:
 
 
 # Calls the receiver process answers itself (not its receiver).
-_PROCESS_CALLS = {"pid": os.getpid, "gpu_reset": _gpu_reset,
-                  "gpu_peak": lambda: torch.cuda.max_memory_allocated(),
-                  "profile_start": _profile_start, "profile_dump": _profile_dump}
+_PROCESS_CALLS = {
+    "pid": os.getpid,
+    "gpu_reset": _gpu_reset,
+    "gpu_peak": lambda: torch.cuda.max_memory_allocated(),
+    "profile_start": _profile_start,
+    "profile_dump": _profile_dump,
+}
 
 
-def _receiver_main(shapes: layouts.Layout, conn, device: str = "cpu",
-                   receiver_layout: str = "checkpoint") -> None:
+def _receiver_main(
+    shapes: layouts.Layout, conn, device: str = "cpu", receiver_layout: str = "checkpoint"
+) -> None:
     from weightsync.engine.module_receiver import ModuleWeightReceiver
     from weightsync.wire.errors import error_to_wire
 
     torch.set_num_threads(1)
     if receiver_layout == "fused":  # an engine's parameters: q/k/v, gate/up, experts fused
         params, where = layouts.fused(shapes)
-        receiver = ModuleWeightReceiver(layouts.build_module(params, device=device),
-                                        name="receiver", fused=where)
+        receiver = ModuleWeightReceiver(
+            layouts.build_module(params, device=device), name="receiver", fused=where
+        )
     else:
-        receiver = ModuleWeightReceiver(layouts.build_module(shapes, device=device),
-                                        name="receiver")
+        receiver = ModuleWeightReceiver(
+            layouts.build_module(shapes, device=device), name="receiver"
+        )
     while (item := conn.recv()) is not None:
         method, args = item
         try:
@@ -166,27 +173,42 @@ def _segment_bytes(pids: list[int]) -> int:
     from weightsync.transports.shm import PREFIX, SHM_DIR, list_segments
 
     ours = tuple(f"{PREFIX}{pid}-" for pid in pids)
-    return sum(os.path.getsize(os.path.join(SHM_DIR, n)) for n in list_segments()
-               if n.startswith(ours))
+    return sum(
+        os.path.getsize(os.path.join(SHM_DIR, n)) for n in list_segments() if n.startswith(ours)
+    )
 
 
-def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, rank: int,
-                args: argparse.Namespace, trainer_pids: list[int]) -> dict | None:
+def _bench_path(
+    path: str,
+    model: torch.nn.Module,
+    shapes: layouts.Layout,
+    *,
+    rank: int,
+    args: argparse.Namespace,
+    trainer_pids: list[int],
+) -> dict | None:
     import torch.distributed as dist
 
     from weightsync import SyncOptions, TrainerSync
 
     transport = "cuda_ipc" if args.device == "cuda" else "shm"
-    sync = TrainerSync(model, options=SyncOptions(transport=transport,
-                                                  bucket_bytes=args.bucket_mb << 20,
-                                                  one_copy=path == "one_copy", timeout_s=600))
+    sync = TrainerSync(
+        model,
+        options=SyncOptions(
+            transport=transport,
+            bucket_bytes=args.bucket_mb << 20,
+            one_copy=path == "one_copy",
+            timeout_s=600,
+        ),
+    )
     engines, child = {}, None
     if rank == 0:
         ctx = mp.get_context("spawn")
         here, there = ctx.Pipe()
         # daemon: should this rank fail, its exit does not wait for the receiver
-        child = ctx.Process(target=_receiver_main,
-                            args=(shapes, there, args.device, args.receiver), daemon=True)
+        child = ctx.Process(
+            target=_receiver_main, args=(shapes, there, args.device, args.receiver), daemon=True
+        )
         child.start()
         engines = {"receiver": _PipeEndpoint(here, "receiver")}
     sync.connect(engines)
@@ -221,13 +243,18 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
         os.makedirs(args.profile, exist_ok=True)
         profile.dump_stats(os.path.join(args.profile, f"{path}-rank{rank}.prof"))
         if rank == 0:
-            engines["receiver"].call("profile_dump", os.path.abspath(os.path.join(
-                args.profile, f"{path}-receiver.prof")), timeout_s=60)
+            engines["receiver"].call(
+                "profile_dump",
+                os.path.abspath(os.path.join(args.profile, f"{path}-receiver.prof")),
+                timeout_s=60,
+            )
     peak = _peak_rss(pids) if rank == 0 else []
     gpu_growth = {}
     if gpu and rank == 0:
-        peaks = [torch.cuda.max_memory_allocated(),
-                 engines["receiver"].call("gpu_peak", timeout_s=60)]
+        peaks = [
+            torch.cuda.max_memory_allocated(),
+            engines["receiver"].call("gpu_peak", timeout_s=60),
+        ]
         gpu_growth = {n: p - b for n, p, b in zip(("rank0", "receiver"), peaks, gpu_base)}
     segments = _segment_bytes(pids) if rank == 0 else 0
     # What the timed (unverified) syncs write, checked: new values in place, one more such
@@ -248,8 +275,7 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
         if rank == 0 and not report["verify"]["receiver"]["verified"]:
             raise RuntimeError(f"{path}: verified sync {i} failed: {report['verify']}")
     plan = sync.one_copy_path.writer.plan
-    plan_verifies = bool(path == "one_copy" and getattr(plan, "dsts", None)
-                         and plan.checks)
+    plan_verifies = bool(path == "one_copy" and getattr(plan, "dsts", None) and plan.checks)
     sync.close()
     if rank != 0:
         return None
@@ -258,17 +284,27 @@ def _bench_path(path: str, model: torch.nn.Module, shapes: layouts.Layout, *, ra
     if paths != [expected]:
         raise RuntimeError(f"{path}: the timed syncs took {paths}, expected [{expected!r}]")
     best = min(range(len(times)), key=times.__getitem__)
-    return {"sync_s": times[best], "report_sync_s": reports[best]["sync_s"],
-            "phases_s": reports[best].get("phases_s"), "times_s": times,
-            "rank_cpu_s": rank_cpu_s, "verified": checked["verify"]["receiver"]["verified"],
-            "verified_sync_s": min(verified_times),
-            "verify_added": min(verified_times) / times[best] - 1,
-            "verified_through_plan": plan_verifies,
-            "unverified_sync_checked": after_timed["receiver"]["verified"],
-            "share_s": warm[0]["engines"]["receiver"].get("share_s"),
-            "peak_rss_growth_bytes": {name: p - r for name, p, r in zip(
-                [f"rank{i}" for i in range(len(trainer_pids))] + ["receiver"], peak, rss)},
-            "segment_bytes": segments, "peak_gpu_growth_bytes": gpu_growth}
+    return {
+        "sync_s": times[best],
+        "report_sync_s": reports[best]["sync_s"],
+        "phases_s": reports[best].get("phases_s"),
+        "times_s": times,
+        "rank_cpu_s": rank_cpu_s,
+        "verified": checked["verify"]["receiver"]["verified"],
+        "verified_sync_s": min(verified_times),
+        "verify_added": min(verified_times) / times[best] - 1,
+        "verified_through_plan": plan_verifies,
+        "unverified_sync_checked": after_timed["receiver"]["verified"],
+        "share_s": warm[0]["engines"]["receiver"].get("share_s"),
+        "peak_rss_growth_bytes": {
+            name: p - r
+            for name, p, r in zip(
+                [f"rank{i}" for i in range(len(trainer_pids))] + ["receiver"], peak, rss
+            )
+        },
+        "segment_bytes": segments,
+        "peak_gpu_growth_bytes": gpu_growth,
+    }
 
 
 def _rank_main(rank: int, port: int, args: argparse.Namespace, results) -> None:
@@ -291,20 +327,28 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
     )
 
     torch.set_num_threads(1)
-    init_trainer_group(rank=rank, world_size=args.ranks, master_addr="127.0.0.1",
-                       master_port=port)
+    init_trainer_group(rank=rank, world_size=args.ranks, master_addr="127.0.0.1", master_port=port)
     shapes = layouts.layout(args.layout, num_layers=args.layers, shrink=args.shrink)
     nbytes = layouts.nbytes(shapes)
     start = time.perf_counter()
-    model = shard_model(layouts.build_module(shapes, fill=True, seed=0, device=args.device),
-                        device=args.device)
+    model = shard_model(
+        layouts.build_module(shapes, fill=True, seed=0, device=args.device), device=args.device
+    )
     built_s = time.perf_counter() - start
     pids: list[int] = [0] * args.ranks
     dist.all_gather_object(pids, os.getpid())
-    out = {"layout": args.layout, "layers": args.layers, "shrink": args.shrink,
-           "receiver": args.receiver,
-           "tensors": len(shapes), "gb": nbytes / 1e9, "bucket_mb": args.bucket_mb,
-           "repeats": args.repeats, "build_and_shard_s": built_s, "paths": {}}
+    out = {
+        "layout": args.layout,
+        "layers": args.layers,
+        "shrink": args.shrink,
+        "receiver": args.receiver,
+        "tensors": len(shapes),
+        "gb": nbytes / 1e9,
+        "bucket_mb": args.bucket_mb,
+        "repeats": args.repeats,
+        "build_and_shard_s": built_s,
+        "paths": {},
+    }
     for path in args.paths:
         # memcpy beside each path, in the same conditions: before its syncs and after them
         # (the receiver stopped, the other ranks at a barrier); the faster is the reference.
@@ -313,8 +357,11 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
         result = _bench_path(path, model, shapes, rank=rank, args=args, trainer_pids=pids)
         if rank == 0:
             after = memcpy_s(nbytes, args.repeats + 2, args.device)
-            out["paths"][path] = {"memcpy_s": min(before, after),
-                                  "memcpy_before_after_s": [before, after], **result}
+            out["paths"][path] = {
+                "memcpy_s": min(before, after),
+                "memcpy_before_after_s": [before, after],
+                **result,
+            }
         dist.barrier()
     close_trainer_group()
     if rank == 0:
@@ -331,8 +378,9 @@ def run(args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    ranks = [ctx.Process(target=_rank_main, args=(r, port, args, results))
-             for r in range(args.ranks)]
+    ranks = [
+        ctx.Process(target=_rank_main, args=(r, port, args, results)) for r in range(args.ranks)
+    ]
     for p in ranks:
         p.start()
     out = results.get(timeout=3600)
@@ -351,57 +399,89 @@ def _table(out: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{out['layout']}, {out['layers'] or 'all'} layers, widths / "
-                        f"{out['shrink']}: {out['tensors']} tensors, {out['gb']:.3f} GB bf16; "
-                        f"best of {out['repeats']}")
-    for col in ("path", "sync s (TrainerSync.sync wall, rank 0)", "memcpy s (same bytes)",
-                "ratio (memcpy s / sync s)", "us per tensor beyond memcpy",
-                "phases s (begin / write / end)", "rank CPU s (0 / 1)", "verified (after / sync)",
-                "verified sync s (added)",
-                "peak RSS growth MB (ranks / receiver)", "shm segments MB",
-                "peak GPU growth MB (rank0 / receiver)"):
+    table = Table(
+        title=f"{out['layout']}, {out['layers'] or 'all'} layers, widths / "
+        f"{out['shrink']}: {out['tensors']} tensors, {out['gb']:.3f} GB bf16; "
+        f"best of {out['repeats']}"
+    )
+    for col in (
+        "path",
+        "sync s (TrainerSync.sync wall, rank 0)",
+        "memcpy s (same bytes)",
+        "ratio (memcpy s / sync s)",
+        "us per tensor beyond memcpy",
+        "phases s (begin / write / end)",
+        "rank CPU s (0 / 1)",
+        "verified (after / sync)",
+        "verified sync s (added)",
+        "peak RSS growth MB (ranks / receiver)",
+        "shm segments MB",
+        "peak GPU growth MB (rank0 / receiver)",
+    ):
         left = col in ("path", "verified (after / sync)")
         table.add_column(col, justify="left" if left else "right")
     for path, r in out["paths"].items():
         phases = r["phases_s"] or {}
         growth = r["peak_rss_growth_bytes"]
         table.add_row(
-            path, f"{r['sync_s']:.3f}", f"{r['memcpy_s']:.3f}",
+            path,
+            f"{r['sync_s']:.3f}",
+            f"{r['memcpy_s']:.3f}",
             f"{r['memcpy_s'] / r['sync_s']:.2f}",
             f"{(r['sync_s'] - r['memcpy_s']) / out['tensors'] * 1e6:.0f}",
-            " / ".join(f"{phases[k]:.3f}" for k in ("begin", "write", "end") if k in phases)
-            or "-",
+            " / ".join(f"{phases[k]:.3f}" for k in ("begin", "write", "end") if k in phases) or "-",
             " / ".join(f"{c:.3f}" for c in r["rank_cpu_s"]),
             f"{r.get('unverified_sync_checked')} / {r['verified']}",
             f"{r['verified_sync_s']:.3f} ({r['verify_added']:+.0%})",
             " / ".join(f"{v / 1e6:.0f}" for v in growth.values()),
             f"{r['segment_bytes'] / 1e6:.0f}",
-            " / ".join(f"{v / 1e6:.0f}" for v in r["peak_gpu_growth_bytes"].values()) or "-")
+            " / ".join(f"{v / 1e6:.0f}" for v in r["peak_gpu_growth_bytes"].values()) or "-",
+        )
     Console(width=200).print(table)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--layout", choices=[n for n in layouts.LAYOUTS if n != "uniform"],
-                        default="qwen3-30b-a3b")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="layer count (default: the model's own)")
-    parser.add_argument("--shrink", type=int, default=4,
-                        help="divide every width (hidden, heads, intermediate, vocabulary) by this")
-    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated: buckets,one_copy")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--layout", choices=[n for n in layouts.LAYOUTS if n != "uniform"], default="qwen3-30b-a3b"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="layer count (default: the model's own)"
+    )
+    parser.add_argument(
+        "--shrink",
+        type=int,
+        default=4,
+        help="divide every width (hidden, heads, intermediate, vocabulary) by this",
+    )
+    parser.add_argument(
+        "--paths", default=",".join(PATHS), help="comma-separated: buckets,one_copy"
+    )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda: trainer ranks and receiver on GPUs, transport cuda_ipc "
-                             "(one-copy: the receiver exports its parameters' CUDA storages)")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: trainer ranks and receiver on GPUs, transport cuda_ipc "
+        "(one-copy: the receiver exports its parameters' CUDA storages)",
+    )
     parser.add_argument("--ranks", type=int, default=2, help="trainer ranks (FSDP2)")
-    parser.add_argument("--receiver", choices=["checkpoint", "fused"], default="checkpoint",
-                        help="the receiver's parameters: the checkpoint's tensors one for one, "
-                             "or fused as an engine holds them (vLLM's layout: q/k/v, gate/up "
-                             "and every layer's experts in one parameter each)")
+    parser.add_argument(
+        "--receiver",
+        choices=["checkpoint", "fused"],
+        default="checkpoint",
+        help="the receiver's parameters: the checkpoint's tensors one for one, "
+        "or fused as an engine holds them (vLLM's layout: q/k/v, gate/up "
+        "and every layer's experts in one parameter each)",
+    )
     parser.add_argument("--bucket-mb", type=int, default=256)
-    parser.add_argument("--profile", metavar="DIR", help="write each rank's cProfile of the "
-                                                         "timed syncs of each path here")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write each rank's cProfile of the timed syncs of each path here",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object, no table")
     args = parser.parse_args()
     args.paths = [p for p in args.paths.split(",") if p]

@@ -34,8 +34,10 @@ def _best(fn, device: str) -> float:
 def _one(numel: int, device: str) -> None:
     big = torch.randn(numel, device=device).bfloat16()
     seconds = _best(lambda: fingerprint(big), device)
-    print(f"one tensor, {numel * 2 / 1e9:.2f} GB: {seconds:.4f} s, "
-          f"{numel * 2 / 1e9 / seconds:.1f} GB/s")
+    print(
+        f"one tensor, {numel * 2 / 1e9:.2f} GB: {seconds:.4f} s, "
+        f"{numel * 2 / 1e9 / seconds:.1f} GB/s"
+    )
 
 
 def main() -> None:
@@ -48,8 +50,10 @@ def main() -> None:
     many = [torch.randn(768, 2048, device=args.device).bfloat16() for _ in range(args.count)]
     nbytes = sum(t.numel() * 2 for t in many)
     seconds = _best(lambda: fingerprints(many), args.device)
-    print(f"{args.count} tensors of 768 x 2048 bf16, {nbytes / 1e9:.2f} GB: {seconds:.4f} s, "
-          f"{nbytes / 1e9 / seconds:.1f} GB/s, {seconds / args.count * 1e6:.0f} us per tensor")
+    print(
+        f"{args.count} tensors of 768 x 2048 bf16, {nbytes / 1e9:.2f} GB: {seconds:.4f} s, "
+        f"{nbytes / 1e9 / seconds:.1f} GB/s, {seconds / args.count * 1e6:.0f} us per tensor"
+    )
 
 
 if __name__ == "__main__":

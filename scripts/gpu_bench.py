@@ -31,14 +31,16 @@ def _model(num_tensors: int, numel: int, device: str) -> torch.nn.Module:
     model.layers = torch.nn.ModuleList()
     for _ in range(num_tensors):
         layer = torch.nn.Module()
-        layer.weight = torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16, device=device),
-                                          requires_grad=False)
+        layer.weight = torch.nn.Parameter(
+            torch.zeros(numel, dtype=torch.bfloat16, device=device), requires_grad=False
+        )
         model.layers.append(layer)
     return model
 
 
-def _sliced_model(num_tensors: int, rows: int, cols: int, rank: int, size: int,
-                  device: str) -> torch.nn.Module:
+def _sliced_model(
+    num_tensors: int, rows: int, cols: int, rank: int, size: int, device: str
+) -> torch.nn.Module:
     """Tensor-parallel worker `rank` of `size`: even layers keep rows (column-parallel), odd
     ones columns (row-parallel), each parameter's loader narrowing the full tensor, as vLLM's
     and SGLang's loaders do."""
@@ -49,8 +51,9 @@ def _sliced_model(num_tensors: int, rows: int, cols: int, rank: int, size: int,
         shape = [rows, cols]
         shape[dim] //= size
         layer = torch.nn.Module()
-        layer.weight = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16, device=device),
-                                          requires_grad=False)
+        layer.weight = torch.nn.Parameter(
+            torch.zeros(shape, dtype=torch.bfloat16, device=device), requires_grad=False
+        )
 
         def loader(param, tensor, dim=dim):
             n = param.shape[dim]
@@ -61,21 +64,25 @@ def _sliced_model(num_tensors: int, rows: int, cols: int, rank: int, size: int,
     return model
 
 
-def _receiver_main(device: int, num_tensors: int, numel: int, conn,
-                   tp: tuple[int, int, int, int] | None = None) -> None:
+def _receiver_main(
+    device: int, num_tensors: int, numel: int, conn, tp: tuple[int, int, int, int] | None = None
+) -> None:
     """`tp`: (rank, size, rows, cols): a sliced worker of 2-D tensors of rows x cols."""
     torch.cuda.set_device(device)
     from weightsync.engine.module_receiver import ModuleWeightReceiver
     from weightsync.wire.errors import error_to_wire
 
     if tp is None:
-        receiver = ModuleWeightReceiver(_model(num_tensors, numel, f"cuda:{device}"),
-                                        name="receiver")
+        receiver = ModuleWeightReceiver(
+            _model(num_tensors, numel, f"cuda:{device}"), name="receiver"
+        )
     else:
         rank, size, rows, cols = tp
         receiver = ModuleWeightReceiver(
             _sliced_model(num_tensors, rows, cols, rank, size, f"cuda:{device}"),
-            name=f"worker{rank}", sliced=True)
+            name=f"worker{rank}",
+            sliced=True,
+        )
     while (item := conn.recv()) is not None:
         method, args = item
         try:
@@ -154,8 +161,9 @@ def source_model(num_tensors: int, numel: int, device: int) -> torch.nn.Module:
     return model
 
 
-def run(kind: str, size_gb: float, repeats: int, bucket_bytes: int | list[int],
-        zero_copy: bool = True) -> dict | list[dict]:
+def run(
+    kind: str, size_gb: float, repeats: int, bucket_bytes: int | list[int], zero_copy: bool = True
+) -> dict | list[dict]:
     """One result per bucket size (a dict when `bucket_bytes` is one int)."""
     from weightsync.trainer.sender import WeightSender
     from weightsync.trainer.source import DTensorV2Source
@@ -178,8 +186,9 @@ def run(kind: str, size_gb: float, repeats: int, bucket_bytes: int | list[int],
         transport = CollectiveSender(num_receivers=1, backend="nccl", timeout_s=300)
     results = []
     for bucket in buckets:
-        sender = WeightSender(source.specs(), transport=transport, capacity_bytes=bucket,
-                              timeout_s=300)
+        sender = WeightSender(
+            source.specs(), transport=transport, capacity_bytes=bucket, timeout_s=300
+        )
         sender.add_engine(endpoint)
         sender.sync(source.tensors(), version="warmup")
         times, load_s = [], []
@@ -188,14 +197,23 @@ def run(kind: str, size_gb: float, repeats: int, bucket_bytes: int | list[int],
             report = sender.sync(source.tensors(), version=f"v{i}")
             times.append(report.sync_s)
             load_s.append(report.engines[endpoint.name].load_s)
-        verified = sender.sync(source.tensors(), version="verify",
-                               verify=True).verify[endpoint.name]["verified"]
-        results.append({"kind": kind, "size_gb": nbytes / (1 << 30), "nbytes": nbytes,
-                        "bucket_mb": bucket >> 20, "zero_copy": zero_copy if kind == "ipc"
-                        else None, "sync_s": min(times), "sync_gbps": nbytes / min(times) / 1e9,
-                        "load_s": load_s[times.index(min(times))],
-                        "num_buckets": len(sender.plans),
-                        "verified": verified})
+        verified = sender.sync(source.tensors(), version="verify", verify=True).verify[
+            endpoint.name
+        ]["verified"]
+        results.append(
+            {
+                "kind": kind,
+                "size_gb": nbytes / (1 << 30),
+                "nbytes": nbytes,
+                "bucket_mb": bucket >> 20,
+                "zero_copy": zero_copy if kind == "ipc" else None,
+                "sync_s": min(times),
+                "sync_gbps": nbytes / min(times) / 1e9,
+                "load_s": load_s[times.index(min(times))],
+                "num_buckets": len(sender.plans),
+                "verified": verified,
+            }
+        )
     if kind == "ipc":
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
@@ -265,16 +283,20 @@ def run_tp(size_gb: float, repeats: int, bucket_bytes: int) -> dict:
     model.layers = torch.nn.ModuleList()
     for i in range(num_tensors):
         layer = torch.nn.Module()
-        layer.weight = torch.nn.Parameter(torch.empty(rows, cols, dtype=torch.bfloat16,
-                                                      device="cuda"), requires_grad=False)
+        layer.weight = torch.nn.Parameter(
+            torch.empty(rows, cols, dtype=torch.bfloat16, device="cuda"), requires_grad=False
+        )
         layer.weight.data.normal_(generator=torch.Generator(device="cuda").manual_seed(i))
         model.layers.append(layer)
     source = DTensorV2Source(model)
-    workers = [start_receiver(device, num_tensors, 0, tp=(rank, 2, rows, cols),
-                              name=f"tp{rank}") for rank, device in enumerate((0, 1))]
+    workers = [
+        start_receiver(device, num_tensors, 0, tp=(rank, 2, rows, cols), name=f"tp{rank}")
+        for rank, device in enumerate((0, 1))
+    ]
     transport = CudaIpcSender(num_slots=2, zero_copy=True)
-    sender = WeightSender(source.specs(), transport=transport, capacity_bytes=bucket_bytes,
-                          timeout_s=600)
+    sender = WeightSender(
+        source.specs(), transport=transport, capacity_bytes=bucket_bytes, timeout_s=600
+    )
     for endpoint, _ in workers:
         sender.add_engine(endpoint)
     start = time.perf_counter()
@@ -292,8 +314,9 @@ def run_tp(size_gb: float, repeats: int, bucket_bytes: int) -> dict:
         sent[name] = fingerprint(tensor)
         for prints in expected.values():
             prints.add(name, tensor)
-    checked = sender.verify(sent, engines=names,
-                            worker_sent={n: p.result() for n, p in expected.items()})
+    checked = sender.verify(
+        sent, engines=names, worker_sent={n: p.result() for n, p in expected.items()}
+    )
     verify_s = time.perf_counter() - start
     half = nbytes // 2
     src = torch.empty(half, dtype=torch.uint8, device="cuda:0")
@@ -303,16 +326,25 @@ def run_tp(size_gb: float, repeats: int, bucket_bytes: int) -> dict:
         stop_receiver(endpoint, child)
     transport.close()
     sync_s = min(times)
-    return {"kind": "tp-ipc", "workers": 2, "size_gb": nbytes / (1 << 30), "nbytes": nbytes,
-            "bytes_per_worker_slice": half, "bucket_mb": bucket_bytes >> 20,
-            "num_tensors": num_tensors, "first_sync_s": first_s, "sync_s": sync_s,
-            "copy_slice_gpu0_s": local_s, "copy_slice_gpu0_to_gpu1_s": peer_s,
-            # the workers copy at once, each on its own GPU: the slower copy is the floor
-            "ratio_to_slower_copy": max(local_s, peer_s) / sync_s,
-            "ratio_to_both_copies_in_turn": (local_s + peer_s) / sync_s,
-            "verified": all(checked[n]["verified"] for n in names),
-            "num_checked": {n: checked[n]["num_checked"] for n in names},
-            "verify_s": verify_s}
+    return {
+        "kind": "tp-ipc",
+        "workers": 2,
+        "size_gb": nbytes / (1 << 30),
+        "nbytes": nbytes,
+        "bytes_per_worker_slice": half,
+        "bucket_mb": bucket_bytes >> 20,
+        "num_tensors": num_tensors,
+        "first_sync_s": first_s,
+        "sync_s": sync_s,
+        "copy_slice_gpu0_s": local_s,
+        "copy_slice_gpu0_to_gpu1_s": peer_s,
+        # the workers copy at once, each on its own GPU: the slower copy is the floor
+        "ratio_to_slower_copy": max(local_s, peer_s) / sync_s,
+        "ratio_to_both_copies_in_turn": (local_s + peer_s) / sync_s,
+        "verified": all(checked[n]["verified"] for n in names),
+        "num_checked": {n: checked[n]["num_checked"] for n in names},
+        "verify_s": verify_s,
+    }
 
 
 def main() -> None:
@@ -321,8 +353,11 @@ def main() -> None:
     parser.add_argument("--sizes-gb", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", default="1024", help="one or more, comma-separated")
-    parser.add_argument("--no-zero-copy", action="store_true",
-                        help="ipc: copy every tensor into bucket buffers (the old path)")
+    parser.add_argument(
+        "--no-zero-copy",
+        action="store_true",
+        help="ipc: copy every tensor into bucket buffers (the old path)",
+    )
     args = parser.parse_args()
     buckets = [int(b) << 20 for b in args.bucket_mb.split(",")]
     if args.kind == "tp-ipc":
@@ -330,8 +365,9 @@ def main() -> None:
             print(json.dumps(run_tp(float(size), args.repeats, buckets[0])), flush=True)
         return
     for size in args.sizes_gb.split(","):
-        for result in run(args.kind, float(size), args.repeats, buckets,
-                          zero_copy=not args.no_zero_copy):
+        for result in run(
+            args.kind, float(size), args.repeats, buckets, zero_copy=not args.no_zero_copy
+        ):
             print(json.dumps(result), flush=True)
 
 

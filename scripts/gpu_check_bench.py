@@ -53,14 +53,19 @@ def run(args: argparse.Namespace) -> dict:
     src = torch.empty(src_end // 2, dtype=torch.int16, device=device).random_()
     dst = torch.zeros(dst_end // 2, dtype=torch.int16, device=device)
     src_bytes, dst_bytes = src.view(torch.uint8), dst.view(torch.uint8)
-    pairs = [(dst_bytes[d:d + n], src_bytes[s:s + n]) for d, s, n in zip(dst_at, src_at, sizes)]
+    pairs = [(dst_bytes[d : d + n], src_bytes[s : s + n]) for d, s, n in zip(dst_at, src_at, sizes)]
     odd = [i for i, (d, s) in enumerate(pairs) if not kernel.fusable(d, s)]
     if odd:
         raise SystemExit(f"{len(odd)} tensors the kernel cannot take (not 8-byte sized)")
     flat_src = src_bytes[:dst_end]
-    result = {"layout": args.layout, "layers": args.layers, "tensors": len(shapes),
-              "bytes": dst_end, "memcpy_ms": _best_ms(lambda: dst_bytes.copy_(flat_src)),
-              "rows": []}
+    result = {
+        "layout": args.layout,
+        "layers": args.layers,
+        "tensors": len(shapes),
+        "bytes": dst_end,
+        "memcpy_ms": _best_ms(lambda: dst_bytes.copy_(flat_src)),
+        "rows": [],
+    }
     for chunk, block, warps in itertools.product(args.chunks, args.blocks, args.warps):
         kernel.CHUNK, kernel.BLOCK, kernel.WARPS = chunk, block, warps
         plain = kernel.Copies(pairs, device)
@@ -71,10 +76,17 @@ def run(args: argparse.Namespace) -> dict:
         checked_ms = _best_ms(lambda run=checked.run, out=differing: out.extend(run()))
         if differing or not all(torch.equal(d, s) for d, s in pairs):
             raise RuntimeError(f"chunk {chunk}, block {block}, warps {warps}: copies differ")
-        result["rows"].append({"chunk": chunk, "block": block, "warps": warps,
-                               "copy_ms": copy_ms, "checked_ms": checked_ms,
-                               "copy_x_memcpy": copy_ms / result["memcpy_ms"],
-                               "checked_x_memcpy": checked_ms / result["memcpy_ms"]})
+        result["rows"].append(
+            {
+                "chunk": chunk,
+                "block": block,
+                "warps": warps,
+                "copy_ms": copy_ms,
+                "checked_ms": checked_ms,
+                "copy_x_memcpy": copy_ms / result["memcpy_ms"],
+                "checked_x_memcpy": checked_ms / result["memcpy_ms"],
+            }
+        )
     return result
 
 
@@ -94,15 +106,22 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{result['layout']} ({result['tensors']} tensors, "
-                        f"{result['bytes'] / 1e9:.1f} GB): memcpy {result['memcpy_ms']:.2f} ms")
+    table = Table(
+        title=f"{result['layout']} ({result['tensors']} tensors, "
+        f"{result['bytes'] / 1e9:.1f} GB): memcpy {result['memcpy_ms']:.2f} ms"
+    )
     for column in ("chunk", "block", "warps", "copy ms (x memcpy)", "checked ms (x memcpy)"):
         table.add_column(column, justify="right")
     for r in result["rows"]:
-        table.add_row(str(r["chunk"]), str(r["block"]), str(r["warps"]),
-                      f"{r['copy_ms']:.2f} ({r['copy_x_memcpy']:.3f})",
-                      f"{r['checked_ms']:.2f} ({r['checked_x_memcpy']:.3f})")
+        table.add_row(
+            str(r["chunk"]),
+            str(r["block"]),
+            str(r["warps"]),
+            f"{r['copy_ms']:.2f} ({r['copy_x_memcpy']:.3f})",
+            f"{r['checked_ms']:.2f} ({r['checked_x_memcpy']:.3f})",
+        )
     Console().print(table)
+
 
 if __name__ == "__main__":
     main()

@@ -33,8 +33,9 @@ from gpu_bench import PipeEndpoint, stop_receiver, timed_copy  # noqa: E402
 from weightsync.apps import layouts  # noqa: E402
 
 
-def _receiver_main(shapes: layouts.Layout, conn, one_copy_bytes: int | None = None,
-                   graphs: bool = True) -> None:
+def _receiver_main(
+    shapes: layouts.Layout, conn, one_copy_bytes: int | None = None, graphs: bool = True
+) -> None:
     torch.cuda.set_device(0)
     from weightsync.gpu import copies
 
@@ -46,8 +47,7 @@ def _receiver_main(shapes: layouts.Layout, conn, one_copy_bytes: int | None = No
     from weightsync.engine.module_receiver import ModuleWeightReceiver
     from weightsync.wire.errors import error_to_wire
 
-    receiver = ModuleWeightReceiver(layouts.build_module(shapes, device="cuda:0"),
-                                    name="receiver")
+    receiver = ModuleWeightReceiver(layouts.build_module(shapes, device="cuda:0"), name="receiver")
     while (item := conn.recv()) is not None:
         method, args = item
         try:
@@ -61,8 +61,12 @@ def _receiver_main(shapes: layouts.Layout, conn, one_copy_bytes: int | None = No
                 import cProfile
 
                 prof = cProfile.Profile()
-                tprof = torch.profiler.profile(activities=[
-                    torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                tprof = torch.profiler.profile(
+                    activities=[
+                        torch.profiler.ProfilerActivity.CPU,
+                        torch.profiler.ProfilerActivity.CUDA,
+                    ]
+                )
                 tprof.__enter__()
                 prof.enable()
                 result = None
@@ -76,7 +80,8 @@ def _receiver_main(shapes: layouts.Layout, conn, one_copy_bytes: int | None = No
                 out = io.StringIO()
                 pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
                 result = out.getvalue() + tprof.key_averages().table(
-                    sort_by="self_cuda_time_total", row_limit=12)
+                    sort_by="self_cuda_time_total", row_limit=12
+                )
             else:
                 result = getattr(receiver, method)(*args)
                 if method == "end":  # the update is done once its copies are
@@ -105,9 +110,18 @@ def copy_rate(gb: float, repeats: int) -> float:
     return gb / best
 
 
-def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
-        reference_gbps: float, replay: bool = True, one_copy_bytes: int | None = None,
-        profile: bool = False, graphs: bool = True) -> dict:
+def run(
+    layout: str,
+    num_layers: int | None,
+    *,
+    repeats: int,
+    bucket_bytes: int,
+    reference_gbps: float,
+    replay: bool = True,
+    one_copy_bytes: int | None = None,
+    profile: bool = False,
+    graphs: bool = True,
+) -> dict:
     from weightsync.trainer.sender import WeightSender
     from weightsync.transports.cuda_ipc import CudaIpcSender
     from weightsync.wire.specs import TensorSpec
@@ -122,8 +136,12 @@ def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
     child.start()
     endpoint = PipeEndpoint(here, "receiver")
     transport = CudaIpcSender(num_slots=2, replay=replay)
-    sender = WeightSender([TensorSpec.of(n, t) for n, t in source.params], transport=transport,
-                          capacity_bytes=bucket_bytes, timeout_s=600)
+    sender = WeightSender(
+        [TensorSpec.of(n, t) for n, t in source.params],
+        transport=transport,
+        capacity_bytes=bucket_bytes,
+        timeout_s=600,
+    )
     sender.add_engine(endpoint)
     sender.sync(source.tensors(), version="warmup")
     torch.cuda.synchronize()
@@ -152,7 +170,7 @@ def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
     sender_peak = torch.cuda.max_memory_allocated() - base
     receiver_peak = endpoint.call("peak", timeout_s=60) - receiver_base
     for _, tensor in source.params:  # new values at the same places: replayed syncs must
-        tensor.neg_()                # carry them (checked by the verified syncs below)
+        tensor.neg_()  # carry them (checked by the verified syncs below)
     verified_times = []
     for i in range(repeats):  # the first also builds each side's fingerprint tables
         torch.cuda.synchronize()
@@ -164,47 +182,84 @@ def run(layout: str, num_layers: int | None, *, repeats: int, bucket_bytes: int,
     stop_receiver(endpoint, child)
     sender.close()
     best = min(times)
-    return {"layout": layout, "layers": num_layers, "tensors": len(shapes), "gb": nbytes / 1e9,
-            "bucket_mb": bucket_bytes >> 20, "sync_s": best,
-            "receiver_load_s": load_s[times.index(best)], "sync_gbps": nbytes / best / 1e9,
-            "copy_gbps": reference_gbps, "ratio": nbytes / best / 1e9 / reference_gbps,
-            "verified_sync_s": verify_sync_s, "verify_added": verify_sync_s / best - 1,
-            "verified": verified, "replay": replay, "graphs": graphs,
-            "one_copy_bytes": one_copy_bytes,
-            "sender_peak_extra_gb": sender_peak / 1e9,
-            "receiver_peak_extra_gb": receiver_peak / 1e9}
+    return {
+        "layout": layout,
+        "layers": num_layers,
+        "tensors": len(shapes),
+        "gb": nbytes / 1e9,
+        "bucket_mb": bucket_bytes >> 20,
+        "sync_s": best,
+        "receiver_load_s": load_s[times.index(best)],
+        "sync_gbps": nbytes / best / 1e9,
+        "copy_gbps": reference_gbps,
+        "ratio": nbytes / best / 1e9 / reference_gbps,
+        "verified_sync_s": verify_sync_s,
+        "verify_added": verify_sync_s / best - 1,
+        "verified": verified,
+        "replay": replay,
+        "graphs": graphs,
+        "one_copy_bytes": one_copy_bytes,
+        "sender_peak_extra_gb": sender_peak / 1e9,
+        "receiver_peak_extra_gb": receiver_peak / 1e9,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--layout", choices=layouts.LAYOUTS, default="llama8b")
-    parser.add_argument("--layers", default="", help="comma-separated layer counts (default: "
-                        "the model's own)")
+    parser.add_argument(
+        "--layers", default="", help="comma-separated layer counts (default: the model's own)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=1024)
     parser.add_argument("--reference-gb", type=float, default=8.0)
-    parser.add_argument("--one-copy-mb", type=float, default=None,
-                        help="the receiver copies tensors this large one by one, smaller ones "
-                             "together (default: weightsync.engine.loading's 4 MiB)")
-    parser.add_argument("--profile", action="store_true",
-                        help="after the timed syncs, profile one more (cProfile on both sides, "
-                             "torch.profiler's device time on the receiver) to stderr")
-    parser.add_argument("--no-graphs", action="store_true",
-                        help="the receiver issues a replayed bucket's copies one by one instead "
-                             "of as one CUDA graph")
-    parser.add_argument("--no-replay", action="store_true",
-                        help="describe every bucket in full every sync (CUDA IPC replay off)")
+    parser.add_argument(
+        "--one-copy-mb",
+        type=float,
+        default=None,
+        help="the receiver copies tensors this large one by one, smaller ones "
+        "together (default: weightsync.engine.loading's 4 MiB)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed syncs, profile one more (cProfile on both sides, "
+        "torch.profiler's device time on the receiver) to stderr",
+    )
+    parser.add_argument(
+        "--no-graphs",
+        action="store_true",
+        help="the receiver issues a replayed bucket's copies one by one instead "
+        "of as one CUDA graph",
+    )
+    parser.add_argument(
+        "--no-replay",
+        action="store_true",
+        help="describe every bucket in full every sync (CUDA IPC replay off)",
+    )
     args = parser.parse_args()
     reference = copy_rate(args.reference_gb, args.repeats + 2)
     for layers in [int(x) for x in args.layers.split(",") if x] or [None]:
-        print(json.dumps(run(args.layout, layers, repeats=args.repeats,
-                             bucket_bytes=args.bucket_mb << 20, reference_gbps=reference,
-                             replay=not args.no_replay, profile=args.profile,
-                             graphs=not args.no_graphs,
-                             one_copy_bytes=None if args.one_copy_mb is None
-                             else int(args.one_copy_mb * (1 << 20)))),
-              flush=True)
+        print(
+            json.dumps(
+                run(
+                    args.layout,
+                    layers,
+                    repeats=args.repeats,
+                    bucket_bytes=args.bucket_mb << 20,
+                    reference_gbps=reference,
+                    replay=not args.no_replay,
+                    profile=args.profile,
+                    graphs=not args.no_graphs,
+                    one_copy_bytes=None
+                    if args.one_copy_mb is None
+                    else int(args.one_copy_mb * (1 << 20)),
+                )
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

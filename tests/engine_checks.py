@@ -51,8 +51,9 @@ def check_sync_after_training(engine, trainer, name: str, version: str, *, steps
     return report
 
 
-def check_repeated_syncs(engine, trainer, name: str, prefix: str, *, rounds: int,
-                         path: str = "buckets") -> None:
+def check_repeated_syncs(
+    engine, trainer, name: str, prefix: str, *, rounds: int, path: str = "buckets"
+) -> None:
     """Several syncs of very different weights, with requests served in between; each takes
     `path` ("one_copy": the trainer writes into the engine's shared parameters)."""
     before = ray.get(engine.generate.remote(prompt_ids()))
@@ -67,8 +68,9 @@ def check_repeated_syncs(engine, trainer, name: str, prefix: str, *, rounds: int
     assert out["tokens"] != before["tokens"]
 
 
-def check_server_on_loopback_demands_key(engine, paths: list[str], *, key: str,
-                                         get_path: str) -> None:
+def check_server_on_loopback_demands_key(
+    engine, paths: list[str], *, key: str, get_path: str
+) -> None:
     """The server listens on 127.0.0.1; a POST to each of `paths` without a key or with another
     key is answered 401; a GET of `get_path` with `key` is answered 200; the key is on no
     process's command line (readable by every local user)."""
@@ -82,16 +84,23 @@ def check_server_on_loopback_demands_key(engine, paths: list[str], *, key: str,
     assert base.startswith("http://127.0.0.1:")
     for path in paths:
         for headers in ({}, {"Authorization": "Bearer not-the-key"}):
-            req = urllib.request.Request(base + path, data=b"{}", method="POST",
-                                         headers={"Content-Type": "application/json", **headers})
+            req = urllib.request.Request(
+                base + path,
+                data=b"{}",
+                method="POST",
+                headers={"Content-Type": "application/json", **headers},
+            )
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(req, timeout=30)
             assert err.value.code == 401, (path, headers)
     req = urllib.request.Request(base + get_path, headers={"Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.status == 200
-    shown = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
-             if any(key in arg for arg in (p.info["cmdline"] or ()))]
+    shown = [
+        p.info["pid"]
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if any(key in arg for arg in (p.info["cmdline"] or ()))
+    ]
     assert shown == [], f"the server's key is on the command line of processes {shown}"
 
 
@@ -105,12 +114,17 @@ def half_update(engine, spec: dict, version: str = "half") -> None:
 
     sender = ShmSender(num_slots=1)
     try:
-        meta = TensorMeta(name=spec["name"], dtype=spec["dtype"], shape=tuple(spec["shape"]),
-                          offset=0)
+        meta = TensorMeta(
+            name=spec["name"], dtype=spec["dtype"], shape=tuple(spec["shape"]), offset=0
+        )
         buf = sender.buffer(0, meta.nbytes)
         buf.view(torch.float32).copy_(torch.randn(buf.numel() // 4))
-        descriptor = {"index": 0, "nbytes": meta.nbytes, "handle": sender.handle(0),
-                      "tensors": [meta.to_dict()]}
+        descriptor = {
+            "index": 0,
+            "nbytes": meta.nbytes,
+            "handle": sender.handle(0),
+            "tensors": [meta.to_dict()],
+        }
         ray.get(engine.begin.remote(version))
         ray.get(engine.load_bucket.remote(descriptor))  # one tensor in, then the sender "dies"
         ray.get(engine.abort.remote("sender failed"))
@@ -140,8 +154,10 @@ def check_failed_verification_is_never_adopted(engine, trainer, name: str) -> No
     prints = ray.get(engine.fingerprints.remote())
     served = ray.get(engine.generate.remote(prompt_ids()))
     gen = torch.Generator().manual_seed(123)
-    tensors = [(s.name, (torch.randn(s.shape, generator=gen) * 0.1).to(dtype_from_str(s.dtype)))
-               for s in specs]
+    tensors = [
+        (s.name, (torch.randn(s.shape, generator=gen) * 0.1).to(dtype_from_str(s.dtype)))
+        for s in specs
+    ]
     sender = WeightSender(specs, transport=ShmSender(), capacity_bytes=1 << 20)
     seen: dict = {}
     check = sender.verifier.check_staged

@@ -39,9 +39,22 @@ _EXPORTS: dict[str, str] = {
     "RayEndpoint": "weightsync.trainer.endpoint",
 }
 __all__ = [
-    "DTensorV2Source", "close_trainer_group", "shard_model", "Endpoint", "ModuleWeightReceiver", "RayEndpoint", "SyncOptions",
-    "TrainerGroup", "TrainerSync", "WeightReceiver", "WeightSender", "host_store", "init_ray",
-    "init_trainer_group", "launch", "register_actor",
+    "DTensorV2Source",
+    "close_trainer_group",
+    "shard_model",
+    "Endpoint",
+    "ModuleWeightReceiver",
+    "RayEndpoint",
+    "SyncOptions",
+    "TrainerGroup",
+    "TrainerSync",
+    "WeightReceiver",
+    "WeightSender",
+    "host_store",
+    "init_ray",
+    "init_trainer_group",
+    "launch",
+    "register_actor",
 ]
 
 if TYPE_CHECKING:
@@ -68,7 +81,8 @@ def _map_checkout_backends() -> None:
     if (here / "backends").is_dir() or not (folder / "__init__.py").is_file():
         return
     spec = importlib.util.spec_from_file_location(
-        f"{__name__}.backends", folder / "__init__.py", submodule_search_locations=[str(folder)])
+        f"{__name__}.backends", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

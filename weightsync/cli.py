@@ -39,9 +39,17 @@ def cmd_list(args: argparse.Namespace) -> int:
     rows = []
     for name, spec in envs.ENVS.items():
         pins = envs.pins(name)
-        rows.append([name, f"{spec.engine}=={pins.get(spec.engine, '?')}",
-                     pins.get("torch", "?"), pins.get("ray", "?"), pins["python"],
-                     envs.state(name), str(envs.python_path(name))])
+        rows.append(
+            [
+                name,
+                f"{spec.engine}=={pins.get(spec.engine, '?')}",
+                pins.get("torch", "?"),
+                pins.get("ray", "?"),
+                pins["python"],
+                envs.state(name),
+                str(envs.python_path(name)),
+            ]
+        )
     print(_table(rows, ["env", "engine", "torch", "ray", "python", "state", "interpreter"]))
     return EXIT_OK
 
@@ -56,8 +64,11 @@ def cmd_build(args: argparse.Namespace) -> int:
             print(f"env {name}: build failed: {exc}", file=sys.stderr)
             status = EXIT_FAIL
             continue
-        print(f"== env {name}: {result['action'] if result['action'] != 'none' else 'up to date'}"
-              f" in {result['seconds']:.2f} s", flush=True)
+        print(
+            f"== env {name}: {result['action'] if result['action'] != 'none' else 'up to date'}"
+            f" in {result['seconds']:.2f} s",
+            flush=True,
+        )
     return status
 
 
@@ -75,18 +86,24 @@ def _pair_evidence(a: str, b: str) -> str:
     cmd = [*envs.uv_command(), "pip", "compile", "--python-version", "3.11", "--no-header", "-"]
     pinned = subprocess.run(cmd, input=reqs, capture_output=True, text=True, timeout=300)
     if pinned.returncode != 0:
-        reason = next((ln.strip() for ln in pinned.stderr.splitlines() if "Because" in ln
-                       or "unsatisfiable" in ln), pinned.stderr.strip().splitlines()[-1:])
+        reason = next(
+            (
+                ln.strip()
+                for ln in pinned.stderr.splitlines()
+                if "Because" in ln or "unsatisfiable" in ln
+            ),
+            pinned.stderr.strip().splitlines()[-1:],
+        )
         return f"cannot share: {ea}=={pa[ea]} + {eb}=={pb[eb]} unsatisfiable ({str(reason)[:160]})"
-    loose = subprocess.run(cmd, input=f"{ea}\n{eb}\n", capture_output=True, text=True,
-                           timeout=300)
+    loose = subprocess.run(cmd, input=f"{ea}\n{eb}\n", capture_output=True, text=True, timeout=300)
     got = {}
     for line in loose.stdout.splitlines():
         name, _, ver = line.partition("==")
         if name.strip() in (ea, eb):
             got[name.strip()] = ver.split()[0]
-    downgraded = [f"{e} {got.get(e)} instead of {p[e]}" for e, p in ((ea, pa), (eb, pb))
-                  if got.get(e) != p[e]]
+    downgraded = [
+        f"{e} {got.get(e)} instead of {p[e]}" for e, p in ((ea, pa), (eb, pb)) if got.get(e) != p[e]
+    ]
     if downgraded:
         return "cannot share: resolving both silently downgrades " + "; ".join(downgraded)
     return f"WARNING: {ea}=={pa[ea]} and {eb}=={pb[eb]} co-resolve"
@@ -94,21 +111,37 @@ def _pair_evidence(a: str, b: str) -> str:
 
 def _abi_lines(reports: dict[str, abi.AbiReport], *, verbose: bool) -> list[str]:
     """The ABI table, then each missing torch symbol (demangled) beside the extension needing it."""
-    rows = [[name, r.torch.version, str(len(r.extensions)), str(len(r.skipped)),
-             str(r.num_torch_symbols), str(r.num_missing), f"{r.seconds:.1f}"]
-            for name, r in reports.items()]
-    lines = [_table(rows, ["env", "torch", "extensions", "skipped", "symbols", "missing",
-                           "seconds"])]
+    rows = [
+        [
+            name,
+            r.torch.version,
+            str(len(r.extensions)),
+            str(len(r.skipped)),
+            str(r.num_torch_symbols),
+            str(r.num_missing),
+            f"{r.seconds:.1f}",
+        ]
+        for name, r in reports.items()
+    ]
+    lines = [
+        _table(rows, ["env", "torch", "extensions", "skipped", "symbols", "missing", "seconds"])
+    ]
     for name, report in reports.items():
         if verbose:
-            lines += [f"  {name}: {e.path}: {e.num_torch_symbols} torch symbols"
-                      for e in report.extensions]
+            lines += [
+                f"  {name}: {e.path}: {e.num_torch_symbols} torch symbols"
+                for e in report.extensions
+            ]
             lines += [f"  {name}: {path}: skipped, {why}" for path, why in report.skipped.items()]
         for ext in report.broken:
-            lines += [f"MISSING {name}: {ext.path} links {lib}, which torch {report.torch.version}"
-                      f" in {report.torch.site_packages} lacks" for lib in ext.missing_libraries]
-            lines += [f"MISSING {name}: {ext.path} needs {abi.demangle(symbol)}"
-                      for symbol in ext.missing]
+            lines += [
+                f"MISSING {name}: {ext.path} links {lib}, which torch {report.torch.version}"
+                f" in {report.torch.site_packages} lacks"
+                for lib in ext.missing_libraries
+            ]
+            lines += [
+                f"MISSING {name}: {ext.path} needs {abi.demangle(symbol)}" for symbol in ext.missing
+            ]
     return lines
 
 
@@ -116,10 +149,13 @@ def cmd_check_abi(args: argparse.Namespace) -> int:
     """What if: each named env's extensions against another env's (or folder's) torch."""
     names = _names(args)
     target = args.torch_from
-    torch_site_packages = (envs.site_packages(target) if target in envs.ENVS
-                           else abi.site_packages_of(target))
-    reports = {name: abi.check(envs.site_packages(name), torch_site_packages=torch_site_packages)
-               for name in names}
+    torch_site_packages = (
+        envs.site_packages(target) if target in envs.ENVS else abi.site_packages_of(target)
+    )
+    reports = {
+        name: abi.check(envs.site_packages(name), torch_site_packages=torch_site_packages)
+        for name in names
+    }
     print(f"compiled extensions against the torch in {torch_site_packages}:")
     print("\n".join(_abi_lines(reports, verbose=args.verbose)))
     return EXIT_OK if all(r.ok for r in reports.values()) else EXIT_FAIL
@@ -164,20 +200,32 @@ def cmd_check(args: argparse.Namespace) -> int:
                 verdicts.append(f"{mod}: {verdict}")
             else:
                 verdicts.append(f"{mod}: ok")
-        rows.append([name, "current", "built", f"{envs.get(name).engine} {info['engine']}",
-                     info["torch"], f"py {info['python']} / ray {info['ray']}",
-                     "; ".join(verdicts) + f" ({time.perf_counter() - start:.0f} s)"])
+        rows.append(
+            [
+                name,
+                "current",
+                "built",
+                f"{envs.get(name).engine} {info['engine']}",
+                info["torch"],
+                f"py {info['python']} / ray {info['ray']}",
+                "; ".join(verdicts) + f" ({time.perf_counter() - start:.0f} s)",
+            ]
+        )
     print(_table(rows, ["env", "lock", "venv", "engine", "torch", "python/ray", "import check"]))
     for label, seen in (("python", seen_py), ("ray", seen_ray)):
         if len(set(seen.values())) > 1:
             failed = True
-            print(f"MISMATCH: envs pin different {label}: "
-                  + ", ".join(f"{n}={v}" for n, v in seen.items()))
+            print(
+                f"MISMATCH: envs pin different {label}: "
+                + ", ".join(f"{n}={v}" for n, v in seen.items())
+            )
         elif seen:
             print(f"same {label} everywhere: {next(iter(seen.values()))}")
     if abi_reports:
-        print("\nABI: the torch symbols (count, missing) that each compiled extension needs, looked "
-              "up in its env's torch/lib:")
+        print(
+            "\nABI: the torch symbols (count, missing) that each compiled extension needs, looked "
+            "up in its env's torch/lib:"
+        )
         print("\n".join(_abi_lines(abi_reports, verbose=args.verbose)))
     if not args.skip_pairs:
         print()
@@ -217,11 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*")
     p.add_argument("--all", action="store_true")
     p.add_argument("--skip-pairs", action="store_true", help="skip the pairwise resolution")
-    p.add_argument("--torch-from", metavar="ENV_OR_PATH",
-                   help="only the ABI check, against this env's torch (or a venv, site-packages "
-                        "or torch folder): which extensions would break on that torch")
-    p.add_argument("--verbose", action="store_true",
-                   help="list every extension checked and every one skipped")
+    p.add_argument(
+        "--torch-from",
+        metavar="ENV_OR_PATH",
+        help="only the ABI check, against this env's torch (or a venv, site-packages "
+        "or torch folder): which extensions would break on that torch",
+    )
+    p.add_argument(
+        "--verbose", action="store_true", help="list every extension checked and every one skipped"
+    )
     for extra in _extra_commands():
         extra(sub)
     return parser

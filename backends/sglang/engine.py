@@ -40,8 +40,12 @@ from weightsync.wire.specs import as_plain, unwrap_all
 logger = logging.getLogger(__name__)
 
 CPU_ENGINE_ARGS: dict[str, Any] = {
-    "device": "cpu", "attention_backend": "torch_native", "sampling_backend": "pytorch",
-    "disable_cuda_graph": True, "mem_fraction_static": 0.1, "context_length": 256,
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "sampling_backend": "pytorch",
+    "disable_cuda_graph": True,
+    "mem_fraction_static": 0.1,
+    "context_length": 256,
     "skip_server_warmup": True,
     # An idle scheduler otherwise polls in a loop and keeps a whole core busy (measured: 101%
     # of one of this machine's two), slowing the trainer and every other process on the host.
@@ -65,7 +69,7 @@ def _child_traceback(*, max_lines: int = 14) -> str:
     lines = text[start:].splitlines()
     # The traceback ends where the next log record ("[2026-...") begins.
     end = next((i for i, line in enumerate(lines[1:], 1) if line.startswith("[")), len(lines))
-    return "\n".join(lines[max(1, end - max_lines):end])
+    return "\n".join(lines[max(1, end - max_lines) : end])
 
 
 _starting_engines = 0
@@ -95,15 +99,17 @@ class _InProcess:
         _starting_engines += 1
         before = signal.getsignal(signal.SIGQUIT)
         try:
-            self.engine = sglang.Engine(model_path=model_path,
-                                        custom_sigquit_handler=_on_child_failure, **engine_args)
+            self.engine = sglang.Engine(
+                model_path=model_path, custom_sigquit_handler=_on_child_failure, **engine_args
+            )
         except Exception as exc:
             kill_process_tree(os.getpid(), include_parent=False)
             signal.signal(signal.SIGQUIT, before)
             child = _child_traceback()
             raise RuntimeError(
                 f"sglang engine for {model_path!r} failed to start: {type(exc).__name__}: {exc}"
-                + (f"\nits scheduler raised:\n{child}" if child else "")) from exc
+                + (f"\nits scheduler raised:\n{child}" if child else "")
+            ) from exc
         finally:
             _starting_engines -= 1
 
@@ -123,7 +129,10 @@ class _InProcess:
         payload = MultiprocessingSerializer.serialize([(message, torch.empty(0))])
         req = UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=[payload] * self.engine.server_args.tp_size,
-            load_format=LOADER, flush_cache=False, weight_version=weight_version)
+            load_format=LOADER,
+            flush_cache=False,
+            weight_version=weight_version,
+        )
         tm = self.engine.tokenizer_manager
         result = self.engine.loop.run_until_complete(tm.update_weights_from_tensor(req, None))
         if isinstance(result, tuple):
@@ -134,8 +143,9 @@ class _InProcess:
         return bool(self.engine.flush_cache().success)
 
     def generate(self, input_ids: list[list[int]], sampling: dict[str, Any]) -> list[dict]:
-        return self.engine.generate(input_ids=input_ids, sampling_params=sampling,
-                                    return_logprob=True)
+        return self.engine.generate(
+            input_ids=input_ids, sampling_params=sampling, return_logprob=True
+        )
 
     def weight_version(self) -> str | None:
         return self.engine.get_model_info().get("weight_version")
@@ -145,13 +155,23 @@ class _InProcess:
 
 
 class _Http:
-    def __init__(self, model_path: str, engine_args: dict[str, Any], *,
-                 api_key: str | None) -> None:
+    def __init__(
+        self, model_path: str, engine_args: dict[str, Any], *, api_key: str | None
+    ) -> None:
         # The key travels in the server's environment: a command line is readable by every user.
-        cmd = [sys.executable, "-m", "weightsync.backends.sglang.serve", "--model-path",
-               model_path, "--custom-weight-loader", LOADER, *cli_flags(engine_args)]
-        self.server = LocalServer(cmd, name="sglang", api_key=api_key,
-                                  env={KEY_VARIABLE: api_key} if api_key else None)
+        cmd = [
+            sys.executable,
+            "-m",
+            "weightsync.backends.sglang.serve",
+            "--model-path",
+            model_path,
+            "--custom-weight-loader",
+            LOADER,
+            *cli_flags(engine_args),
+        ]
+        self.server = LocalServer(
+            cmd, name="sglang", api_key=api_key, env={KEY_VARIABLE: api_key} if api_key else None
+        )
         self.tp_size = int(engine_args.get("tp_size") or 1)
         self.base = self.server.base
         self._request = self.server.request
@@ -180,15 +200,19 @@ class _Http:
 
         from sglang.srt.utils import MultiprocessingSerializer
 
-        payload = MultiprocessingSerializer.serialize([(message, torch.empty(0))],
-                                                      output_str=True)
+        payload = MultiprocessingSerializer.serialize([(message, torch.empty(0))], output_str=True)
         if isinstance(payload, bytes):
             payload = base64.b64encode(payload).decode()
-        return self._ok("/update_weights_from_tensor", {
-            # One payload per TP rank: each scheduler takes serialized_named_tensors[tp_rank].
-            "serialized_named_tensors": [payload] * self.tp_size, "load_format": LOADER,
-            "flush_cache": False,
-            "weight_version": weight_version})
+        return self._ok(
+            "/update_weights_from_tensor",
+            {
+                # One payload per TP rank: each scheduler takes serialized_named_tensors[tp_rank].
+                "serialized_named_tensors": [payload] * self.tp_size,
+                "load_format": LOADER,
+                "flush_cache": False,
+                "weight_version": weight_version,
+            },
+        )
 
     def flush_cache(self) -> bool:
         return self._request("POST", "/flush_cache")[0] == 200
@@ -207,8 +231,11 @@ class _Http:
             raise RuntimeError(f"sglang server /continue_generation answered {status}: {out}")
 
     def generate(self, input_ids: list[list[int]], sampling: dict[str, Any]) -> list[dict]:
-        status, out = self._request("POST", "/generate", {
-            "input_ids": input_ids, "sampling_params": sampling, "return_logprob": True})
+        status, out = self._request(
+            "POST",
+            "/generate",
+            {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True},
+        )
         if status != 200:
             raise RuntimeError(f"sglang server /generate answered {status}: {out}")
         return out
@@ -226,16 +253,28 @@ class SglEngineActor(EngineSession):
 
     engine_name = "sglang"
 
-    def __init__(self, model_path: str, *, mode: str = "engine", dtype: str = "float32",
-                 api_key: str | None = None, engine_args: dict[str, Any] | None = None,
-                 idle_timeout_s: float = 60.0, keep_previous: bool = False) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        mode: str = "engine",
+        dtype: str = "float32",
+        api_key: str | None = None,
+        engine_args: dict[str, Any] | None = None,
+        idle_timeout_s: float = 60.0,
+        keep_previous: bool = False,
+    ) -> None:
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
-        refuse_unsupported_sglang(model_path, engine_args=engine_args,
-                                  cuda=torch.cuda.is_available())
+        refuse_unsupported_sglang(
+            model_path, engine_args=engine_args, cuda=torch.cuda.is_available()
+        )
         super().__init__(idle_timeout_s=idle_timeout_s)
-        args = {**(CPU_ENGINE_ARGS if not torch.cuda.is_available() else {}), "dtype": dtype,
-                **(engine_args or {})}
+        args = {
+            **(CPU_ENGINE_ARGS if not torch.cuda.is_available() else {}),
+            "dtype": dtype,
+            **(engine_args or {}),
+        }
         self.mode = mode
         self.tp_size = int(args.get("tp_size") or 1)
         # An HTTP server always demands a key: the caller's, or a random one this actor keeps
@@ -244,12 +283,14 @@ class SglEngineActor(EngineSession):
         # Copy what each update overwrites, so a failed update is rolled back and the engine
         # goes on serving its previous weights (costs a copy of the model, during updates).
         self.keep_previous = keep_previous
-        self.client = (_InProcess(model_path, {**args, "custom_weight_loader": [LOADER]})
-                       if mode == "engine" else _Http(model_path, args, api_key=self._api_key))
+        self.client = (
+            _InProcess(model_path, {**args, "custom_weight_loader": [LOADER]})
+            if mode == "engine"
+            else _Http(model_path, args, api_key=self._api_key)
+        )
         self.sessions = self.client.has_session()
         # Named like the shared-memory segments, so a sender sweeps it if this actor dies.
-        self.reply_dir = tempfile.mkdtemp(prefix=f"weightsync-{os.getpid()}-reply-",
-                                          dir="/dev/shm")
+        self.reply_dir = tempfile.mkdtemp(prefix=f"weightsync-{os.getpid()}-reply-", dir="/dev/shm")
         logger.info("sglang engine up (%s), update sessions: %s", mode, self.sessions)
 
     # ---- control channel -------------------------------------------------------------------
@@ -257,8 +298,9 @@ class SglEngineActor(EngineSession):
         """TP rank 0's reply to one control call (`_control_all` for every scheduler's)."""
         return self._control_all(op, weight_version=weight_version, **fields)[0]
 
-    def _control_all(self, op: str, *, weight_version: str | None = None,
-                     **fields: Any) -> list[Any]:
+    def _control_all(
+        self, op: str, *, weight_version: str | None = None, **fields: Any
+    ) -> list[Any]:
         """Every TP scheduler's reply, in TP-rank order: each runs our loader on its payload
         (one per TP rank) and writes its own reply file."""
         for name in os.listdir(self.reply_dir):
@@ -267,20 +309,26 @@ class SglEngineActor(EngineSession):
         ok, text = self.client.update(message, weight_version=weight_version)
         if not ok:
             raise RuntimeError(f"sglang refused the {op} request: {text}")
-        replies = [json.load(open(os.path.join(self.reply_dir, n)))
-                   for n in sorted(os.listdir(self.reply_dir)) if n.endswith(".json")]
+        replies = [
+            json.load(open(os.path.join(self.reply_dir, n)))
+            for n in sorted(os.listdir(self.reply_dir))
+            if n.endswith(".json")
+        ]
         if not replies:
-            raise RuntimeError(f"sglang ran no weightsync loader for {op}; is "
-                               f"custom_weight_loader={LOADER!r} set?")
+            raise RuntimeError(
+                f"sglang ran no weightsync loader for {op}; is custom_weight_loader={LOADER!r} set?"
+            )
         if len(replies) != self.tp_size:
-            raise RuntimeError(f"sglang: {len(replies)} of {self.tp_size} TP schedulers ran "
-                               f"the weightsync loader for {op}")
+            raise RuntimeError(
+                f"sglang: {len(replies)} of {self.tp_size} TP schedulers ran "
+                f"the weightsync loader for {op}"
+            )
         return sorted(unwrap_all(replies), key=lambda r: r.get("tp_rank", 0))
 
     def _session(self, op: str, *, needed: bool = True) -> None:
         if not self.sessions:
             return
-        ok, text = (self.client.begin() if op == "begin" else self.client.end())
+        ok, text = self.client.begin() if op == "begin" else self.client.end()
         if not ok and needed:
             raise RuntimeError(f"sglang {op}_weight_update failed: {text}")
 
@@ -307,18 +355,22 @@ class SglEngineActor(EngineSession):
     def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
         self._session("begin")
         if one_copy:
-            whys = [r["why"] for r in self._control_all("begin_one_copy",
-                                                        keep_previous=self.keep_previous,
-                                                        sharing=sharing_of(one_copy))
-                    if r["why"] is not None]
+            whys = [
+                r["why"]
+                for r in self._control_all(
+                    "begin_one_copy", keep_previous=self.keep_previous, sharing=sharing_of(one_copy)
+                )
+                if r["why"] is not None
+            ]
             if whys:
                 self._session("end", needed=False)
                 return "; ".join(whys)
         return None
 
     def _engine_load(self, descriptor: dict) -> LoadReport:
-        return LoadReport.from_dict(self._control("load", descriptor=descriptor,
-                                                  keep_previous=self.keep_previous))
+        return LoadReport.from_dict(
+            self._control("load", descriptor=descriptor, keep_previous=self.keep_previous)
+        )
 
     def _engine_end(self, version: str) -> EndReport:
         # The version rides on a last, empty control call, so SGLang's own tag moves too.
@@ -326,8 +378,9 @@ class SglEngineActor(EngineSession):
         self._session("end")
         # Where each scheduler's loader puts each tensor (slices at TP > 1), for verification.
         placements = [c["placements"] for c in commits]
-        return EndReport(weight_version=version, cache_flushed=self.client.flush_cache(),
-                         placements=placements)
+        return EndReport(
+            weight_version=version, cache_flushed=self.client.flush_cache(), placements=placements
+        )
 
     def set_keep_previous(self, on: bool) -> None:
         """Turn keeping (and restoring) the previous weights on or off for later updates."""
@@ -355,8 +408,10 @@ class SglEngineActor(EngineSession):
     def _engine_stage(self) -> StageReport:
         """Each scheduler's fingerprints and placements, inside the open update."""
         answers = self._control_all("stage")
-        return StageReport(fingerprints=[a["fingerprints"] for a in answers],
-                           placements=[a["placements"] for a in answers])
+        return StageReport(
+            fingerprints=[a["fingerprints"] for a in answers],
+            placements=[a["placements"] for a in answers],
+        )
 
     def _engine_share(self) -> dict:
         answers = [ShareAnswer.from_dict(a) for a in self._read_only_all("share")]
@@ -380,18 +435,28 @@ class SglEngineActor(EngineSession):
         self.check_serving()
         # One request per sample (not SGLang's `n`): the order of rows is ours, and each sample
         # has its own seed.
-        params = [{"temperature": options.temperature, "top_p": options.top_p,
-                   "max_new_tokens": options.max_new_tokens, "ignore_eos": True,
-                   **({} if options.seed is None else {"sampling_seed": options.seed + j})}
-                  for _ in prompts for j in range(options.n)]
+        params = [
+            {
+                "temperature": options.temperature,
+                "top_p": options.top_p,
+                "max_new_tokens": options.max_new_tokens,
+                "ignore_eos": True,
+                **({} if options.seed is None else {"sampling_seed": options.seed + j}),
+            }
+            for _ in prompts
+            for j in range(options.n)
+        ]
         outs = self.client.generate([p for p in prompts for _ in range(options.n)], params)
         tokens, logprobs = [], []
         for out in outs:
             pairs = out["meta_info"]["output_token_logprobs"]
             tokens.append([int(p[1]) for p in pairs])
             logprobs.append([float(p[0]) for p in pairs])
-        return {"tokens": tokens, "logprobs": logprobs,
-                "weight_version": outs[0]["meta_info"].get("weight_version")}
+        return {
+            "tokens": tokens,
+            "logprobs": logprobs,
+            "weight_version": outs[0]["meta_info"].get("weight_version"),
+        }
 
     # ---- SGLang's own paths, for benchmarks -------------------------------------------------
     def native_update_from_tensor(self, checkpoint_dir: str) -> float:

@@ -30,8 +30,9 @@ def _receiver(model: Any) -> Any:
 
     receiver = _receivers.get(id(model))
     if receiver is None:
-        receiver = ModelReceiver(model, load_fn=model.load_weights,
-                                 default_loader=default_weight_loader, name="sglang")
+        receiver = ModelReceiver(
+            model, load_fn=model.load_weights, default_loader=default_weight_loader, name="sglang"
+        )
         _receivers[id(model)] = receiver
     return receiver
 
@@ -62,14 +63,19 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
     if op == "check":
         return receiver.check_refit(specs_from_dicts(message["specs"])).to_dict()
     if op == "load":
-        report, _ = receiver.load_bucket(BucketDescriptor.from_dict(message["descriptor"]),
-                                         keep_previous=bool(message.get("keep_previous")))
+        report, _ = receiver.load_bucket(
+            BucketDescriptor.from_dict(message["descriptor"]),
+            keep_previous=bool(message.get("keep_previous")),
+        )
         return report.to_dict()
     if op == "share":
         return receiver.share(receiver.placements if size > 1 else None).to_dict()
     if op == "begin_one_copy":
-        return {"why": receiver.begin_one_copy(keep_previous=bool(message.get("keep_previous")),
-                                             sharing=message.get("sharing"))}
+        return {
+            "why": receiver.begin_one_copy(
+                keep_previous=bool(message.get("keep_previous")), sharing=message.get("sharing")
+            )
+        }
     if op == "commit":
         if message.get("one_copy"):
             receiver.end_one_copy()

@@ -42,7 +42,6 @@ EXTENSION = "weightsync.backends.vllm.extension.WeightsyncWorkerExtension"
 GUARD = "weightsync.backends.vllm.guard.KeyOnEveryRoute"
 
 
-
 class _InProcess:
     def __init__(self, model_path: str, args: dict[str, Any]) -> None:
         from vllm import LLM
@@ -63,18 +62,24 @@ class _InProcess:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(temperature=options.temperature, top_p=options.top_p,
-                                n=options.n, seed=options.seed,
-                                max_tokens=options.max_new_tokens, logprobs=1, ignore_eos=True)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                 use_tqdm=False)
+        params = SamplingParams(
+            temperature=options.temperature,
+            top_p=options.top_p,
+            n=options.n,
+            seed=options.seed,
+            max_tokens=options.max_new_tokens,
+            logprobs=1,
+            ignore_eos=True,
+        )
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
         tokens, logprobs = [], []
         for out in outs:
             for sample in sorted(out.outputs, key=lambda o: o.index):
                 ids = list(sample.token_ids)
                 tokens.append(ids)
-                logprobs.append([float(step[t].logprob) for step, t in
-                                 zip(sample.logprobs, ids)])
+                logprobs.append([float(step[t].logprob) for step, t in zip(sample.logprobs, ids)])
         return tokens, logprobs
 
     def shutdown(self) -> None:
@@ -87,16 +92,31 @@ class _Http:
         # Scale-out serves /inference/v1/generate, whose answers carry the weight version of
         # every token (the version `set_version` gave, changed only while generation is paused).
         args = {"enable_scale_out": True, **args}
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-               "--worker-extension-cls", EXTENSION, "--middleware", GUARD, *cli_flags(args)]
-        self.server = LocalServer(cmd, name="vllm", api_key=api_key,
-                                  env={"VLLM_SERVER_DEV_MODE": "1", KEY_VARIABLE: api_key})
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_path,
+            "--worker-extension-cls",
+            EXTENSION,
+            "--middleware",
+            GUARD,
+            *cli_flags(args),
+        ]
+        self.server = LocalServer(
+            cmd,
+            name="vllm",
+            api_key=api_key,
+            env={"VLLM_SERVER_DEV_MODE": "1", KEY_VARIABLE: api_key},
+        )
         self.base = self.server.base
         self._request = self.server.request
 
     def rpc(self, method: str, args: tuple) -> list[dict]:
-        status, out = self._request("POST", "/collective_rpc",
-                                    {"method": method, "args": list(args)})
+        status, out = self._request(
+            "POST", "/collective_rpc", {"method": method, "args": list(args)}
+        )
         if status != 200:
             raise RuntimeError(f"vllm server /collective_rpc {method} answered {status}: {out}")
         return out["results"]
@@ -121,11 +141,22 @@ class _Http:
             raise RuntimeError(f"vllm server /resume answered {status}: {out}")
 
     def generate(self, prompts: list[list[int]], options: SamplingOptions) -> tuple[list, list]:
-        status, out = self._request("POST", "/v1/completions", {
-            "model": self.model, "prompt": prompts, "max_tokens": options.max_new_tokens,
-            "temperature": options.temperature, "top_p": options.top_p, "n": options.n,
-            "seed": options.seed, "logprobs": 1, "ignore_eos": True,
-            "return_tokens_as_token_ids": True})
+        status, out = self._request(
+            "POST",
+            "/v1/completions",
+            {
+                "model": self.model,
+                "prompt": prompts,
+                "max_tokens": options.max_new_tokens,
+                "temperature": options.temperature,
+                "top_p": options.top_p,
+                "n": options.n,
+                "seed": options.seed,
+                "logprobs": 1,
+                "ignore_eos": True,
+                "return_tokens_as_token_ids": True,
+            },
+        )
         if status != 200:
             raise RuntimeError(f"vllm server /v1/completions answered {status}: {out}")
         tokens, logprobs = [], []
@@ -143,25 +174,40 @@ class VllmEngineActor(EngineSession):
 
     engine_name = "vllm"
 
-    def __init__(self, model_path: str, *, mode: str = "engine", dtype: str = "float32",
-                 max_model_len: int = 256, api_key: str | None = None,
-                 tensor_parallel_size: int = 1, engine_args: dict[str, Any] | None = None,
-                 idle_timeout_s: float = 60.0, keep_previous: bool = False) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        mode: str = "engine",
+        dtype: str = "float32",
+        max_model_len: int = 256,
+        api_key: str | None = None,
+        tensor_parallel_size: int = 1,
+        engine_args: dict[str, Any] | None = None,
+        idle_timeout_s: float = 60.0,
+        keep_previous: bool = False,
+    ) -> None:
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
         super().__init__(idle_timeout_s=idle_timeout_s)
-        refuse_unsupported_vllm(model_path, tensor_parallel_size=tensor_parallel_size,
-                                engine_args=engine_args)
+        refuse_unsupported_vllm(
+            model_path, tensor_parallel_size=tensor_parallel_size, engine_args=engine_args
+        )
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        args = {"dtype": dtype, "enforce_eager": True, "max_model_len": max_model_len,
-                **(engine_args or {})}
+        args = {
+            "dtype": dtype,
+            "enforce_eager": True,
+            "max_model_len": max_model_len,
+            **(engine_args or {}),
+        }
         if tensor_parallel_size > 1:
             args["tensor_parallel_size"] = tensor_parallel_size
             args.setdefault("distributed_executor_backend", "mp")
             if not cuda_device_present():
                 # vLLM on CPU binds each worker's threads to cores it is told of.
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                                      cpu_binding(tensor_parallel_size))
+                os.environ.setdefault(
+                    "VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel_size)
+                )
         self.tp_size = tensor_parallel_size
         self.mode = mode
         # Copy what each update overwrites, so a failed update is rolled back and the engine
@@ -170,8 +216,11 @@ class VllmEngineActor(EngineSession):
         # An HTTP server always demands a key: the caller's, or a random one this actor keeps
         # (`server_api_key`) and sends with its own requests.
         self._api_key = (api_key or secrets.token_urlsafe(24)) if mode == "http" else None
-        self.client = (_InProcess(model_path, args) if mode == "engine"
-                       else _Http(model_path, args, api_key=self._api_key))
+        self.client = (
+            _InProcess(model_path, args)
+            if mode == "engine"
+            else _Http(model_path, args, api_key=self._api_key)
+        )
 
     def _rpc_all(self, method: str, *args: Any) -> list[Any]:
         """Every worker's result, in worker (= TP rank) order, as collective_rpc answers."""
@@ -189,8 +238,11 @@ class VllmEngineActor(EngineSession):
         return replace(first, num_receivers=len(results), tp_size=self.tp_size).to_dict()
 
     def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
-        whys = [r["why"] for r in self._rpc_all("weightsync_begin", one_copy, self.keep_previous)
-                if r["why"]]
+        whys = [
+            r["why"]
+            for r in self._rpc_all("weightsync_begin", one_copy, self.keep_previous)
+            if r["why"]
+        ]
         return "; ".join(whys) if whys else None
 
     def set_keep_previous(self, on: bool) -> None:
@@ -208,8 +260,12 @@ class VllmEngineActor(EngineSession):
         self.client.set_version(version)
         # Where each worker's loader puts each tensor (slices at TP > 1), for verification.
         placements = [r["placements"] for r in results]
-        return EndReport(weight_version=version, cache_flushed=flushed,
-                         param_of=results[0]["param_of"], placements=as_plain(placements))
+        return EndReport(
+            weight_version=version,
+            cache_flushed=flushed,
+            param_of=results[0]["param_of"],
+            placements=as_plain(placements),
+        )
 
     def _engine_abort(self, reason: str) -> bool:
         # Loading is in place: weights are mixed once a bucket was loaded, unless every worker
@@ -234,9 +290,11 @@ class VllmEngineActor(EngineSession):
         """Each worker's fingerprints and placements inside the open update, and the tensor
         -> parameter map vLLM's loader showed while loading."""
         results = as_plain(self._rpc_all("weightsync_stage"))
-        return StageReport(fingerprints=[r["fingerprints"] for r in results],
-                           placements=[r["placements"] for r in results],
-                           param_of=results[0]["param_of"])
+        return StageReport(
+            fingerprints=[r["fingerprints"] for r in results],
+            placements=[r["placements"] for r in results],
+            param_of=results[0]["param_of"],
+        )
 
     def _engine_share(self) -> dict:
         """At TP > 1, {"shared": [each worker's shared parameters]} or none of them."""

@@ -33,12 +33,17 @@ class PackedExperts:
         self.layers: list[tuple[str, Any, str]] = []  # (module name, module, isa)
         seen: set[int] = set()  # a wrapper module may show its child's parameters too
         for name, module in model.named_modules() if model is not None else ():
-            if not isinstance(getattr(module, "w13_weight", None), torch.nn.Parameter) \
-                    or id(module.w13_weight) in seen:
+            if (
+                not isinstance(getattr(module, "w13_weight", None), torch.nn.Parameter)
+                or id(module.w13_weight) in seen
+            ):
                 continue
             seen.add(id(module.w13_weight))
-            experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None),
-                              "fused_experts", None)
+            experts = getattr(
+                getattr(getattr(module, "quant_method", None), "moe_kernel", None),
+                "fused_experts",
+                None,
+            )
             isa = getattr(experts, "isa", None)
             if isa is None or getattr(experts, "_use_zentorch", False):
                 continue  # not packed by vLLM's CPU grouped GEMM
@@ -48,14 +53,18 @@ class PackedExperts:
                     f"vllm-cpu: MoE layer {name!r} pads its intermediate size "
                     f"{experts.moe_config.intermediate_size_per_partition} to {padded} before "
                     f"packing; syncs into such layers are not supported (a dense model, or an "
-                    f"intermediate size vLLM does not pad)")
+                    f"intermediate size vLLM does not pad)"
+                )
             self.layers.append((name, module, isa))
         self.unpacked = False
         self._perms: dict[tuple[tuple[int, ...], torch.dtype, str], torch.Tensor] = {}
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         # {parameter name (as named_parameters gives it): (module, attribute, isa)}
-        self._where = {names[id(getattr(module, attr))]: (module, attr, isa)
-                       for _, module, isa in self.layers for attr in ("w13_weight", "w2_weight")}
+        self._where = {
+            names[id(getattr(module, attr))]: (module, attr, isa)
+            for _, module, isa in self.layers
+            for attr in ("w13_weight", "w2_weight")
+        }
 
     def params(self) -> dict[str, torch.Tensor]:
         """{parameter name: parameter} of every packed expert weight (looked up each time: the
@@ -76,12 +85,14 @@ class PackedExperts:
             index = torch.arange(n, dtype=torch.int64)
             perm = torch.zeros(n, dtype=torch.int64)
             for k in range(max(1, math.ceil(math.log(max(n, 2), _DIGIT)))):
-                digit = (index // _DIGIT ** k % _DIGIT).to(param.dtype).view(param.shape)
+                digit = (index // _DIGIT**k % _DIGIT).to(param.dtype).view(param.shape)
                 packed = cpu_prepack_moe_weight(digit, isa).reshape(-1)
-                perm += packed.to(torch.int64) * _DIGIT ** k
+                perm += packed.to(torch.int64) * _DIGIT**k
             if not torch.equal(torch.sort(perm).values, index):
-                raise RuntimeError(f"vllm-cpu: packing a {tuple(param.shape)} {param.dtype} "
-                                   f"expert weight is not a permutation; cannot unpack it")
+                raise RuntimeError(
+                    f"vllm-cpu: packing a {tuple(param.shape)} {param.dtype} "
+                    f"expert weight is not a permutation; cannot unpack it"
+                )
             perm = self._perms[key] = perm
         return perm
 

@@ -53,8 +53,9 @@ class WeightsyncWorkerExtension:
 
             model = self.model_runner.model
             state = self._weightsync = {
-                "receiver": ModelReceiver(model, load_fn=model.load_weights,
-                                          default_loader=copy_loader, name="vllm"),
+                "receiver": ModelReceiver(
+                    model, load_fn=model.load_weights, default_loader=copy_loader, name="vllm"
+                ),
                 "open": False,
                 "gemms": CpuGemms(model, enabled=current_platform.is_cpu()),
             }
@@ -78,15 +79,22 @@ class WeightsyncWorkerExtension:
         config = self.vllm_config.model_config
         receiver = self._ws_state()["receiver"]
         parsed = specs_from_dicts(specs)
-        check_against_checkpoint(parsed, config.model, engine_dtype=dtype_to_str(config.dtype),
-                                 name="vllm")
+        check_against_checkpoint(
+            parsed, config.model, engine_dtype=dtype_to_str(config.dtype), name="vllm"
+        )
         receiver.refit.accept(parsed)
-        return RefitAnswer(param_of=receiver.param_of, num_params=len(receiver.refit.accepted),
-                           tp_size=self._ws_tp()[1]).to_dict()
+        return RefitAnswer(
+            param_of=receiver.param_of,
+            num_params=len(receiver.refit.accepted),
+            tp_size=self._ws_tp()[1],
+        ).to_dict()
 
     @_guard
-    def weightsync_begin(self, one_copy: bool | list[str] = False, keep_previous: bool = False,
-                         ) -> dict[str, Any]:
+    def weightsync_begin(
+        self,
+        one_copy: bool | list[str] = False,
+        keep_previous: bool = False,
+    ) -> dict[str, Any]:
         """Open an update; with `keep_previous`, what it overwrites is copied first (each
         parameter once) so that `weightsync_rollback` can put it back. A list `one_copy` names
         the sharings the trainer writes into (this worker's must be one)."""
@@ -99,8 +107,9 @@ class WeightsyncWorkerExtension:
         if one_copy:
             from weightsync.engine.replica import sharing_of
 
-            why = state["receiver"].begin_one_copy(keep_previous=keep_previous,
-                                                 sharing=sharing_of(one_copy))
+            why = state["receiver"].begin_one_copy(
+                keep_previous=keep_previous, sharing=sharing_of(one_copy)
+            )
             if why is not None:
                 experts.pack()  # nothing is left open: the engine serves on
                 return {"why": why}
@@ -153,7 +162,6 @@ class WeightsyncWorkerExtension:
         finally:
             state["gemms"].start()  # what was still pending, from the restored parameters
 
-
     @_guard
     def weightsync_load(self, descriptor: dict) -> dict[str, Any]:
         import torch
@@ -168,8 +176,9 @@ class WeightsyncWorkerExtension:
         # vLLM's loaders learn where each tensor lands on first sight (its refit check runs no
         # dry run): `load_bucket` keeps what `load_weights` says it wrote.
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            report, written = state["receiver"].load_bucket(bucket,
-                                                            keep_previous=bool(state.get("keep")))
+            report, written = state["receiver"].load_bucket(
+                bucket, keep_previous=bool(state.get("keep"))
+            )
         state["gemms"].mark_stale(written)
         return report.to_dict()
 
@@ -185,8 +194,11 @@ class WeightsyncWorkerExtension:
         state["open"], state["one_copy"], state["keep"] = False, False, False
         state["receiver"].drop_previous()
         state["gemms"].start()
-        return {"param_of": state["receiver"].param_of, "tp_rank": self._ws_tp()[0],
-                "placements": state["receiver"].placements}
+        return {
+            "param_of": state["receiver"].param_of,
+            "tp_rank": self._ws_tp()[0],
+            "placements": state["receiver"].placements,
+        }
 
     @_guard
     def weightsync_repacked(self, timeout_s: float) -> dict[str, Any]:
@@ -198,8 +210,11 @@ class WeightsyncWorkerExtension:
         """Inside an open update: this worker's fingerprints, placements and tensor ->
         parameter map (for verification before the update is adopted)."""
         receiver = self._ws_state()["receiver"]
-        return {"fingerprints": self._ws_fingerprints(),
-                "placements": receiver.placements, "param_of": receiver.param_of}
+        return {
+            "fingerprints": self._ws_fingerprints(),
+            "placements": receiver.placements,
+            "param_of": receiver.param_of,
+        }
 
     @_guard
     def weightsync_fingerprints(self) -> dict[str, list[int]]:
@@ -215,6 +230,8 @@ class WeightsyncWorkerExtension:
                 prints[name] = list(fingerprint(self._ws_experts().plain(name, param)))
         empty = [n for n, p in receiver.model.named_parameters() if n in prints and p.numel() == 0]
         if empty:
-            raise RuntimeError(f"vllm: parameters {empty[:3]} hold no weights (prepacked "
-                               f"by vLLM); cannot fingerprint them")
+            raise RuntimeError(
+                f"vllm: parameters {empty[:3]} hold no weights (prepacked "
+                f"by vLLM); cannot fingerprint them"
+            )
         return prints

@@ -81,8 +81,7 @@ class _Repacker:
         self.stop()
         if self.pending:
             self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="weightsync-repack",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._run, name="weightsync-repack", daemon=True)
             self._thread.start()
 
     def _run(self) -> None:
@@ -141,8 +140,9 @@ class CpuGemms:
                 self._modules[id(module.cpu_linear)] = (module.cpu_linear, module)
                 for param in module.parameters(recurse=False):
                     by_id.setdefault(id(param), []).append(module.cpu_linear)
-            self._by_name = {name: by_id.get(id(p), [])
-                             for name, p in self.model.named_parameters()}
+            self._by_name = {
+                name: by_id.get(id(p), []) for name, p in self.model.named_parameters()
+            }
         return self._by_name
 
     def mark_stale(self, touched: set[str]) -> None:

@@ -18,16 +18,22 @@ from typing import Any
 KEY_VARIABLE = "VLLM_API_KEY"
 OPEN_PATHS = frozenset({"/health"})
 
-_UNAUTHORIZED = json.dumps({"error": "Unauthorized: send 'Authorization: Bearer <key>'; "
-                                     "the engine actor's server_api_key() returns it"}).encode()
+_UNAUTHORIZED = json.dumps(
+    {
+        "error": "Unauthorized: send 'Authorization: Bearer <key>'; "
+        "the engine actor's server_api_key() returns it"
+    }
+).encode()
 
 
 class KeyOnEveryRoute:
     def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
         key = os.environ.get(KEY_VARIABLE)
         if not key:
-            raise RuntimeError(f"KeyOnEveryRoute needs the server's key in ${KEY_VARIABLE}; "
-                               "start the server through VllmEngineActor(mode='http')")
+            raise RuntimeError(
+                f"KeyOnEveryRoute needs the server's key in ${KEY_VARIABLE}; "
+                "start the server through VllmEngineActor(mode='http')"
+            )
         self.app = app
         self._digest = hashlib.sha256(key.encode()).digest()
 
@@ -36,16 +42,25 @@ class KeyOnEveryRoute:
             if name.lower() == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
                 return scheme.lower() == "bearer" and hmac.compare_digest(
-                    hashlib.sha256(token.encode()).digest(), self._digest)
+                    hashlib.sha256(token.encode()).digest(), self._digest
+                )
         return False
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS \
-                or self._authorized(scope):
+        if (
+            scope["type"] not in ("http", "websocket")
+            or scope["path"] in OPEN_PATHS
+            or self._authorized(scope)
+        ):
             await self.app(scope, receive, send)
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
         else:
-            await send({"type": "http.response.start", "status": 401,
-                        "headers": [(b"content-type", b"application/json")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
             await send({"type": "http.response.body", "body": _UNAUTHORIZED})

@@ -58,15 +58,17 @@ def test_unpacked_tensors_are_views_of_the_buffer():
     meta = TensorMeta(name="x", dtype="float32", shape=(4,), offset=64)
     write_tensor(buffer, meta, torch.ones(4))
     desc = BucketDescriptor(index=0, nbytes=128, tensors=[meta])
-    (_, view), = unpack(buffer, desc)
+    ((_, view),) = unpack(buffer, desc)
     buffer[64:68] = 0
     assert view[0].item() == 0.0 and view[1].item() == 1.0
 
 
 def test_tensor_larger_than_capacity_gets_its_own_bucket():
-    specs = [TensorSpec(name="small", dtype="float32", shape=(4,)),
-             TensorSpec(name="huge", dtype="float32", shape=(1000,)),
-             TensorSpec(name="tail", dtype="float32", shape=(4,))]
+    specs = [
+        TensorSpec(name="small", dtype="float32", shape=(4,)),
+        TensorSpec(name="huge", dtype="float32", shape=(1000,)),
+        TensorSpec(name="tail", dtype="float32", shape=(4,)),
+    ]
     plans = plan_buckets(specs, capacity_bytes=256)
     assert [[m.name for m in p.tensors] for p in plans] == [["small"], ["huge"], ["tail"]]
     assert plans[1].nbytes >= 4000
@@ -111,8 +113,9 @@ def test_stream_that_differs_from_the_plan_is_rejected():
     with pytest.raises(ValueError, match="gave 'b' where refit info expects 'a'"):
         list(fill_buckets(plans, iter([("b", torch.zeros(2))]), lambda p: buf))
     with pytest.raises(ValueError, match="'z' beyond its refit info"):
-        list(fill_buckets(plans, iter([("a", torch.zeros(2)), ("z", torch.zeros(1))]),
-                          lambda p: buf))
+        list(
+            fill_buckets(plans, iter([("a", torch.zeros(2)), ("z", torch.zeros(1))]), lambda p: buf)
+        )
 
 
 def test_duplicate_names_are_rejected():

@@ -65,8 +65,9 @@ def _broadcast_to_two_receivers(*, refuse_pickle: bool) -> None:
     sender = CollectiveSender(num_receivers=2, backend="gloo", timeout_s=60)
     got: list[dict] = [{}, {}]
     try:
-        for plan in fill_buckets(plans, iter(tensors),
-                                 lambda p: sender.buffer(p.index % 2, p.nbytes)):
+        for plan in fill_buckets(
+            plans, iter(tensors), lambda p: sender.buffer(p.index % 2, p.nbytes)
+        ):
             desc = plan.descriptor(sender.handle(plan.index % 2)).to_dict()
             for requests, _ in queues:
                 requests.put(desc)
@@ -157,7 +158,9 @@ def test_a_sender_whose_receivers_never_join_fails_within_timeout_s_naming_them(
         sender.close()
     message = str(failure.value)
     print(f"after {waited_s:.1f} s: {message}")
-    assert f"the 2 engine process(es) of the gloo group at 127.0.0.1:{sender.port} did not " \
-           f"all join within 3 s" in message
+    assert (
+        f"the 2 engine process(es) of the gloo group at 127.0.0.1:{sender.port} did not "
+        f"all join within 3 s" in message
+    )
     assert "SyncOptions.collective_host" in message and "SyncOptions.timeout_s" in message
     assert 3.0 <= waited_s < 3.0 + 5

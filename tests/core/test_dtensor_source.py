@@ -12,18 +12,24 @@ from weightsync.trainer.source import DTensorV2Source
 
 
 def _rank_main(rank, world_size, port, arch, results):
-    init_trainer_group(rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                       master_port=port, device="cpu")
+    init_trainer_group(
+        rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, device="cpu"
+    )
     model = shard_model(build_model(arch, "tiny", seed=3), device="cpu")
     source = DTensorV2Source(model, dtype="bfloat16")
     specs = source.specs()
     is_dtensor = any(type(p).__name__ == "DTensor" for p in model.parameters())
     full = dict(source.tensors())
     if rank == 0:
-        results.put({"specs": [s.to_dict() for s in specs], "aliases": source.aliases,
-                     "is_dtensor": is_dtensor,
-                     # numpy, not torch: torch would pass shared-memory handles that die with us
-                     "full": {k: v.view(torch.int16).numpy().copy() for k, v in full.items()}})
+        results.put(
+            {
+                "specs": [s.to_dict() for s in specs],
+                "aliases": source.aliases,
+                "is_dtensor": is_dtensor,
+                # numpy, not torch: torch would pass shared-memory handles that die with us
+                "full": {k: v.view(torch.int16).numpy().copy() for k, v in full.items()},
+            }
+        )
     close_trainer_group()
 
 
@@ -84,14 +90,20 @@ def test_state_dict_adapter_renames_to_hf():
 def _pieces_main(rank, world_size, port, results):
     from weightsync.trainer.source import ShardPieces
 
-    init_trainer_group(rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                       master_port=port, device="cpu")
+    init_trainer_group(
+        rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, device="cpu"
+    )
     model = shard_model(build_model("gpt2", "tiny", seed=5), device="cpu")
     source = DTensorV2Source(model)
     out = []
     for name, data, offset in ShardPieces(source, rank=rank):
-        out.append((name, None if data is None else data.reshape(-1).view(torch.uint8).numpy()
-                    .copy(), offset))
+        out.append(
+            (
+                name,
+                None if data is None else data.reshape(-1).view(torch.uint8).numpy().copy(),
+                offset,
+            )
+        )
     results.put((rank, out))
     close_trainer_group()
 
@@ -117,7 +129,7 @@ def test_shard_pieces_written_at_their_offsets_rebuild_every_full_tensor():
         for rank in (0, 1):
             _, data, offset = by_rank[rank][i]
             if data is not None:
-                buf[offset:offset + data.size] = torch.from_numpy(data)
+                buf[offset : offset + data.size] = torch.from_numpy(data)
                 written += data.size
         assert written == buf.numel(), name  # each byte written exactly once
         assert torch.equal(buf.view(want.dtype).view(want.shape), want), name

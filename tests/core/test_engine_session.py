@@ -20,8 +20,9 @@ class PausingEngine(EngineSession):
 
     engine_name = "double"
 
-    def __init__(self, *, idle_timeout_s: float = 60.0, fail_end: bool = False,
-                 fail_begin: bool = False) -> None:
+    def __init__(
+        self, *, idle_timeout_s: float = 60.0, fail_end: bool = False, fail_begin: bool = False
+    ) -> None:
         super().__init__(idle_timeout_s=idle_timeout_s)
         self.generating = True
         self.aborted: list[str] = []
@@ -79,8 +80,11 @@ def test_an_aborted_update_resumes_generation():
     engine.abort("the trainer failed")
     assert engine.generating
     assert engine.aborted == ["the trainer failed"]
-    with pytest.raises(RuntimeError, match=r"does not serve: update 'v1' was aborted after 1 "
-                                           r"bucket\(s\) \(the trainer failed\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"does not serve: update 'v1' was aborted after 1 "
+        r"bucket\(s\) \(the trainer failed\)",
+    ):
         engine.check_serving()
 
 
@@ -97,8 +101,11 @@ def test_an_update_idle_past_idle_timeout_s_expires_at_the_next_call_and_resumes
     engine.begin("v1")
     engine.load_bucket(BUCKET)
     engine._last_call -= 61.0  # the sender's last call, 61 s ago; the watchdog has not looked
-    with pytest.raises(RuntimeError, match=r"does not serve: update 'v1' was aborted .*its "
-                                           r"sender made no call for 61 s"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"does not serve: update 'v1' was aborted .*its "
+        r"sender made no call for 61 s",
+    ):
         engine.check_serving()
     assert engine.generating
     assert engine.weight_version() is None

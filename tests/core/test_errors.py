@@ -27,8 +27,11 @@ def _over_the_wire(exc: BaseException) -> dict:
 
 def test_the_callers_bad_input_crosses_as_itself():
     assert list(WIRE_ERRORS) == ["BucketRejected", "ValueError", "TypeError"]
-    for exc in (BucketRejected("bucket 3: bad layout"), ValueError("tensor 'w': shape"),
-                TypeError("not a dict")):
+    for exc in (
+        BucketRejected("bucket 3: bad layout"),
+        ValueError("tensor 'w': shape"),
+        TypeError("not a dict"),
+    ):
         with pytest.raises(type(exc), match=str(exc)) as info:
             unwrap_all([_over_the_wire(exc)])
         assert type(info.value) is type(exc)
@@ -52,8 +55,10 @@ def test_a_failed_peer_crosses_as_runtime_error():
 
 def test_a_named_peer_is_named_with_the_error_it_raised():
     error = error_to_wire(NotShared("parameters moved"))
-    assert str(error_from_wire(error, peer="receiver")) == \
-        "receiver failed: NotShared: parameters moved"
+    assert (
+        str(error_from_wire(error, peer="receiver"))
+        == "receiver failed: NotShared: parameters moved"
+    )
     assert str(error_from_wire(error)) == "parameters moved"
 
 

@@ -21,7 +21,8 @@ def _reference(tensor: torch.Tensor) -> tuple[int, int, int]:
     flat = tensor.reshape(-1).contiguous()
     words = flat.view(torch.uint8 if flat.element_size() == 1 else torch.int16).tolist()
     return (sum(words) & MASK,) + tuple(
-        sum(x * pow(r, j, p) for j, x in enumerate(words)) % p for p, r in zip(PRIMES, ROOTS))
+        sum(x * pow(r, j, p) for j, x in enumerate(words)) % p for p, r in zip(PRIMES, ROOTS)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64])
@@ -52,8 +53,11 @@ def test_swapped_rows_and_swapped_q_k_change_the_fingerprint():
 def test_a_fused_parameter_is_the_combination_of_its_parts_shifted_where_they_sit():
     q, k, v = torch.randn(8, 4), torch.randn(4, 4), torch.randn(4, 4)
     words = words_per_element(torch.float32)
-    parts = [shift(fingerprint(q), 0), shift(fingerprint(k), 32 * words),
-             shift(fingerprint(v), 48 * words)]
+    parts = [
+        shift(fingerprint(q), 0),
+        shift(fingerprint(k), 32 * words),
+        shift(fingerprint(v), 48 * words),
+    ]
     assert fingerprint(torch.cat([q, k, v])) == combine(parts)
     assert fingerprint(torch.cat([k, q, v])) != combine(parts)
 
@@ -97,14 +101,16 @@ def test_gpu_fingerprints_equal_the_cpu_ones_exactly():
     from weightsync.wire.fingerprint import fingerprints
 
     gen = torch.Generator().manual_seed(0)
-    cpu = [torch.randn(1000, generator=gen).to(torch.bfloat16),
-           torch.randn(33, 7, generator=gen),  # float32: two words per element
-           torch.randint(-128, 127, (999,), dtype=torch.int8, generator=gen),
-           torch.zeros(0, dtype=torch.bfloat16),
-           torch.full((4096,), -3.0e38),  # large words
-           torch.randn((1 << 25) + 5, generator=gen).to(torch.bfloat16)]  # many rows + a tail
+    cpu = [
+        torch.randn(1000, generator=gen).to(torch.bfloat16),
+        torch.randn(33, 7, generator=gen),  # float32: two words per element
+        torch.randint(-128, 127, (999,), dtype=torch.int8, generator=gen),
+        torch.zeros(0, dtype=torch.bfloat16),
+        torch.full((4096,), -3.0e38),  # large words
+        torch.randn((1 << 25) + 5, generator=gen).to(torch.bfloat16),
+    ]  # many rows + a tail
     got = fingerprints([t.cuda() for t in cpu])
     assert got == [fingerprint(t) for t in cpu]
     assert fingerprint(cpu[1].cuda()) == fingerprint(cpu[1])
-    runs = cpu[5][:4096 * 6].view(6, 4096)[:, 100:3000]
+    runs = cpu[5][: 4096 * 6].view(6, 4096)[:, 100:3000]
     assert placed(runs.cuda(), 7, 5000) == placed(runs, 7, 5000)

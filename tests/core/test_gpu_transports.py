@@ -50,8 +50,12 @@ def ipc_pair():
     model = bench.source_model(4, numel, 0)
     endpoint, child = bench.start_receiver(0, 4, numel)
     transport = CudaIpcSender(num_slots=2)
-    sender = WeightSender(DTensorV2Source(model).specs(), transport=transport,
-                          capacity_bytes=2 * numel * 2, timeout_s=60)
+    sender = WeightSender(
+        DTensorV2Source(model).specs(),
+        transport=transport,
+        capacity_bytes=2 * numel * 2,
+        timeout_s=60,
+    )
     sender.add_engine(endpoint)
     params = [layer.weight.detach() for layer in model.layers]
     yield sender, transport, endpoint, params
@@ -79,8 +83,9 @@ def test_cuda_ipc_mixed_tensors_and_temporaries_are_verified(ipc_pair):
     assert _verified(sender.sync(_named(mixed), version="b", verify=True))
     # New temporaries every sync: dead storages' exports are forgotten and dropped remotely.
     for i in range(4):
-        assert _verified(sender.sync(_named([p.clone() for p in params]), version=f"c{i}",
-                                     verify=True))
+        assert _verified(
+            sender.sync(_named([p.clone() for p in params]), version=f"c{i}", verify=True)
+        )
     assert len(transport._exports) <= 2 * 4 + 4
     assert endpoint.call("weight_version", timeout_s=30) == "c3"
 
@@ -107,8 +112,12 @@ def test_cuda_ipc_replays_unchanged_buckets_and_describes_changed_ones_in_full(i
     assert [bool(h.get("same")) for h in handles] == [False, False]
     # A receiver told "same" for a bucket it never saw refuses it before loading anything.
     endpoint.call("begin", "x", timeout_s=30)
-    unknown = {"index": 7, "nbytes": 16, "tensors": [],
-               "handle": {"kind": "cuda_ipc", "device": 0, "sync": 99, "same": True}}
+    unknown = {
+        "index": 7,
+        "nbytes": 16,
+        "tensors": [],
+        "handle": {"kind": "cuda_ipc", "device": 0, "sync": 99, "same": True},
+    }
     with pytest.raises(BucketRejected, match="holds no views"):
         endpoint.call("load_bucket", unknown, timeout_s=30)
     endpoint.call("abort", "test", timeout_s=30)
@@ -181,15 +190,17 @@ def test_zero_copy_hooks_pass_tensors_in_place_on_cpu():
             pass
 
     sys.modules[__name__].InPlaceReceiver = InPlaceReceiver
-    transports.register_transport("test_in_place", sender=f"{__name__}:InPlaceSender",
-                                  receiver=f"{__name__}:InPlaceReceiver")
+    transports.register_transport(
+        "test_in_place", sender=f"{__name__}:InPlaceSender", receiver=f"{__name__}:InPlaceReceiver"
+    )
     try:
         g = torch.Generator().manual_seed(3)
         source = {f"w{i}": torch.randn(5 + i, 3, generator=g) for i in range(7)}
         target = torch.nn.Module()
         for name, t in source.items():
-            target.register_parameter(name, torch.nn.Parameter(torch.zeros_like(t),
-                                                               requires_grad=False))
+            target.register_parameter(
+                name, torch.nn.Parameter(torch.zeros_like(t), requires_grad=False)
+            )
         specs = [TensorSpec.of(n, t) for n, t in source.items()]
         sender = WeightSender(specs, transport=InPlaceSender(), capacity_bytes=256)
         sender.add_engine(LocalEndpoint(ModuleWeightReceiver(target), name="local"))
@@ -213,9 +224,18 @@ def test_one_copy_into_a_gpu_receiver_writes_its_exported_storages():
     sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "scripts"))
     import cpu_layout_bench
 
-    args = argparse.Namespace(layout="qwen3-30b-a3b", layers=2, shrink=8, paths=["one_copy"],
-                              repeats=2, bucket_mb=64, profile=None, device="cuda", ranks=1,
-                              receiver="checkpoint")
+    args = argparse.Namespace(
+        layout="qwen3-30b-a3b",
+        layers=2,
+        shrink=8,
+        paths=["one_copy"],
+        repeats=2,
+        bucket_mb=64,
+        profile=None,
+        device="cuda",
+        ranks=1,
+        receiver="checkpoint",
+    )
     result = cpu_layout_bench.run(args)["paths"]["one_copy"]
     assert result["unverified_sync_checked"] and result["verified"]
     # The timed verified syncs (each checked verified by the bench) ran the plan's fused
@@ -242,9 +262,12 @@ def test_checked_copies_copy_and_read_back_every_pair():
     odd_src = torch.randn(9, device=dev, dtype=torch.bfloat16)
     odd_space = torch.zeros(16, device=dev, dtype=torch.bfloat16)
     converted = torch.randn(12, device=dev)
-    pairs = [(space[:big.numel()], big), (torch.empty_like(small), small),
-             (odd_space[1:10], odd_src), (torch.empty(12, device=dev, dtype=torch.bfloat16),
-                                          converted)]
+    pairs = [
+        (space[: big.numel()], big),
+        (torch.empty_like(small), small),
+        (odd_space[1:10], odd_src),
+        (torch.empty(12, device=dev, dtype=torch.bfloat16), converted),
+    ]
     copies = kernel.CheckedCopies(pairs, dev)
     assert copies.rows == 4 + 1 and copies.others == [2, 3]
     for _ in range(2):
@@ -277,6 +300,7 @@ def test_a_fused_kernel_that_does_not_run_here_is_not_available(monkeypatch, cap
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 raise RuntimeError("Failed to find C compiler. Please specify via CC")
+
             return launch
 
     monkeypatch.setattr(kernel, "_kernel", [])
@@ -303,8 +327,9 @@ def test_an_update_that_keeps_previous_weights_takes_the_one_copy_path_only_on_t
     source = {f"w{i}": torch.randn(4 + i, 3, generator=g) for i in range(3)}
     model = torch.nn.Module()
     for name, t in source.items():
-        model.register_parameter(name, torch.nn.Parameter(torch.zeros_like(t, device=device),
-                                                          requires_grad=False))
+        model.register_parameter(
+            name, torch.nn.Parameter(torch.zeros_like(t, device=device), requires_grad=False)
+        )
     receiver = ModuleWeightReceiver(model)
     receiver.check_refit(specs_to_dicts([TensorSpec.of(n, t) for n, t in source.items()]))
     shared = receiver.share_params()["shared"]

@@ -13,13 +13,16 @@ from weightsync.apps.grpo import GrpoConfig, group_advantages, mismatch, policy_
 from weightsync.engine.sampling import SamplingOptions
 
 
-@pytest.mark.parametrize(("options", "named"), [
-    ({"temperature": -0.5}, "temperature=-0.5"),
-    ({"n": 0}, "n=0"),
-    ({"top_p": 0.0}, "top_p=0.0"),
-    ({"top_p": 1.5}, "top_p=1.5"),
-    ({"max_new_tokens": 0}, "max_new_tokens=0"),
-])
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"temperature": -0.5}, "temperature=-0.5"),
+        ({"n": 0}, "n=0"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+    ],
+)
 def test_bad_sampling_options_are_refused_naming_the_value(options, named):
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
         SamplingOptions(**options)
@@ -59,8 +62,10 @@ def test_policy_step_returns_the_logprobs_before_the_update_and_raises_good_samp
 
     model = build_model("qwen2")  # a rope model: the learner side must work for it too
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rollouts = [{"prompt": [5, 6, 7], "tokens": [70, 71], "advantage": 1.0},
-                {"prompt": [5, 6], "tokens": [200, 201, 202], "advantage": -1.0}]
+    rollouts = [
+        {"prompt": [5, 6, 7], "tokens": [70, 71], "advantage": 1.0},
+        {"prompt": [5, 6], "tokens": [200, 201, 202], "advantage": -1.0},
+    ]
     with torch.no_grad():
         before = [lp.tolist() for lp in token_logprobs(model, rollouts, temperature=1.0)]
     out = policy_step(model, optimizer, rollouts, num_updates=1)

@@ -11,7 +11,8 @@ import weightsync
 
 def test_every_core_module_imports_without_engines():
     modules = ["weightsync"] + [
-        m.name for m in pkgutil.walk_packages(weightsync.__path__, prefix="weightsync.")
+        m.name
+        for m in pkgutil.walk_packages(weightsync.__path__, prefix="weightsync.")
         if not m.name.endswith("__main__")  # running it is the CLI, not an import
     ]
     assert len(modules) > 8

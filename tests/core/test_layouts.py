@@ -21,8 +21,10 @@ def test_shrink_keeps_every_name_and_divides_the_bytes_by_about_its_square(name)
     real = layouts.layout(name, num_layers=4)
     small = layouts.layout(name, num_layers=4, shrink=4)
     assert [n for n, _ in small] == [n for n, _ in real]
-    assert all(len(s) == len(r) and all(a <= b for a, b in zip(s, r))
-               for (_, s), (_, r) in zip(small, real))
+    assert all(
+        len(s) == len(r) and all(a <= b for a, b in zip(s, r))
+        for (_, s), (_, r) in zip(small, real)
+    )
     ratio = layouts.nbytes(real) / layouts.nbytes(small)
     assert 12 < ratio <= 16, ratio
 

@@ -23,8 +23,11 @@ from weightsync.transports.rendezvous import host_store, listening_socket
 
 
 def _listening(pid: int | None = None) -> set[tuple[str, int]]:
-    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp")
-            if c.status == psutil.CONN_LISTEN}
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
 
 
 def _multi_node_address() -> str:
@@ -32,8 +35,11 @@ def _multi_node_address() -> str:
     up = {name for name, stats in psutil.net_if_stats().items() if stats.isup}
     for name, addresses in psutil.net_if_addrs().items():
         for a in addresses:
-            if name in up and a.family.name == "AF_INET" and \
-                    not ipaddress.ip_address(a.address).is_loopback:
+            if (
+                name in up
+                and a.family.name == "AF_INET"
+                and not ipaddress.ip_address(a.address).is_loopback
+            ):
                 return a.address
     pytest.skip("this machine has no address but loopback")
 
@@ -91,8 +97,9 @@ def test_a_collective_sender_given_a_multi_node_host_listens_there_only():
 def test_collective_senders_made_at_once_hold_distinct_ports_the_kernel_chose():
     before = _listening()
     with ThreadPoolExecutor(8) as pool:
-        senders = list(pool.map(lambda _: CollectiveSender(num_receivers=1, timeout_s=10),
-                                range(8)))
+        senders = list(
+            pool.map(lambda _: CollectiveSender(num_receivers=1, timeout_s=10), range(8))
+        )
     try:
         ports = [s.port for s in senders]
         assert len(set(ports)) == len(ports), ports
@@ -109,8 +116,13 @@ def _trainer_rank(rank: int, host: str, port: int, rank0_hosts_store: bool, resu
     from weightsync.trainer.process_group import close_trainer_group, init_trainer_group
     from weightsync.trainer.sync_group import SyncGroup
 
-    init_trainer_group(rank=rank, world_size=2, master_addr=host, master_port=port,
-                       rank0_hosts_store=rank0_hosts_store)
+    init_trainer_group(
+        rank=rank,
+        world_size=2,
+        master_addr=host,
+        master_port=port,
+        rank0_hosts_store=rank0_hosts_store,
+    )
     group = SyncGroup(timeout_s=60)  # a gloo group of torch's `new_group`
     total = torch.ones(1)
     dist.all_reduce(total)
@@ -127,12 +139,15 @@ def _trainer_group_listeners(host: str, *, driver_hosts: bool) -> tuple[set, set
     port = store.port if store is not None else free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_trainer_rank, args=(r, host, port, not driver_hosts, results))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_trainer_rank, args=(r, host, port, not driver_hosts, results))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
-    outs = {rank: (total, listens) for rank, total, listens in
-            (results.get(timeout=120) for _ in procs)}
+    outs = {
+        rank: (total, listens) for rank, total, listens in (results.get(timeout=120) for _ in procs)
+    }
     ours = _listening() - before
     for p in procs:
         p.join(timeout=60)
@@ -176,12 +191,14 @@ def test_a_trainer_group_on_an_unknown_device_is_refused_before_joining():
     from weightsync.trainer.process_group import init_trainer_group
 
     with pytest.raises(ValueError, match="device='tpu': pass 'cpu' \\(gloo\\) or 'cuda'"):
-        init_trainer_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=1,
-                           device="tpu")
+        init_trainer_group(
+            rank=0, world_size=2, master_addr="127.0.0.1", master_port=1, device="tpu"
+        )
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no GPU is visible here; pass device='cpu'"):
-            init_trainer_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=1,
-                               device="cuda")
+            init_trainer_group(
+                rank=0, world_size=2, master_addr="127.0.0.1", master_port=1, device="cuda"
+            )
     assert not dist.is_initialized()
 
 

@@ -26,24 +26,38 @@ def _numpy(tensor: torch.Tensor):
 
 
 def _rank_main(rank, port, results):
-    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
-                       device="cpu")
+    init_trainer_group(
+        rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port, device="cpu"
+    )
     model = shard_model(build_model("qwen3_moe", "tiny", seed=3), device="cpu")
     experts = model.model.layers[0].mlp.experts.gate_up_proj
     source = DTensorV2Source(model)
     specs = [s.to_dict() for s in source.specs()]
     full = {name: _numpy(t) for name, t in source.tensors()}
-    pieces = [(name, None if data is None else _numpy(data), offset)
-              for name, data, offset in ShardPieces(source, rank=rank)]
+    pieces = [
+        (name, None if data is None else _numpy(data), offset)
+        for name, data, offset in ShardPieces(source, rank=rank)
+    ]
     batch = torch.arange(3, 51).view(2, 24)
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
-    results.put((rank, {"specs": specs, "full": full, "pieces": pieces,
-                        "expert_placements": [(type(p).__name__, getattr(p, "dim", None))
-                                              for p in experts.placements],
-                        "local_experts": experts.to_local().shape[0],
-                        "grad_finite": all(bool(torch.isfinite(p.grad.full_tensor()).all())
-                                           for p in model.parameters())}))
+    results.put(
+        (
+            rank,
+            {
+                "specs": specs,
+                "full": full,
+                "pieces": pieces,
+                "expert_placements": [
+                    (type(p).__name__, getattr(p, "dim", None)) for p in experts.placements
+                ],
+                "local_experts": experts.to_local().shape[0],
+                "grad_finite": all(
+                    bool(torch.isfinite(p.grad.full_tensor()).all()) for p in model.parameters()
+                ),
+            },
+        )
+    )
     close_trainer_group()
 
 
@@ -97,16 +111,19 @@ def test_tensors_are_the_checkpoints_per_expert_names_and_values(ranks, checkpoi
     assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in out["full"])
     for name, want in checkpoint.items():
         assert bytes(out["full"][name]) == bytes(_numpy(want)), name
-    assert {s["name"]: tuple(s["shape"]) for s in out["specs"]} == \
-        {n: tuple(t.shape) for n, t in checkpoint.items()}
+    assert {s["name"]: tuple(s["shape"]) for s in out["specs"]} == {
+        n: tuple(t.shape) for n, t in checkpoint.items()
+    }
 
 
 def test_each_rank_writes_the_experts_it_holds_and_the_pieces_rebuild_the_checkpoint(
-        ranks, checkpoint):
+    ranks, checkpoint
+):
     by_rank = ranks
     names = [n for n, _, _ in by_rank[0]["pieces"]]
-    assert names == [n for n, _, _ in by_rank[1]["pieces"]] == [s["name"] for s in
-                                                               by_rank[0]["specs"]]
+    assert (
+        names == [n for n, _, _ in by_rank[1]["pieces"]] == [s["name"] for s in by_rank[0]["specs"]]
+    )
     for i, name in enumerate(names):
         want = _numpy(checkpoint[name])
         buf = bytearray(len(want))
@@ -114,7 +131,7 @@ def test_each_rank_writes_the_experts_it_holds_and_the_pieces_rebuild_the_checkp
         for rank in (0, 1):
             _, data, offset = by_rank[rank]["pieces"][i]
             if data is not None:
-                buf[offset:offset + data.size] = data.tobytes()
+                buf[offset : offset + data.size] = data.tobytes()
                 written += data.size
         assert written == len(want), name  # each byte written exactly once
         assert bytes(buf) == bytes(want), name

@@ -51,7 +51,7 @@ def _fused_engine():
 
     def load_one(name, tensor):
         if name in rows:
-            params["qkv"][rows[name]:rows[name] + 4].copy_(tensor)
+            params["qkv"][rows[name] : rows[name] + 4].copy_(tensor)
         elif name == "t_in":
             params["t"].copy_(tensor.t())
         else:
@@ -71,8 +71,12 @@ def test_probe_finds_verbatim_destinations_and_leaves_the_parameters_as_they_wer
     before = {n: p.clone() for n, p in params.items()}
     found = probe_destinations(params, param_of, specs, load_one)
     row_bytes = 8 * 2
-    assert found == {"q": ("qkv", 0), "k": ("qkv", 4 * row_bytes), "v": ("qkv", 8 * row_bytes),
-                     "w": ("w", 0)}  # "t_in" is transposed on the way in: not verbatim
+    assert found == {
+        "q": ("qkv", 0),
+        "k": ("qkv", 4 * row_bytes),
+        "v": ("qkv", 8 * row_bytes),
+        "w": ("w", 0),
+    }  # "t_in" is transposed on the way in: not verbatim
     for name, p in params.items():
         assert torch.equal(p, before[name])
 
@@ -93,10 +97,10 @@ def test_shared_parameters_take_trainer_writes_and_notice_when_moved():
         # What is registered in each place now: a view at the same address but transposed,
         # and a parameter no longer registered, are both moved.
         now = list(shared.params.values())
-        assert shared.moved([p.t() if n == "w" else p for n, p in zip(shared.params, now)]) \
-            == ["w"]
-        assert shared.moved([None if n == "qkv" else p for n, p in zip(shared.params, now)]) \
-            == ["qkv"]
+        assert shared.moved([p.t() if n == "w" else p for n, p in zip(shared.params, now)]) == ["w"]
+        assert shared.moved([None if n == "qkv" else p for n, p in zip(shared.params, now)]) == [
+            "qkv"
+        ]
         params["w"].data = torch.zeros(5, 3)  # something replaced a parameter's storage
         assert shared.moved() == ["w"]
         with pytest.raises(NotShared, match=r"no longer live in shared segment .*'w'"):
@@ -112,9 +116,12 @@ def test_trainer_refuses_shared_parameters_others_may_read():
     shared = SharedParameters(params, probe_destinations(params, param_of, specs, load_one))
     try:
         os.chmod(os.path.join(SHM_DIR, shared.segment.name), 0o640)
-        with pytest.raises(RuntimeError, match=rf"segment '{SHM_DIR}/{shared.segment.name}' has "
-                                               rf"owner uid {os.geteuid()}, mode 0o640; "
-                                               rf"weightsync maps only .* own uid"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"segment '{SHM_DIR}/{shared.segment.name}' has "
+            rf"owner uid {os.geteuid()}, mode 0o640; "
+            rf"weightsync maps only .* own uid",
+        ):
             OneCopyTarget(shared.describe())
     finally:
         shared.close()
@@ -137,7 +144,8 @@ def test_one_copy_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_a
     targets: dict[str, OneCopyTarget] = {}
     try:
         assert sender.sync(iter(trainer.items()), version="v1", verify=True).verify["mod"][
-            "verified"]
+            "verified"
+        ]
         shared = receiver.share_params()["shared"]
         targets["mod"] = OneCopyTarget(shared)
         for t in trainer.values():
@@ -150,8 +158,9 @@ def test_one_copy_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_a
                 raw = t.reshape(-1).view(torch.uint8)
                 half = raw.numel() // 2  # two "ranks", the second at an odd offset for "b"
                 for offset, part in ((0, raw[:half]), (half, raw[half:])):
-                    if not targets["mod"].write(name, offset, part, check=True) or \
-                            name == corrupt:  # as a rank reports bytes that read back wrong
+                    if (
+                        not targets["mod"].write(name, offset, part, check=True) or name == corrupt
+                    ):  # as a rank reports bytes that read back wrong
                         bad.append(name)
                     pieces += 1
             return {"pieces": pieces, "mismatched": bad}
@@ -163,8 +172,9 @@ def test_one_copy_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_a
         assert all(torch.equal(got[n], t) for n, t in trainer.items())
         assert receiver.weight_version() == "v2"
         with pytest.raises(RuntimeError, match=r"update 'v3' aborted: .*\{'mod': \['b'\]\}"):
-            sender.sync_one_copy(lambda d, f: write(d, f, corrupt="b"), version="v3",
-                               engines=["mod"], verify=True)
+            sender.sync_one_copy(
+                lambda d, f: write(d, f, corrupt="b"), version="v3", engines=["mod"], verify=True
+            )
         assert receiver.weight_version() == "v2"  # the bad update was never adopted
         # A parameter moved while the trainer wrote: the engine's `end` fails the update,
         # verified or not.
@@ -178,8 +188,9 @@ def test_one_copy_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_a
         assert receiver.weight_version() == "v2"
         # Parameters moved elsewhere: the engine is handed back to buckets, nothing written.
         calls = []
-        report, fallback = sender.sync_one_copy(lambda d, f: calls.append((d, f)), version="v4",
-                                              engines=["mod"])
+        report, fallback = sender.sync_one_copy(
+            lambda d, f: calls.append((d, f)), version="v4", engines=["mod"]
+        )
         assert report is None and fallback == ["mod"] and calls == [([], ["mod"])]
         assert receiver.weight_version() == "v2"
         again = receiver.share_params()["shared"]
@@ -188,17 +199,20 @@ def test_one_copy_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_a
         # another trainer or after its parameters moved) is sent to buckets, nothing written;
         # one that names the current sharing writes.
         calls.clear()
-        report, fallback = sender.sync_one_copy(lambda d, f: calls.append((d, f)), version="v5",
-                                              engines=["mod"],
-                                              sharing={"mod": [shared["segment"]]})
+        report, fallback = sender.sync_one_copy(
+            lambda d, f: calls.append((d, f)),
+            version="v5",
+            engines=["mod"],
+            sharing={"mod": [shared["segment"]]},
+        )
         assert report is None and fallback == ["mod"] and calls == [([], ["mod"])]
-        why = receiver.receiver.begin_one_copy(keep_previous=False,
-                                             sharing=[shared["segment"]])
+        why = receiver.receiver.begin_one_copy(keep_previous=False, sharing=[shared["segment"]])
         assert shared["segment"] in why and again["segment"] in why and "buckets" in why
         targets["mod"].close()
         targets["mod"] = OneCopyTarget(again)
-        report, fallback = sender.sync_one_copy(write, version="v6", engines=["mod"],
-                                              sharing={"mod": [again["segment"]]}, verify=True)
+        report, fallback = sender.sync_one_copy(
+            write, version="v6", engines=["mod"], sharing={"mod": [again["segment"]]}, verify=True
+        )
         assert fallback == [] and report.verify["mod"]["verified"]
         assert receiver.weight_version() == "v6"
     finally:
@@ -254,8 +268,9 @@ def test_a_shared_parameter_replaced_by_a_new_object_is_noticed():
             sender.sync_one_copy(replace_while_writing, version="v2", engines=["mod"])
         assert receiver.weight_version() == "v1"
         calls = []
-        report, fallback = sender.sync_one_copy(lambda d, f: calls.append((d, f)), version="v3",
-                                              engines=["mod"])
+        report, fallback = sender.sync_one_copy(
+            lambda d, f: calls.append((d, f)), version="v3", engines=["mod"]
+        )
         assert report is None and fallback == ["mod"] and calls == [([], ["mod"])]
         assert receiver.weight_version() == "v1"
     finally:
@@ -276,8 +291,10 @@ def test_a_new_update_closes_a_one_copy_begin_other_workers_refused():
         receiver.receiver.open_update()  # the engine's next update, by buckets
         receiver.receiver.restore_previous()  # that update rolled back
         assert receiver.receiver.sharing.shared is not None
-        assert receiver.receiver.begin_one_copy(keep_previous=False,
-                                              sharing=[shared["segment"]]) is None
+        assert (
+            receiver.receiver.begin_one_copy(keep_previous=False, sharing=[shared["segment"]])
+            is None
+        )
         receiver.receiver.end_one_copy()
     finally:
         receiver.receiver.close()

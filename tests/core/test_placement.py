@@ -50,8 +50,9 @@ def test_column_and_row_parallel_slices_are_found(dtype, rank):
     _apply(row, full, pr)
     assert torch.equal(col.data, full.narrow(0, 3 * rank, 3))
     assert torch.equal(row.data, full.narrow(1, 4 * rank, 4))
-    want = expected_worker_fingerprints({"c": full, "r": full},
-                                        {"c": ("col", pc), "r": ("row", pr)})
+    want = expected_worker_fingerprints(
+        {"c": full, "r": full}, {"c": ("col", pc), "r": ("row", pr)}
+    )
     assert want == {"col": fingerprint(col.data), "row": fingerprint(row.data)}
 
 
@@ -65,6 +66,7 @@ def test_a_fused_parameter_takes_each_tensor_slice_at_its_offset():
                 qkv.data[:4].copy_(t[4:8])
             else:
                 qkv.data[4:].copy_(t[2:4])
+
         return one
 
     pq = learn_placement(qkv, torch.float32, (8, 4), load("q"))
@@ -79,19 +81,17 @@ def test_a_fused_parameter_takes_each_tensor_slice_at_its_offset():
 def test_large_tensors_take_several_passes():
     n = 70_000  # more than 2**15 elements of a 2-byte dtype: two passes
     param = _param((n // 2,), torch.bfloat16)
-    pats = learn_placement(param, torch.bfloat16, (n,),
-                           lambda t: param.data.copy_(t[n // 2:]))
+    pats = learn_placement(param, torch.bfloat16, (n,), lambda t: param.data.copy_(t[n // 2 :]))
     assert pats == [[0, n // 2, n // 2, 1, 0, 0]]
 
 
 def test_a_loader_that_converts_or_transforms_has_no_placement():
     param = _param((4, 4))
-    assert learn_placement(param, torch.float32, (4, 4),
-                           lambda t: param.data.copy_(t * 2)) is None
-    assert learn_placement(param, torch.bfloat16, (4, 4),
-                           lambda t: param.data.copy_(t)) is None  # dtype differs
-    transposed = learn_placement(param, torch.float32, (4, 4),
-                                 lambda t: param.data.copy_(t.t()))
+    assert learn_placement(param, torch.float32, (4, 4), lambda t: param.data.copy_(t * 2)) is None
+    assert (
+        learn_placement(param, torch.bfloat16, (4, 4), lambda t: param.data.copy_(t)) is None
+    )  # dtype differs
+    transposed = learn_placement(param, torch.float32, (4, 4), lambda t: param.data.copy_(t.t()))
     full = torch.randn(4, 4)
     _apply(param, full, transposed)  # a permutation is a placement too
     assert torch.equal(param.data, full.t())
@@ -110,12 +110,12 @@ def test_pieces_of_a_tensor_land_where_the_patterns_say(cuts):
     from weightsync.trainer.one_copy.targets import placed_pieces
 
     full = torch.arange(48, dtype=torch.int32).reshape(6, 8)
-    for narrow in (lambda t: t.narrow(1, 4, 4), lambda t: t.narrow(0, 2, 3),
-                   lambda t: t.t()[2:5]):
+    for narrow in (lambda t: t.narrow(1, 4, 4), lambda t: t.narrow(0, 2, 3), lambda t: t.t()[2:5]):
         want = narrow(full).contiguous()
         param = torch.nn.Parameter(torch.zeros_like(want), requires_grad=False)
-        pats = learn_placement(param, torch.int32, (6, 8),
-                               lambda t, p=param, f=narrow: p.data.copy_(f(t)))
+        pats = learn_placement(
+            param, torch.int32, (6, 8), lambda t, p=param, f=narrow: p.data.copy_(f(t))
+        )
         dst = torch.full((want.numel(),), -1, dtype=torch.int32)
         flat = full.reshape(-1)
         for a, b in zip(cuts, cuts[1:]):
@@ -159,8 +159,9 @@ def test_two_sliced_workers_are_each_verified_against_what_they_hold():
     for i in range(4):
         full.register_parameter(f"w{i}", torch.nn.Parameter(torch.randn(8, 6)))
     source = DTensorV2Source(full)
-    workers = [ModuleWeightReceiver(sliced_model(full, r, 2), name=f"w{r}", sliced=True)
-               for r in range(2)]
+    workers = [
+        ModuleWeightReceiver(sliced_model(full, r, 2), name=f"w{r}", sliced=True) for r in range(2)
+    ]
     sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=1 << 10)
     try:
         for r, worker in enumerate(workers):
@@ -175,8 +176,11 @@ def test_two_sliced_workers_are_each_verified_against_what_they_hold():
                 sent[name] = fingerprint(tensor)
                 for prints in expected.values():
                     prints.add(name, tensor)
-            return sender.verify(sent, engines=["tp0", "tp1"],
-                                 worker_sent={n: p.result() for n, p in expected.items()})
+            return sender.verify(
+                sent,
+                engines=["tp0", "tp1"],
+                worker_sent={n: p.result() for n, p in expected.items()},
+            )
 
         checked = check()
         assert checked["tp0"]["verified"] and checked["tp1"]["verified"], checked

@@ -11,8 +11,13 @@ import pytest
 from weightsync.launch.preflight import refuse_unsupported_sglang, rope_reason
 
 # A learned-position model (OPT's config.json, trimmed): none of the rope markers.
-PLAIN = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64,
-         "num_attention_heads": 4, "max_position_embeddings": 128}
+PLAIN = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+}
 
 # The markers the module docstring lists, spelled out here so that dropping one fails a test.
 ROPE_VALUES = {
@@ -25,17 +30,52 @@ ROPE_VALUES = {
     "partial_rotary_factor": 0.5,
 }
 ROPE_MODEL_TYPES = (
-    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
-    "gemma3", "gemma3_text", "phi", "phi3", "deepseek_v2", "deepseek_v3", "gpt_neox", "gptj",
-    "olmo", "olmo2", "stablelm", "starcoder2", "cohere", "granite", "internlm2", "minicpm",
-    "exaone", "glm", "glm4", "chatglm", "baichuan",
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+    "phi",
+    "phi3",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gpt_neox",
+    "gptj",
+    "olmo",
+    "olmo2",
+    "stablelm",
+    "starcoder2",
+    "cohere",
+    "granite",
+    "internlm2",
+    "minicpm",
+    "exaone",
+    "glm",
+    "glm4",
+    "chatglm",
+    "baichuan",
 )
 MARKERS = (
     [pytest.param({key: value}, f"sets {key}", id=key) for key, value in ROPE_VALUES.items()]
-    + [pytest.param({"position_embedding_type": "rotary"}, "position_embedding_type='rotary'",
-                    id="position_embedding_type")]
-    + [pytest.param({"model_type": model_type}, f"model_type {model_type!r}",
-                    id=f"model_type={model_type}") for model_type in ROPE_MODEL_TYPES]
+    + [
+        pytest.param(
+            {"position_embedding_type": "rotary"},
+            "position_embedding_type='rotary'",
+            id="position_embedding_type",
+        )
+    ]
+    + [
+        pytest.param(
+            {"model_type": model_type}, f"model_type {model_type!r}", id=f"model_type={model_type}"
+        )
+        for model_type in ROPE_MODEL_TYPES
+    ]
 )
 
 
@@ -65,12 +105,16 @@ def test_sglang_on_cpu_refuses_a_checkpoint_with_each_rope_marker(tmp_path, mark
     assert path in str(info.value)
 
 
-@pytest.mark.parametrize("config", [
-    PLAIN,
-    {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_head": 4},
-    {**PLAIN, "rope_theta": None, "rope_scaling": None},
-    {**PLAIN, "position_embedding_type": "absolute"},
-], ids=["opt", "gpt2", "rope-keys-set-to-null", "absolute-positions"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        PLAIN,
+        {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_head": 4},
+        {**PLAIN, "rope_theta": None, "rope_scaling": None},
+        {**PLAIN, "position_embedding_type": "absolute"},
+    ],
+    ids=["opt", "gpt2", "rope-keys-set-to-null", "absolute-positions"],
+)
 def test_a_model_with_learned_positions_passes(tmp_path, config):
     assert rope_reason(config) is None
     refuse_unsupported_sglang(_checkpoint(tmp_path, config), cuda=False)

@@ -19,8 +19,7 @@ from weightsync.wire.protocol import (
 )
 
 ANSWERS = [
-    RefitAnswer(param_of={"w": ["w"], "qkv.q": ["qkv"]}, num_params=2, num_receivers=2,
-                tp_size=2),
+    RefitAnswer(param_of={"w": ["w"], "qkv.q": ["qkv"]}, num_params=2, num_receivers=2, tp_size=2),
     RefitAnswer(param_of={}, num_params=7),
     BeginAnswer(one_copy=True),
     BeginAnswer(one_copy=False, why="vllm: parameters are not shared"),
@@ -29,18 +28,38 @@ ANSWERS = [
     ShareAnswer(shared=None, why="not known yet", retry=True),
     LoadReport(num_tensors=3, nbytes=1024, seconds=0.25),
     EndReport(weight_version="v1"),
-    EndReport(weight_version="v2", end_s=0.1, session_s=0.5, cache_flushed=True,
-              param_of={"w": ["w"]}, placements=[{"w": ["w", [[0, 4, 1]]]}, None]),
+    EndReport(
+        weight_version="v2",
+        end_s=0.1,
+        session_s=0.5,
+        cache_flushed=True,
+        param_of={"w": ["w"]},
+        placements=[{"w": ["w", [[0, 4, 1]]]}, None],
+    ),
     SettleReport(),
     SettleReport(background_s=1.5),
-    SyncReport(version="v3", path="mixed", nbytes=10**9, num_buckets=4, sync_s=0.5,
-               engines={"a": EngineSyncReport(path="buckets", weight_version="v3", load_s=0.2,
-                                              end_s=0.01, session_s=0.4, cache_flushed=True,
-                                              share_s=0.3),
-                        "b": EngineSyncReport(path="one_copy", weight_version="v3")},
-               phases_s={"begin": 0.1, "rank_write": [0.1, 0.2]}, bytes_written=2 * 10**9,
-               verify={"a": {"verified": True, "mismatched": [], "num_checked": 3},
-                       "verify_s": 0.05}),
+    SyncReport(
+        version="v3",
+        path="mixed",
+        nbytes=10**9,
+        num_buckets=4,
+        sync_s=0.5,
+        engines={
+            "a": EngineSyncReport(
+                path="buckets",
+                weight_version="v3",
+                load_s=0.2,
+                end_s=0.01,
+                session_s=0.4,
+                cache_flushed=True,
+                share_s=0.3,
+            ),
+            "b": EngineSyncReport(path="one_copy", weight_version="v3"),
+        },
+        phases_s={"begin": 0.1, "rank_write": [0.1, 0.2]},
+        bytes_written=2 * 10**9,
+        verify={"a": {"verified": True, "mismatched": [], "num_checked": 3}, "verify_s": 0.05},
+    ),
     SyncReport(version="v1", path="buckets", nbytes=64, num_buckets=1, sync_s=0.0),
 ]
 
@@ -54,23 +73,43 @@ def test_answer_survives_to_dict_json_and_from_dict(answer):
 def test_to_dict_carries_the_keys_the_wire_always_carried():
     assert BeginAnswer(one_copy=True).to_dict() == {"one_copy": True}
     assert BeginAnswer(one_copy=False, why="x").to_dict() == {"one_copy": False, "why": "x"}
-    assert ShareAnswer(shared=None, why="x").to_dict() == {"shared": None, "why": "x",
-                                                           "retry": False}
+    assert ShareAnswer(shared=None, why="x").to_dict() == {
+        "shared": None,
+        "why": "x",
+        "retry": False,
+    }
     assert LoadReport(num_tensors=1, nbytes=2, seconds=0.5).to_dict() == {
-        "num_tensors": 1, "nbytes": 2, "seconds": 0.5}
+        "num_tensors": 1,
+        "nbytes": 2,
+        "seconds": 0.5,
+    }
     assert EndReport(weight_version="v", end_s=1.0, session_s=2.0).to_dict() == {
-        "weight_version": "v", "end_s": 1.0, "session_s": 2.0}
+        "weight_version": "v",
+        "end_s": 1.0,
+        "session_s": 2.0,
+    }
     assert SettleReport().to_dict() == {}
     assert SettleReport(background_s=3.0).to_dict() == {"background_s": 3.0}
 
 
 def test_sync_report_as_plain_data_has_the_keys_users_index():
-    report = SyncReport(version="v1", path="buckets", nbytes=2 * 10**9, num_buckets=2,
-                        sync_s=2.0, engines={"e": EngineSyncReport(path="buckets", load_s=1.0)})
+    report = SyncReport(
+        version="v1",
+        path="buckets",
+        nbytes=2 * 10**9,
+        num_buckets=2,
+        sync_s=2.0,
+        engines={"e": EngineSyncReport(path="buckets", load_s=1.0)},
+    )
     assert report.to_dict() == {
-        "version": "v1", "path": "buckets", "nbytes": 2 * 10**9, "num_buckets": 2,
-        "sync_s": 2.0, "gbps": 1.0,
-        "engines": {"e": {"status": "ok", "path": "buckets", "load_s": 1.0}}}
+        "version": "v1",
+        "path": "buckets",
+        "nbytes": 2 * 10**9,
+        "num_buckets": 2,
+        "sync_s": 2.0,
+        "gbps": 1.0,
+        "engines": {"e": {"status": "ok", "path": "buckets", "load_s": 1.0}},
+    }
 
 
 def test_from_dict_fills_absent_optional_fields_and_ignores_unknown_keys():
@@ -80,16 +119,18 @@ def test_from_dict_fills_absent_optional_fields_and_ignores_unknown_keys():
     assert EndReport.from_dict({"weight_version": "v"}).cache_flushed is None
 
 
-@pytest.mark.parametrize("cls, d, missing", [
-    (RefitAnswer, {"param_of": {}}, "num_params"),
-    (BeginAnswer, {"why": "x"}, "one_copy"),
-    (ShareAnswer, {"why": "x", "retry": True}, "shared"),
-    (LoadReport, {"num_tensors": 1, "seconds": 0.1}, "nbytes"),
-    (EndReport, {"end_s": 0.1}, "weight_version"),
-    (EngineSyncReport, {"status": "ok"}, "path"),
-    (SyncReport, {"version": "v", "path": "buckets", "nbytes": 1, "num_buckets": 1},
-     "sync_s"),
-])
+@pytest.mark.parametrize(
+    "cls, d, missing",
+    [
+        (RefitAnswer, {"param_of": {}}, "num_params"),
+        (BeginAnswer, {"why": "x"}, "one_copy"),
+        (ShareAnswer, {"why": "x", "retry": True}, "shared"),
+        (LoadReport, {"num_tensors": 1, "seconds": 0.1}, "nbytes"),
+        (EndReport, {"end_s": 0.1}, "weight_version"),
+        (EngineSyncReport, {"status": "ok"}, "path"),
+        (SyncReport, {"version": "v", "path": "buckets", "nbytes": 1, "num_buckets": 1}, "sync_s"),
+    ],
+)
 def test_from_dict_without_a_required_field_names_it(cls, d, missing):
     with pytest.raises(ValueError, match=rf"{cls.__name__}: required field '{missing}' missing"):
         cls.from_dict(d)

@@ -44,8 +44,10 @@ def test_verification_catches_an_engine_weight_that_differs():
         sender.sync(source.tensors(), version="v1")
         with torch.no_grad():
             engine_model.model.decoder.layers[1].fc1.weight[3, 3] += 1
-        sent = {n: __import__("weightsync.wire.fingerprint").fingerprint.fingerprint(t)
-                for n, t in source.tensors()}
+        sent = {
+            n: __import__("weightsync.wire.fingerprint").fingerprint.fingerprint(t)
+            for n, t in source.tensors()
+        }
         result = sender.verify(sent, engines=["ref"])
     finally:
         sender.close()
@@ -58,11 +60,15 @@ def test_shape_mismatch_is_rejected_before_any_weight_changes():
     engine_model = build_model("opt", "tiny", seed=2)
     before = {k: v.clone() for k, v in engine_model.state_dict().items()}
     receiver = ModuleWeightReceiver(engine_model, name="ref")
-    sender = WeightSender(DTensorV2Source(trainer).specs(), transport=ShmSender(),
-                          capacity_bytes=1 << 16)
+    sender = WeightSender(
+        DTensorV2Source(trainer).specs(), transport=ShmSender(), capacity_bytes=1 << 16
+    )
     try:
-        with pytest.raises(ValueError, match=r"tensor 'model.decoder.embed_tokens.weight' "
-                           r"\(trainer shape \(320, 512\).*\(320, 256\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"tensor 'model.decoder.embed_tokens.weight' "
+            r"\(trainer shape \(320, 512\).*\(320, 256\)",
+        ):
             sender.add_engine(LocalEndpoint(receiver, name="ref"))
     finally:
         sender.close()
@@ -74,8 +80,9 @@ def test_dtype_mismatch_names_both_dtypes():
     trainer = build_model("opt", "tiny", seed=1)
     engine_model = build_model("opt", "tiny", seed=2).to(torch.bfloat16)
     receiver = ModuleWeightReceiver(engine_model, name="ref")
-    sender = WeightSender(DTensorV2Source(trainer).specs(), transport=ShmSender(),
-                          capacity_bytes=1 << 16)
+    sender = WeightSender(
+        DTensorV2Source(trainer).specs(), transport=ShmSender(), capacity_bytes=1 << 16
+    )
     try:
         with pytest.raises(ValueError, match="trainer dtype float32 != engine dtype bfloat16"):
             sender.add_engine(LocalEndpoint(receiver, name="ref"))
@@ -87,8 +94,9 @@ def test_unknown_name_is_rejected():
     trainer = build_model("gpt2", "tiny", seed=1)
     engine_model = build_model("opt", "tiny", seed=2)
     receiver = ModuleWeightReceiver(engine_model, name="ref")
-    sender = WeightSender(DTensorV2Source(trainer).specs(), transport=ShmSender(),
-                          capacity_bytes=1 << 16)
+    sender = WeightSender(
+        DTensorV2Source(trainer).specs(), transport=ShmSender(), capacity_bytes=1 << 16
+    )
     try:
         with pytest.raises(ValueError, match=r"no parameter for \d+ trainer tensor.*transformer"):
             sender.add_engine(LocalEndpoint(receiver, name="ref"))

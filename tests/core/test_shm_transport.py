@@ -51,8 +51,9 @@ def test_buckets_cross_to_another_process_intact():
     sender = ShmSender(num_slots=2)
     got = {}
     try:
-        for plan in fill_buckets(plans, iter(tensors),
-                                 lambda p: sender.buffer(p.index % 2, p.nbytes)):
+        for plan in fill_buckets(
+            plans, iter(tensors), lambda p: sender.buffer(p.index % 2, p.nbytes)
+        ):
             requests.put(plan.descriptor(sender.handle(plan.index % 2)).to_dict())
             got.update(replies.get(timeout=60))
         requests.put(None)
@@ -74,9 +75,11 @@ def test_segments_are_owner_only_and_unlinked_on_close():
 
 
 def test_segments_of_a_crashed_sender_are_swept():
-    code = ("import os; from weightsync.transports.shm import ShmSender; "
-            "s = ShmSender(); s.buffer(0, 4096); print(s.handle(0)['name'], flush=True); "
-            "os._exit(9)")
+    code = (
+        "import os; from weightsync.transports.shm import ShmSender; "
+        "s = ShmSender(); s.buffer(0, 4096); print(s.handle(0)['name'], flush=True); "
+        "os._exit(9)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     name = out.stdout.strip()
     assert name in list_segments()
@@ -85,9 +88,11 @@ def test_segments_of_a_crashed_sender_are_swept():
 
 
 def test_segments_are_unlinked_at_exit_when_close_never_ran():
-    code = ("from weightsync.transports.shm import ShmSender; "
-            "s = ShmSender(); s.buffer(0, 4096); s.buffer(1, 64); "
-            "print(s.handle(0)['name'], s.handle(1)['name'], flush=True)")  # exits normally
+    code = (
+        "from weightsync.transports.shm import ShmSender; "
+        "s = ShmSender(); s.buffer(0, 4096); s.buffer(1, 64); "
+        "print(s.handle(0)['name'], s.handle(1)['name'], flush=True)"
+    )  # exits normally
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     names = out.stdout.split()
@@ -97,8 +102,12 @@ def test_segments_are_unlinked_at_exit_when_close_never_ran():
 
 def _dead_pid() -> int:
     """The pid of a process that has exited (and been reaped)."""
-    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                           capture_output=True, text=True, timeout=60)
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return int(child.stdout)
 
 
@@ -120,10 +129,12 @@ def test_a_new_sender_sweeps_what_dead_processes_left_reply_folders_included():
 
 
 def test_a_dead_engines_shared_parameter_segment_is_swept():
-    code = ("import os, torch; from weightsync.trainer.one_copy.targets import SharedParameters; "
-            "p = {'w': torch.nn.Parameter(torch.ones(64, 4), requires_grad=False)}; "
-            "s = SharedParameters(p, {'w': ('w', 0)}); "
-            "print(s.segment.name, flush=True); os._exit(9)")  # dies without unlinking
+    code = (
+        "import os, torch; from weightsync.trainer.one_copy.targets import SharedParameters; "
+        "p = {'w': torch.nn.Parameter(torch.ones(64, 4), requires_grad=False)}; "
+        "s = SharedParameters(p, {'w': ('w', 0)}); "
+        "print(s.segment.name, flush=True); os._exit(9)"
+    )  # dies without unlinking
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     name = out.stdout.strip()
     assert name.startswith("weightsync-") and "-params-" in name, out.stderr[-2000:]
@@ -160,9 +171,12 @@ def test_an_existing_file_at_a_new_segments_name_is_refused_not_reused(tmp_path,
         path.chmod(0o644)
     else:
         path.symlink_to(tmp_path / "target")
-    with pytest.raises(RuntimeError, match=rf"segment '{re.escape(str(path))}' exists already \(owner uid "
-                                           rf"{os.getuid()}, mode 0o[0-7]+\); weightsync creates "
-                                           rf"each segment new and never reuses a file; remove it"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"segment '{re.escape(str(path))}' exists already \(owner uid "
+        rf"{os.getuid()}, mode 0o[0-7]+\); weightsync creates "
+        rf"each segment new and never reuses a file; remove it",
+    ):
         _Segment(name, 4096, create=True, shm_dir=str(tmp_path))
     if planted == "file":
         assert path.read_bytes() == b"theirs" and stat.S_IMODE(path.stat().st_mode) == 0o644
@@ -176,11 +190,15 @@ def test_receiver_refuses_a_segment_others_may_read():
         sender.buffer(0, 64)
         handle = sender.handle(0)
         os.chmod(os.path.join(SHM_DIR, handle["name"]), 0o644)
-        with pytest.raises(RuntimeError, match=(
+        with pytest.raises(
+            RuntimeError,
+            match=(
                 rf"segment '{SHM_DIR}/{handle['name']}' has owner uid {os.geteuid()}, mode "
                 rf"0o644; weightsync maps only regular files owned by its own uid "
                 rf"\({os.geteuid()}\) with no group or other permission bits .* run the trainer "
-                rf"and the engines as the same user")):
+                rf"and the engines as the same user"
+            ),
+        ):
             ShmReceiver().receive(handle, 64)
     finally:
         sender.close()
@@ -193,8 +211,11 @@ def test_receiver_refuses_a_segment_owned_by_another_uid():
         sender.buffer(0, 64)
         handle = sender.handle(0)
         os.chown(os.path.join(SHM_DIR, handle["name"]), 65534, 65534)
-        with pytest.raises(RuntimeError, match=rf"segment '{SHM_DIR}/{handle['name']}' has "
-                                               rf"owner uid 65534, mode 0o600; .* own uid"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"segment '{SHM_DIR}/{handle['name']}' has "
+            rf"owner uid 65534, mode 0o600; .* own uid",
+        ):
             ShmReceiver().receive(handle, 64)
     finally:
         sender.close()
@@ -206,7 +227,9 @@ def test_receiver_refuses_a_symlink_at_a_segments_name(tmp_path):
     target.chmod(0o600)
     name = f"weightsync-{os.getpid()}-{secrets.token_hex(4)}-0-1"
     (tmp_path / name).symlink_to(target)
-    with pytest.raises(RuntimeError, match=rf"segment '{re.escape(str(tmp_path / name))}' is a symbolic link"):
+    with pytest.raises(
+        RuntimeError, match=rf"segment '{re.escape(str(tmp_path / name))}' is a symbolic link"
+    ):
         ShmReceiver(shm_dir=str(tmp_path)).receive({"name": name}, 64)
 
 
@@ -216,21 +239,27 @@ def test_receiver_refuses_a_segment_smaller_than_the_bytes_asked_for():
         sender.buffer(0, 64)
         handle = sender.handle(0)
         size = handle["nbytes"]
-        with pytest.raises(ValueError, match=rf"holds {size} bytes, fewer than the "
-                                             rf"{size + 1} the descriptor names"):
+        with pytest.raises(
+            ValueError,
+            match=rf"holds {size} bytes, fewer than the "
+            rf"{size + 1} the descriptor names",
+        ):
             ShmReceiver().receive(handle, size + 1)
     finally:
         sender.close()
 
 
-def test_a_segment_larger_than_its_directorys_free_space_is_refused_before_a_file_is_made(
-        tmp_path):
+def test_a_segment_larger_than_its_directorys_free_space_is_refused_before_a_file_is_made(tmp_path):
     free_bytes = _free_bytes(tmp_path)
     nbytes = free_bytes + (1 << 30)
-    with pytest.raises(RuntimeError, match=(
+    with pytest.raises(
+        RuntimeError,
+        match=(
             rf"needs {nbytes} bytes but {re.escape(str(tmp_path))} has \d+ free; give the shared-memory "
             rf"filesystem more room \(Docker: --shm-size.*\) or sync in smaller buckets "
-            rf"\(a smaller bucket_bytes\)")):
+            rf"\(a smaller bucket_bytes\)"
+        ),
+    ):
         _Segment("weightsync-0-big", nbytes, create=True, shm_dir=str(tmp_path))
     assert os.listdir(tmp_path) == []
 
@@ -252,9 +281,13 @@ def test_a_failed_allocation_removes_the_file_and_names_the_fix(tmp_path):
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
     try:
-        with pytest.raises(RuntimeError, match=(
+        with pytest.raises(
+            RuntimeError,
+            match=(
                 r"allocating 4194304 bytes failed \(File too large; .* had \d+ free\); give the "
-                r"shared-memory filesystem more room")):
+                r"shared-memory filesystem more room"
+            ),
+        ):
             _Segment("weightsync-0-limited", 4 << 20, create=True, shm_dir=str(tmp_path))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

@@ -26,8 +26,9 @@ def _rank(rank: int, world_size: int, port: int, results) -> None:
     c10d._tensor_to_object = refuse
     pickle.loads = refuse
     pickle.Unpickler = refuse
-    init_trainer_group(rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                       master_port=port, device="cpu")
+    init_trainer_group(
+        rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, device="cpu"
+    )
     group = SyncGroup(timeout_s=60)
     if world_size == 1:  # one rank sends nothing
         for name in ("broadcast", "all_gather", "gather"):
@@ -35,7 +36,7 @@ def _rank(rank: int, world_size: int, port: int, results) -> None:
     out: dict = {}
     plan = {"one_copy": ["a"], "new": {"a": {"segment": "x", "offsets": {"t": 64}}}, "n": None}
     out["broadcast"] = group.broadcast(plan if rank == 0 else None)
-    out["gathered"] = group.gather((rank, [f"bad-{rank}"], 0.5 * rank, 10 ** 12))
+    out["gathered"] = group.gather((rank, [f"bad-{rank}"], 0.5 * rank, 10**12))
     try:
         group.broadcast(object() if rank == 0 else None)
     except Exception as exc:  # noqa: BLE001 - which class, on which rank, is the result
@@ -51,8 +52,9 @@ def test_plain_data_crosses_as_json_and_an_unencodable_value_fails_every_rank(wo
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world_size, port, results))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, world_size, port, results)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outs = dict(results.get(timeout=120) for _ in procs)
@@ -64,10 +66,10 @@ def test_plain_data_crosses_as_json_and_an_unencodable_value_fails_every_rank(wo
     assert outs[0]["unencodable"].startswith("TypeError: sync group: Object of type object")
     assert outs[0]["after"] == "still in step"
     if world_size == 1:
-        assert outs[0]["gathered"] == [[0, ["bad-0"], 0.0, 10 ** 12]]
+        assert outs[0]["gathered"] == [[0, ["bad-0"], 0.0, 10**12]]
         return
     assert outs[1]["broadcast"] == want
-    assert outs[0]["gathered"] == [[0, ["bad-0"], 0.0, 10 ** 12], [1, ["bad-1"], 0.5, 10 ** 12]]
+    assert outs[0]["gathered"] == [[0, ["bad-0"], 0.0, 10**12], [1, ["bad-1"], 0.5, 10**12]]
     assert outs[1]["gathered"] is None
     assert outs[1]["unencodable"].startswith("RuntimeError: sync group: rank 0 could not")
     assert outs[1]["after"] == "still in step"

@@ -43,8 +43,8 @@ STALL_S = 60.0  # long past the deadline; without one, the sync fails only after
 
 class StallingReceiver(ModuleWeightReceiver):
     """The reference receiver, except that `load_bucket` answers only after `STALL_S` (an engine
-    hung in its loader). Its actor runs three calls at once: two stalled loads (one per slot) and
-the sender's `abort`."""
+        hung in its loader). Its actor runs three calls at once: two stalled loads (one per slot) and
+    the sender's `abort`."""
 
     def __init__(self) -> None:
         super().__init__(build_model("opt", "tiny", seed=2), name="stalled")
@@ -65,8 +65,9 @@ def test_an_engine_call_that_gets_no_answer_fails_after_timeout_s_naming_the_eng
     timeout_s = 3.0
     actor = ray.remote(max_concurrency=3)(StallingReceiver).remote()
     source = DTensorV2Source(build_model("opt", "tiny", seed=1))
-    sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=1 << 16,
-                          timeout_s=timeout_s)
+    sender = WeightSender(
+        source.specs(), transport=ShmSender(), capacity_bytes=1 << 16, timeout_s=timeout_s
+    )
     try:
         # The first call waits for the actor to start (an interpreter, torch, a model).
         sender.add_engine(RayEndpoint(actor, name="stalled"), timeout_s=300)

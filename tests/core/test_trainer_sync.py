@@ -13,17 +13,25 @@ from tests.conftest import free_port
 from weightsync import SyncOptions
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"transport": "tcp"}, r"SyncOptions.transport='tcp': expected one of \['shm', 'cuda_ipc', "
-                           r"'gloo', 'nccl'\]"),
-    ({"bucket_bytes": 0}, r"SyncOptions.bucket_bytes=0: must be a positive number"),
-    ({"bucket_bytes": -5}, r"SyncOptions.bucket_bytes=-5"),
-    ({"timeout_s": 0.0}, r"SyncOptions.timeout_s=0.0: must be a positive number"),
-    ({"one_copy": True, "transport": "gloo"},
-     r"SyncOptions.one_copy=True with transport='gloo': the one-copy path needs "
-     r"transport='shm' or 'cuda_ipc'"),
-    ({"sync_dtype": "float99"}, r"SyncOptions.sync_dtype='float99': not a torch dtype name"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"transport": "tcp"},
+            r"SyncOptions.transport='tcp': expected one of \['shm', 'cuda_ipc', "
+            r"'gloo', 'nccl'\]",
+        ),
+        ({"bucket_bytes": 0}, r"SyncOptions.bucket_bytes=0: must be a positive number"),
+        ({"bucket_bytes": -5}, r"SyncOptions.bucket_bytes=-5"),
+        ({"timeout_s": 0.0}, r"SyncOptions.timeout_s=0.0: must be a positive number"),
+        (
+            {"one_copy": True, "transport": "gloo"},
+            r"SyncOptions.one_copy=True with transport='gloo': the one-copy path needs "
+            r"transport='shm' or 'cuda_ipc'",
+        ),
+        ({"sync_dtype": "float99"}, r"SyncOptions.sync_dtype='float99': not a torch dtype name"),
+    ],
+)
 def test_bad_sync_options_raise_a_value_error_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SyncOptions(**kwargs)
@@ -143,11 +151,11 @@ def _construct_only(rank: int, port: int, results, options: dict) -> None:
 
     records = _collect_logs()
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
-    sync = TrainerSync(shard_model(build_model("opt", "tiny"), device="cpu"),
-                       options=SyncOptions(**options))
+    sync = TrainerSync(
+        shard_model(build_model("opt", "tiny"), device="cpu"), options=SyncOptions(**options)
+    )
     if rank == 0:
-        results.put({"logs": records, "shard_writes": sync.shard_writes,
-                     "one_copy": sync.one_copy})
+        results.put({"logs": records, "shard_writes": sync.shard_writes, "one_copy": sync.one_copy})
     sync.close()
     close_trainer_group()
 
@@ -189,8 +197,9 @@ def _fail_then_sync_again(rank: int, port: int, results, options: dict) -> None:
 
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     model = shard_model(build_model("opt", "tiny", seed=3), device="cpu")
-    sync = TrainerSync(model, options=SyncOptions(bucket_bytes=1 << 16, timeout_s=8.0,
-                                                  one_copy=False, **options))
+    sync = TrainerSync(
+        model, options=SyncOptions(bucket_bytes=1 << 16, timeout_s=8.0, one_copy=False, **options)
+    )
     out: dict = {"rank": rank}
     flaky = LocalEndpoint(FailsMidSync(build_model("opt", "tiny", seed=99)), name="flaky")
     sync.connect({"flaky": flaky} if rank == 0 else {})
@@ -224,8 +233,9 @@ def test_after_an_engine_fails_mid_sync_the_same_trainer_syncs_again_into_a_fres
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_fail_then_sync_again, args=(r, port, results, {}))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_fail_then_sync_again, args=(r, port, results, {})) for r in range(2)
+    ]
     for p in procs:
         p.start()
     outs = {}

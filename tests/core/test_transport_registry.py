@@ -59,8 +59,7 @@ def test_a_side_is_imported_only_when_it_is_made():
         "assert 'weightsync.transports.collective' not in sys.modules\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
 
@@ -120,8 +119,7 @@ class _BytesReceiver(ReceiverTransport):
 def test_undeclared_capabilities_have_their_documented_defaults():
     sender = _Bytes()
     assert sender.num_slots == 1 and not sender.takes_tensors
-    plan = plan_buckets([TensorSpec(name="w", dtype="float32", shape=(4,))],
-                        capacity_bytes=256)[0]
+    plan = plan_buckets([TensorSpec(name="w", dtype="float32", shape=(4,))], capacity_bytes=256)[0]
     with pytest.raises(NotImplementedError, match="_Bytes does not take tensors"):
         sender.attach(0, plan, [torch.ones(4)])
     sender.buffer(0, plan.nbytes).view(torch.float32)[:4] = torch.arange(4.0)

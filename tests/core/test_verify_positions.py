@@ -33,8 +33,13 @@ SHARDS = {"q": 0, "k": 1, "v": 2}
 def _trainer() -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Module()
-    for name, shape in (("q", (HEAD, 8)), ("k", (HEAD, 8)), ("v", (HEAD, 8)),
-                        ("w", (6, 6)), ("e", (10, 8))):
+    for name, shape in (
+        ("q", (HEAD, 8)),
+        ("k", (HEAD, 8)),
+        ("v", (HEAD, 8)),
+        ("w", (6, 6)),
+        ("e", (10, 8)),
+    ):
         model.register_parameter(name, torch.nn.Parameter(torch.randn(shape)))
     return model
 
@@ -45,14 +50,13 @@ def _engine_receiver(faults: set[str]) -> ModuleWeightReceiver:
     written where k's go and k's where q's go)."""
     model = torch.nn.Module()
     for name, shape in (("qkv", (3 * HEAD, 8)), ("w", (6, 6)), ("e", (10, 8))):
-        model.register_parameter(
-            name, torch.nn.Parameter(torch.zeros(shape), requires_grad=False))
+        model.register_parameter(name, torch.nn.Parameter(torch.zeros(shape), requires_grad=False))
 
     def qkv_loader(param: torch.Tensor, tensor: torch.Tensor, shard: str) -> None:
         index = SHARDS[shard]
         if "qk" in faults and shard in ("q", "k"):
             index = 1 - index
-        param.data[index * HEAD:(index + 1) * HEAD].copy_(tensor)
+        param.data[index * HEAD : (index + 1) * HEAD].copy_(tensor)
 
     def w_loader(param: torch.Tensor, tensor: torch.Tensor) -> None:
         param.data.copy_(tensor.t() if "transposed" in faults else tensor)
@@ -75,8 +79,9 @@ def _engine_receiver(faults: set[str]) -> ModuleWeightReceiver:
                 param.weight_loader(param, tensor)
 
     receiver = ModuleWeightReceiver(torch.nn.Module(), name="fused", sliced=True)
-    receiver.receiver = ModelReceiver(model, load_fn=load_fn, default_loader=copy_loader,
-                                      name="fused")
+    receiver.receiver = ModelReceiver(
+        model, load_fn=load_fn, default_loader=copy_loader, name="fused"
+    )
     return receiver
 
 
@@ -108,8 +113,9 @@ def test_a_loader_that_misplaces_elements_fails_verification(fault, param):
         assert not checked["verified"] and checked["mismatched"] == [f"worker 0: {param}"]
         assert receiver.weight_version() == "v1"
         # Checked again outside a sync: the same parameter, and only it.
-        again = sender.verify({n: fingerprint(t) for n, t in source.tensors()},
-                              engines=["engine"])["engine"]
+        again = sender.verify({n: fingerprint(t) for n, t in source.tensors()}, engines=["engine"])[
+            "engine"
+        ]
         assert again["mismatched"] == [f"worker 0: {param}"] and again["num_checked"] == 3
     finally:
         sender.close()

@@ -27,14 +27,16 @@ def _trainer() -> torch.nn.Module:
 def _engine(source: DTensorV2Source, device: str = "cpu"):
     """An engine whose loader fuses "inner.a" and "b" into one parameter, "inner.c" alone
     (shared as a segment on the CPU, as CUDA storages on a GPU)."""
-    params = {"ab": torch.zeros(16 * 8 + 33, dtype=torch.bfloat16, device=device),
-              "c": torch.zeros(3, 5, dtype=torch.bfloat16, device=device)}
+    params = {
+        "ab": torch.zeros(16 * 8 + 33, dtype=torch.bfloat16, device=device),
+        "c": torch.zeros(3, 5, dtype=torch.bfloat16, device=device),
+    }
     where = {"inner.a": ("ab", 0), "b": ("ab", 16 * 8), "inner.c": ("c", 0)}
 
     def load_one(name, tensor):
         pname, start = where[name]
         flat = params[pname].view(-1)
-        flat[start:start + tensor.numel()].copy_(tensor.reshape(-1))
+        flat[start : start + tensor.numel()].copy_(tensor.reshape(-1))
 
     specs = {s.name: s for s in source.specs()}
     param_of = {name: [pname] for name, (pname, _) in where.items()}
@@ -56,7 +58,10 @@ def test_a_write_plan_copies_current_bytes_and_notices_replaced_parameters():
     model = _trainer()
     source = DTensorV2Source(model, dtype="bfloat16")
     assert {s.name: s.dtype for s in source.specs()} == {
-        "inner.a": dtype_to_str(torch.bfloat16), "b": "bfloat16", "inner.c": "bfloat16"}
+        "inner.a": dtype_to_str(torch.bfloat16),
+        "b": "bfloat16",
+        "inner.c": "bfloat16",
+    }
     params, shared = _engine(source)
     target = OneCopyTarget(shared.describe())
     try:
@@ -90,7 +95,8 @@ def test_a_write_plan_copies_current_bytes_and_notices_replaced_parameters():
 def test_a_state_dict_that_renames_its_entries_is_not_planned():
     model = _trainer()
     model._register_state_dict_hook(
-        lambda module, state, prefix, local: {f"x.{k}": v for k, v in state.items()})
+        lambda module, state, prefix, local: {f"x.{k}": v for k, v in state.items()}
+    )
     source = DTensorV2Source(model)
     spec = TensorSpec(name="x.b", dtype="float32", shape=(33,))
     assert spec in source.specs()
@@ -110,10 +116,17 @@ class _OneRank:
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("device,verify", [("cpu", False), pytest.param("cuda", False, marks=_CUDA),
-                                           pytest.param("cuda", True, marks=_CUDA)])
+@pytest.mark.parametrize(
+    "device,verify",
+    [
+        ("cpu", False),
+        pytest.param("cuda", False, marks=_CUDA),
+        pytest.param("cuda", True, marks=_CUDA),
+    ],
+)
 def test_a_writer_copies_first_and_writes_again_when_the_plan_no_longer_holds(
-        device, verify, monkeypatch):
+    device, verify, monkeypatch
+):
     """After the first planned write the writer issues the plan's copies before checking it
     (on a GPU the check runs under the copies; verified writes there issue the plan's
     copy-and-read-back kernels the same way): a model whose parameter was replaced since gets
@@ -131,8 +144,7 @@ def test_a_writer_copies_first_and_writes_again_when_the_plan_no_longer_holds(
             return {"device": storage.device.index or 0, "key": storage.data_ptr()}
 
         def open_storage(exported, device=None):
-            return torch.empty(0, dtype=torch.uint8, device="cuda").set_(
-                storages[exported["key"]])
+            return torch.empty(0, dtype=torch.uint8, device="cuda").set_(storages[exported["key"]])
 
         monkeypatch.setattr(cuda_exports, "export_storage", export)
         monkeypatch.setattr("weightsync.transports.cuda_ipc.open_storage", open_storage)

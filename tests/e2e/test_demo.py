@@ -17,10 +17,25 @@ def _closeness(text: str, target: str) -> int:
 def test_demo_keeps_both_engines_in_step_and_they_learn_the_text(tmp_path):
     plot = tmp_path / "demo.png"
     out = subprocess.run(
-        [sys.executable, "-m", "weightsync", "demo", "--task", "sft", "--steps", "30", "--json",
-         "--plot", str(plot)], capture_output=True, text=True, timeout=1500)
+        [
+            sys.executable,
+            "-m",
+            "weightsync",
+            "demo",
+            "--task",
+            "sft",
+            "--steps",
+            "30",
+            "--json",
+            "--plot",
+            str(plot),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout[out.stdout.index("{"):])
+    result = json.loads(out.stdout[out.stdout.index("{") :])
     steps = result["steps"]
     assert [s["step"] for s in steps] == list(range(1, 31))
     target = TEXT.removeprefix("weightsync keeps")

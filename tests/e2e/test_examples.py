@@ -25,11 +25,13 @@ def _steps(stdout: str) -> list[tuple[int, str, str]]:
 
 def test_torchrun_fsdp2_loop_keeps_vllm_in_step_through_trainer_sync():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    stdout = _run([torchrun, "--nproc-per-node", "2", "examples/fsdp2_torchrun.py",
-                   "--steps", "3"])
+    stdout = _run([torchrun, "--nproc-per-node", "2", "examples/fsdp2_torchrun.py", "--steps", "3"])
     # First sync by buckets; then the engine shares its parameters: one copy from then on.
-    assert _steps(stdout) == [("1", "buckets", "True"), ("2", "one_copy", "True"),
-                              ("3", "one_copy", "True")]
+    assert _steps(stdout) == [
+        ("1", "buckets", "True"),
+        ("2", "one_copy", "True"),
+        ("3", "one_copy", "True"),
+    ]
     assert "engine serves step-3" in stdout
 
 

@@ -11,10 +11,26 @@ import sys
 def _demo(tmp_path, steps: int, *args: str) -> dict:
     plot = tmp_path / "grpo.png"
     out = subprocess.run(
-        [sys.executable, "-m", "weightsync", "demo", "--steps", str(steps), "--seed", "0",
-         "--json", "--plot", str(plot), *args], capture_output=True, text=True, timeout=1500)
+        [
+            sys.executable,
+            "-m",
+            "weightsync",
+            "demo",
+            "--steps",
+            str(steps),
+            "--seed",
+            "0",
+            "--json",
+            "--plot",
+            str(plot),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-4000:])
-    result = json.loads(out.stdout[out.stdout.index("{"):])
+    result = json.loads(out.stdout[out.stdout.index("{") :])
     assert plot.exists() and os.path.getsize(plot) > 10_000
     return result
 
@@ -38,7 +54,8 @@ def _assert_learned_in_step(result: dict, engines: list[str], num_steps: int) ->
 
 
 def test_grpo_with_sglang_and_vllm_sampling_learns_and_every_rollout_is_on_the_synced_version(
-        tmp_path):
+    tmp_path,
+):
     result = _demo(tmp_path, 12)
     assert result["ok"] and result["engines"] == ["sglang", "vllm"]
     _assert_learned_in_step(result, ["sglang", "vllm"], 12)

@@ -79,25 +79,29 @@ class Hammer:
                 time.sleep(0.2)
                 continue
             tokens, tag = self.parse(out)
-            self.answers.append(Answer(k, sent, done, tokens,
-                                       "complete" if tokens is not None else "aborted", tag))
+            self.answers.append(
+                Answer(k, sent, done, tokens, "complete" if tokens is not None else "aborted", tag)
+            )
 
 
-def post_json(base: str, path: str, body: Any, *, api_key: str | None,
-              timeout_s: float = 300) -> tuple[int, Any]:
+def post_json(
+    base: str, path: str, body: Any, *, api_key: str | None, timeout_s: float = 300
+) -> tuple[int, Any]:
     return http_json("POST", base + path, body, api_key=api_key, timeout=timeout_s)
 
 
-def run_syncs_under_requests(trainer, name: str, hammer: Hammer, *, num_syncs: int,
-                             first_seed: int = 1000) -> dict[str, Any]:
+def run_syncs_under_requests(
+    trainer, name: str, hammer: Hammer, *, num_syncs: int, first_seed: int = 1000
+) -> dict[str, Any]:
     """References for the weights now served (version 0) and for `num_syncs` more versions,
     then the syncs back to back while `hammer` runs. Returns what `check_answers` needs."""
     ids = prompt_ids()
     refs = [trainer.call("reference_generate", ids, max_new_tokens=MAX_NEW_TOKENS)["tokens"]]
     for i in range(1, num_syncs + 1):
         trainer.call("set_weights_from", first_seed + i)
-        refs.append(trainer.call("reference_generate", ids,
-                                 max_new_tokens=MAX_NEW_TOKENS)["tokens"])
+        refs.append(
+            trainer.call("reference_generate", ids, max_new_tokens=MAX_NEW_TOKENS)["tokens"]
+        )
     # A version answering exactly as the one before it could hide a mixed answer.
     alike = [v for v in range(1, len(refs)) if refs[v] == refs[v - 1]]
     assert not alike, f"versions {alike} answer as the version before them"
@@ -119,16 +123,22 @@ def run_syncs_under_requests(trainer, name: str, hammer: Hammer, *, num_syncs: i
     return {"refs": refs, "windows": windows, "paths": paths}
 
 
-def check_answers(hammer: Hammer, refs: list[list[list[int]]],
-                  windows: list[tuple[float, float]], *,
-                  tag_of: Callable[[int], str | None] | None = None) -> dict[str, Any]:
+def check_answers(
+    hammer: Hammer,
+    refs: list[list[list[int]]],
+    windows: list[tuple[float, float]],
+    *,
+    tag_of: Callable[[int], str | None] | None = None,
+) -> dict[str, Any]:
     """Every complete answer equals the reference of a version live around it (and, with
     `tag_of`, an answer that carries an engine tag carries that version's). Returns the
     counts ("tagged": complete answers that carried a tag)."""
     inf = float("inf")
     # Version v is live from the start of sync v (which brings it) to the end of sync v + 1.
-    live = [(-inf if v == 0 else windows[v - 1][0], inf if v == len(windows) else windows[v][1])
-            for v in range(len(refs))]
+    live = [
+        (-inf if v == 0 else windows[v - 1][0], inf if v == len(windows) else windows[v][1])
+        for v in range(len(refs))
+    ]
     bad, num_during_sync = [], 0
     complete = [a for a in hammer.answers if a.outcome == "complete"]
     for a in complete:
@@ -138,13 +148,15 @@ def check_answers(hammer: Hammer, refs: list[list[list[int]]],
             num_during_sync += 1
         if not matches:
             anywhere = [v for v in range(len(refs)) if refs[v][a.prompt] == a.tokens]
-            bad.append(f"prompt {a.prompt} at [{a.sent_s:.2f}, {a.done_s:.2f}] s: tokens "
-                       f"{a.tokens} match no live version {candidates} (any version: "
-                       f"{anywhere})")
-        elif tag_of is not None and a.tag is not None and a.tag not in [tag_of(v)
-                                                                        for v in matches]:
-            bad.append(f"prompt {a.prompt}: the tokens of version(s) {matches} came tagged "
-                       f"{a.tag!r}")
+            bad.append(
+                f"prompt {a.prompt} at [{a.sent_s:.2f}, {a.done_s:.2f}] s: tokens "
+                f"{a.tokens} match no live version {candidates} (any version: "
+                f"{anywhere})"
+            )
+        elif tag_of is not None and a.tag is not None and a.tag not in [tag_of(v) for v in matches]:
+            bad.append(
+                f"prompt {a.prompt}: the tokens of version(s) {matches} came tagged {a.tag!r}"
+            )
     counts = {
         "complete": len(complete),
         "complete_during_a_sync": num_during_sync,
@@ -170,9 +182,9 @@ def engine_server(engine) -> tuple[str, str]:
     return base, key
 
 
-def check_a_request_waits_for_the_open_update(engine, trainer, hammer: Hammer,
-                                              close: Callable[[], None], *,
-                                              wait_s: float = 120.0) -> tuple[float, str | None]:
+def check_a_request_waits_for_the_open_update(
+    engine, trainer, hammer: Hammer, close: Callable[[], None], *, wait_s: float = 120.0
+) -> tuple[float, str | None]:
     """Open an update (nothing loaded), send one request straight to the server: it is not
     answered while the update is open. `close()` ends the update (the sender's abort, or
     nothing: the idle watchdog), then the request is answered on the weights held before,

@@ -37,25 +37,32 @@ def test_an_engine_on_another_node_is_built_there_and_kept_in_step(tmp_path, mon
         assert set(every) == {head_id, other.node_id}
         assert every[head_id]["python"].startswith(str(head_dir))
         built = every[other.node_id]
-        print(f"env {NAME} on the other node: {built['action']} in {built['seconds']:.1f} s, "
-              f"{built['python']}")
+        print(
+            f"env {NAME} on the other node: {built['action']} in {built['seconds']:.1f} s, "
+            f"{built['python']}"
+        )
         assert built["node_id"] == other.node_id
         assert built["python"].startswith(str(other_dir))
         assert not built["python"].startswith(str(envs.REPO_ROOT))
 
-        engine = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model,
-                                 node_id=other.node_id)
+        engine = launcher.launch(
+            "weightsync.backends.sglang.engine.SglEngineActor", model, node_id=other.node_id
+        )
         where = ray.get(engine.handle.where.remote(), timeout=600)
         assert where["node_id"] == other.node_id
         assert where["python"] == built["python"]
 
         # The trainer stays on the driver's node; bytes cross nodes over gloo (no shared memory).
-        trainer = launcher.TrainerGroup("weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
-                                        model_path=model, bucket_bytes=1 << 20, seed=0,
-                                        transport="gloo", node_id=head_id,
-                                        collective_host=ray.util.get_node_ip_address())
-        assert all(ray.get(r.handle.where.remote())["node_id"] == head_id
-                   for r in trainer.ranks)
+        trainer = launcher.TrainerGroup(
+            "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
+            model_path=model,
+            bucket_bytes=1 << 20,
+            seed=0,
+            transport="gloo",
+            node_id=head_id,
+            collective_host=ray.util.get_node_ip_address(),
+        )
+        assert all(ray.get(r.handle.where.remote())["node_id"] == head_id for r in trainer.ranks)
         trainer.call("connect", {NAME: engine})
         trainer.call("train_step", [[5, 6, 7, 8, 9, 10, 11, 12]] * 2)
         report = trainer.call("sync", "across-nodes", verify=True)

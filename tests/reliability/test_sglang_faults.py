@@ -28,10 +28,15 @@ def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="opt", seed=0)
     launcher.init_ray(num_cpus=2)
     # keep_previous from the constructor: the first test relies on it; later tests set it.
-    engine = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model,
-                             idle_timeout_s=IDLE_TIMEOUT_S, keep_previous=True)
-    trainer = launcher.TrainerGroup(WORKER, model_path=model, bucket_bytes=1 << 20, seed=0,
-                                    timeout_s=30)
+    engine = launcher.launch(
+        "weightsync.backends.sglang.engine.SglEngineActor",
+        model,
+        idle_timeout_s=IDLE_TIMEOUT_S,
+        keep_previous=True,
+    )
+    trainer = launcher.TrainerGroup(
+        WORKER, model_path=model, bucket_bytes=1 << 20, seed=0, timeout_s=30
+    )
     trainer.call("connect", {NAME: engine})
     trainer.call("sync", "v0", verify=True)
     yield engine, trainer, model
@@ -45,15 +50,23 @@ def _sync_recovers(engine, trainer, version: str) -> None:
     assert_engine_matches_reference(engine, trainer)
 
 
-def _paused_trainer(model: str, engine, path: str = "buckets",
-                    pause_s: float = PAUSE_S, **options) -> launcher.TrainerGroup:
+def _paused_trainer(
+    model: str, engine, path: str = "buckets", pause_s: float = PAUSE_S, **options
+) -> launcher.TrainerGroup:
     """A second trainer on the same engine whose rank 0 pauses mid-sync, so that a test can
     kill a process while an update is half done: before bucket 2 of each sync by buckets, or
     (path "one_copy") before writing piece 5 of each one-copy sync, once rank 1 wrote its
     pieces into the engine's parameters. `options`: more `SyncOptions` fields."""
     pause = ("bucket", 2, pause_s) if path == "buckets" else ("piece", 5, pause_s)
-    trainer = launcher.TrainerGroup(WORKER, model_path=model, bucket_bytes=1 << 20, seed=7,
-                                    timeout_s=SYNC_TIMEOUT_S, test_pause=pause, **options)
+    trainer = launcher.TrainerGroup(
+        WORKER,
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=7,
+        timeout_s=SYNC_TIMEOUT_S,
+        test_pause=pause,
+        **options,
+    )
     trainer.call("connect", {NAME: engine})
     return trainer
 
@@ -83,22 +96,28 @@ def test_keep_previous_from_the_constructor_rolls_back_an_aborted_update(setup):
     ray.get(engine.set_keep_previous.remote(False))  # the default, for the tests that follow
 
 
-@pytest.mark.parametrize("case", ["missing", "duplicate", "empty", "other_architecture",
-                                  "unknown_dtype"])
+@pytest.mark.parametrize(
+    "case", ["missing", "duplicate", "empty", "other_architecture", "unknown_dtype"]
+)
 def test_bad_refit_info_is_rejected_before_any_weight_changes(setup, case):
     engine, trainer, _ = setup
     prints = ray.get(engine.fingerprints.remote())
     specs = trainer.call("refit_info")
     bad, message = {
-        "missing": ([s for s in specs if not s["name"].endswith("layers.1.fc2.weight")],
-                    r"would get no trainer tensor.*layers.1.fc2.weight"),
+        "missing": (
+            [s for s in specs if not s["name"].endswith("layers.1.fc2.weight")],
+            r"would get no trainer tensor.*layers.1.fc2.weight",
+        ),
         "duplicate": (specs + specs[:1], r"named twice.*embed_tokens"),
         "empty": ([], r"offers no tensors"),
-        "other_architecture": ([s.to_dict() for s in
-                                DTensorV2Source(build_model("gpt2", "tiny")).specs()],
-                               r"no parameter for \d+ trainer tensor.*transformer\."),
-        "unknown_dtype": ([dict(specs[0], dtype="float13")] + specs[1:],
-                          r"unknown dtype 'float13'"),
+        "other_architecture": (
+            [s.to_dict() for s in DTensorV2Source(build_model("gpt2", "tiny")).specs()],
+            r"no parameter for \d+ trainer tensor.*transformer\.",
+        ),
+        "unknown_dtype": (
+            [dict(specs[0], dtype="float13")] + specs[1:],
+            r"unknown dtype 'float13'",
+        ),
     }[case]
     with pytest.raises(ValueError, match=message):
         ray.get(engine.check_refit.remote(bad))
@@ -110,16 +129,22 @@ def test_a_bucket_too_small_for_its_tensors_is_rejected_before_any_weight_change
     version = ray.get(engine.weight_version.remote())
     prints = ray.get(engine.fingerprints.remote())
     spec = trainer.call("refit_info")[0]
-    meta = TensorMeta(name=spec["name"], dtype=spec["dtype"], shape=tuple(spec["shape"]),
-                      offset=0)
+    meta = TensorMeta(name=spec["name"], dtype=spec["dtype"], shape=tuple(spec["shape"]), offset=0)
     sender = ShmSender(num_slots=1)
     try:
         sender.buffer(0, meta.nbytes // 2)
-        descriptor = {"index": 0, "nbytes": meta.nbytes // 2, "handle": sender.handle(0),
-                      "tensors": [meta.to_dict()]}
+        descriptor = {
+            "index": 0,
+            "nbytes": meta.nbytes // 2,
+            "handle": sender.handle(0),
+            "tensors": [meta.to_dict()],
+        }
         ray.get(engine.begin.remote("small"))
-        with pytest.raises(ValueError, match=rf"tensor '{spec['name']}' spans bytes \[0, "
-                           rf"{meta.nbytes}\) outside the bucket's {meta.nbytes // 2} bytes"):
+        with pytest.raises(
+            ValueError,
+            match=rf"tensor '{spec['name']}' spans bytes \[0, "
+            rf"{meta.nbytes}\) outside the bucket's {meta.nbytes // 2} bytes",
+        ):
             ray.get(engine.load_bucket.remote(descriptor))
         ray.get(engine.abort.remote("the sender gave up"))
     finally:
@@ -138,11 +163,15 @@ def test_non_contiguous_trainer_tensors_arrive_intact(setup):
 
     specs = specs_from_dicts(trainer.call("refit_info"))  # plain data; values made here
     gen = torch.Generator().manual_seed(11)
-    values = {s.name: (torch.randn(s.shape, generator=gen) * 0.05).to(dtype_from_str(s.dtype))
-              for s in specs}
+    values = {
+        s.name: (torch.randn(s.shape, generator=gen) * 0.05).to(dtype_from_str(s.dtype))
+        for s in specs
+    }
     # The same values in column-major storage (and a strided view for 1-D tensors).
-    strided = {n: (t.t().contiguous().t() if t.dim() == 2 else
-                   torch.stack([t, t], dim=1)[:, 0]) for n, t in values.items()}
+    strided = {
+        n: (t.t().contiguous().t() if t.dim() == 2 else torch.stack([t, t], dim=1)[:, 0])
+        for n, t in values.items()
+    }
     assert not any(t.is_contiguous() for t in strided.values())
     sender = WeightSender(specs, transport=ShmSender(num_slots=2), capacity_bytes=1 << 20)
     answers = []
@@ -206,8 +235,10 @@ def test_a_trainer_rank_killed_mid_sync_fails_it_within_the_timeout(setup, victi
     survivor = refs[1 - victim]
     with pytest.raises(Exception) as failure:  # noqa: PT011 - gloo's wording varies
         ray.get(survivor, timeout=60)
-    print(f"rank {victim} killed mid-sync: the other rank failed after "
-          f"{time.monotonic() - killed:.1f} s: {str(failure.value).splitlines()[-1][:200]}")
+    print(
+        f"rank {victim} killed mid-sync: the other rank failed after "
+        f"{time.monotonic() - killed:.1f} s: {str(failure.value).splitlines()[-1][:200]}"
+    )
     assert time.monotonic() - killed < PAUSE_S + SYNC_TIMEOUT_S + 30
     if victim == 0:
         # Nobody aborts the engine's update: it expires after idle_timeout_s of silence.
@@ -221,8 +252,7 @@ def test_a_trainer_rank_killed_mid_sync_fails_it_within_the_timeout(setup, victi
     ray.get(engine.set_keep_previous.remote(False))
 
 
-def test_a_one_copy_update_that_outlasts_the_idle_timeout_is_fenced_before_it_is_rolled_back(
-        setup):
+def test_a_one_copy_update_that_outlasts_the_idle_timeout_is_fenced_before_it_is_rolled_back(setup):
     """Rank 0 pauses longer than the engine's idle timeout in the middle of a one-copy update:
     the engine aborts the update and serves its previous weights, and what rank 0 writes after
     its pause reaches no parameter the engine computes with."""
@@ -277,10 +307,12 @@ def test_many_syncs_with_requests_leak_no_segments_or_descriptors(setup):
     assert trainer.call("sync", "long-end", verify=True)["verify"][NAME]["verified"]
     engine_after = ray.get(engine.process_stats.remote())
     trainer_after = trainer.call("process_stats")
-    print(f"{LONG_RUN_SYNCS} syncs: shm segments {segments} -> {len(list_segments())}; engine fds "
-          f"{engine_before['fds']} -> {engine_after['fds']}, rss "
-          f"{engine_before['rss_bytes'] >> 20} -> {engine_after['rss_bytes'] >> 20} MiB; "
-          f"trainer rank 0 fds {trainer_before['fds']} -> {trainer_after['fds']}")
+    print(
+        f"{LONG_RUN_SYNCS} syncs: shm segments {segments} -> {len(list_segments())}; engine fds "
+        f"{engine_before['fds']} -> {engine_after['fds']}, rss "
+        f"{engine_before['rss_bytes'] >> 20} -> {engine_after['rss_bytes'] >> 20} MiB; "
+        f"trainer rank 0 fds {trainer_before['fds']} -> {trainer_after['fds']}"
+    )
     assert len(list_segments()) == segments
     assert engine_after["fds"] <= engine_before["fds"] + 2
     assert trainer_after["fds"] <= trainer_before["fds"] + 2

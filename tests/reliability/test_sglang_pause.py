@@ -29,11 +29,18 @@ IDLE_TIMEOUT_S = 20.0  # the engine's: an update whose sender is silent this lon
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="opt", seed=0)
     launcher.init_ray(num_cpus=2)
-    engine = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model,
-                             mode="http", idle_timeout_s=IDLE_TIMEOUT_S)
-    trainer = launcher.TrainerGroup("weightsync.backends.sglang.worker."
-                                    "SglDTensorV2WeightSyncWorker",
-                                    model_path=model, bucket_bytes=1 << 20, seed=0)
+    engine = launcher.launch(
+        "weightsync.backends.sglang.engine.SglEngineActor",
+        model,
+        mode="http",
+        idle_timeout_s=IDLE_TIMEOUT_S,
+    )
+    trainer = launcher.TrainerGroup(
+        "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+    )
     trainer.call("connect", {NAME: engine})
     yield engine, trainer
     ray.get(engine.shutdown.remote(), timeout=120)
@@ -44,10 +51,20 @@ def _hammer(engine) -> Hammer:
     base, key = engine_server(engine)
 
     def ask(prompt: list[int]):
-        return post_json(base, "/generate", {
-            "input_ids": prompt, "return_logprob": True,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS,
-                                "ignore_eos": True}}, api_key=key)
+        return post_json(
+            base,
+            "/generate",
+            {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "sampling_params": {
+                    "temperature": 0.0,
+                    "max_new_tokens": MAX_NEW_TOKENS,
+                    "ignore_eos": True,
+                },
+            },
+            api_key=key,
+        )
 
     def parse(out):
         meta = out["meta_info"]
@@ -67,8 +84,9 @@ def test_one_copy_http_clients_never_see_half_written_weights_during_many_syncs(
     run = run_syncs_under_requests(trainer, NAME, hammer, num_syncs=NUM_SYNCS)
     assert run["paths"][0] == "buckets" and set(run["paths"][1:]) == {"one_copy"}, run["paths"]
     # SGLang tags each answer with its weight version: "default" before the first sync.
-    counts = check_answers(hammer, run["refs"], run["windows"],
-                           tag_of=lambda v: f"v{v}" if v else "default")
+    counts = check_answers(
+        hammer, run["refs"], run["windows"], tag_of=lambda v: f"v{v}" if v else "default"
+    )
     assert counts["tagged"] == counts["complete"]
     print(f"{NUM_SYNCS} syncs, {counts}, {time.monotonic() - start:.0f} s")
 
@@ -79,8 +97,11 @@ def test_an_aborted_update_resumes_the_servers_generation(setup):
     engine, trainer = setup
     version = ray.get(engine.engine_weight_version.remote())  # SGLang's own tag
     _, tag = check_a_request_waits_for_the_open_update(
-        engine, trainer, _hammer(engine),
-        lambda: ray.get(engine.abort.remote("the trainer gave up"), timeout=120))
+        engine,
+        trainer,
+        _hammer(engine),
+        lambda: ray.get(engine.abort.remote("the trainer gave up"), timeout=120),
+    )
     assert tag == version
 
 
@@ -91,7 +112,8 @@ def test_a_silent_update_is_expired_by_the_watchdog_and_the_server_resumes(setup
     engine, trainer = setup
     version = ray.get(engine.engine_weight_version.remote())  # SGLang's own tag
     waited_s, tag = check_a_request_waits_for_the_open_update(
-        engine, trainer, _hammer(engine), lambda: None, wait_s=IDLE_TIMEOUT_S + 60)
+        engine, trainer, _hammer(engine), lambda: None, wait_s=IDLE_TIMEOUT_S + 60
+    )
     print(f"answered {waited_s:.1f} s after begin (idle_timeout_s {IDLE_TIMEOUT_S:g})")
     assert IDLE_TIMEOUT_S <= waited_s < IDLE_TIMEOUT_S + 60
     assert tag == version

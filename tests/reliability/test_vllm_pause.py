@@ -30,11 +30,13 @@ NUM_SYNCS = 50
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="opt", seed=0)
     launcher.init_ray(num_cpus=2)
-    engine = launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model,
-                             mode="http")
-    trainer = launcher.TrainerGroup("weightsync.backends.vllm.worker."
-                                    "VllmDTensorV2WeightSyncWorker",
-                                    model_path=model, bucket_bytes=1 << 20, seed=0)
+    engine = launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model, mode="http")
+    trainer = launcher.TrainerGroup(
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+    )
     trainer.call("connect", {NAME: engine})
     yield engine, trainer, model
     ray.get(engine.shutdown.remote(), timeout=120)
@@ -49,14 +51,33 @@ def _hammer(engine, model: str) -> Hammer:
 
     def ask(prompt: list[int]):
         if next(turn) % 2:
-            return post_json(base, "/inference/v1/generate", {
-                "token_ids": prompt, "sampling_params": {
-                    "temperature": 0.0, "max_tokens": MAX_NEW_TOKENS, "ignore_eos": True}},
-                api_key=key)
-        return post_json(base, "/v1/completions", {
-            "model": model, "prompt": prompt, "max_tokens": MAX_NEW_TOKENS,
-            "temperature": 0.0, "logprobs": 1, "ignore_eos": True,
-            "return_tokens_as_token_ids": True}, api_key=key)
+            return post_json(
+                base,
+                "/inference/v1/generate",
+                {
+                    "token_ids": prompt,
+                    "sampling_params": {
+                        "temperature": 0.0,
+                        "max_tokens": MAX_NEW_TOKENS,
+                        "ignore_eos": True,
+                    },
+                },
+                api_key=key,
+            )
+        return post_json(
+            base,
+            "/v1/completions",
+            {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": MAX_NEW_TOKENS,
+                "temperature": 0.0,
+                "logprobs": 1,
+                "ignore_eos": True,
+                "return_tokens_as_token_ids": True,
+            },
+            api_key=key,
+        )
 
     def parse(out):
         choice = out["choices"][0]
@@ -82,8 +103,9 @@ def test_one_copy_http_clients_never_see_half_written_weights_during_many_syncs(
     run = run_syncs_under_requests(trainer, NAME, hammer, num_syncs=NUM_SYNCS)
     assert run["paths"][0] == "buckets" and set(run["paths"][1:]) == {"one_copy"}, run["paths"]
     # vLLM tags each token with its weight version: "default" before the first sync.
-    counts = check_answers(hammer, run["refs"], run["windows"],
-                           tag_of=lambda v: f"v{v}" if v else "default")
+    counts = check_answers(
+        hammer, run["refs"], run["windows"], tag_of=lambda v: f"v{v}" if v else "default"
+    )
     assert counts["tagged"] > 0
     print(f"{NUM_SYNCS} syncs, {counts}, {time.monotonic() - start:.0f} s")
 
@@ -93,8 +115,11 @@ def test_an_aborted_update_resumes_the_servers_generation(setup):
     which answers it on the weights it held before (nothing was loaded)."""
     engine, trainer, model = setup
     check_a_request_waits_for_the_open_update(
-        engine, trainer, _hammer(engine, model),
-        lambda: ray.get(engine.abort.remote("the trainer gave up"), timeout=120))
+        engine,
+        trainer,
+        _hammer(engine, model),
+        lambda: ray.get(engine.abort.remote("the trainer gave up"), timeout=120),
+    )
 
 
 def test_without_an_api_key_the_actor_makes_one_up_and_the_server_demands_it(setup):

@@ -23,12 +23,20 @@ ARCH = "opt"
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch=ARCH, seed=0)
     launcher.init_ray(num_cpus=2)
-    engine = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model, mode="engine")
-    trainer = launcher.TrainerGroup("weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
-                                    model_path=model, bucket_bytes=1 << 20, seed=0)
+    engine = launcher.launch(
+        "weightsync.backends.sglang.engine.SglEngineActor", model, mode="engine"
+    )
+    trainer = launcher.TrainerGroup(
+        "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+    )
     trainer.call("connect", {"sglang": engine})
     # A second replica, started once the first is up, connected to the same trainer later.
-    replica = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model, mode="engine")
+    replica = launcher.launch(
+        "weightsync.backends.sglang.engine.SglEngineActor", model, mode="engine"
+    )
     trainer.call("connect", {"sglang-2": replica})
     yield engine, trainer, replica
     for e in (engine, replica):
@@ -69,8 +77,9 @@ def test_shape_mismatch_is_rejected_before_any_engine_weight_changes(setup):
     victim["shape"] = list(reversed(victim["shape"]))
     with pytest.raises(ValueError, match=r"fc1.weight.*trainer shape \(256, 1024\)"):
         ray.get(engine.check_refit.remote(bad))
-    unknown = [dict(s) for s in specs] + [{"name": "model.decoder.layers.9.fc9.weight",
-                                           "dtype": "float32", "shape": [4, 4]}]
+    unknown = [dict(s) for s in specs] + [
+        {"name": "model.decoder.layers.9.fc9.weight", "dtype": "float32", "shape": [4, 4]}
+    ]
     with pytest.raises(ValueError, match=r"no parameter for 1 trainer tensor.*layers.9.fc9"):
         ray.get(engine.check_refit.remote(unknown))
     wrong_dtype = [dict(s, dtype="bfloat16") for s in specs]
@@ -86,12 +95,19 @@ def test_shape_mismatch_is_rejected_before_any_engine_weight_changes(setup):
 
 def test_sampling_returns_n_samples_per_prompt_and_bad_options_are_refused(setup):
     engine = setup[0]
-    out = ray.get(engine.generate.remote([[5, 6, 7], [8, 9]], temperature=1.0, top_p=0.9, n=3,
-                                         seed=7, max_new_tokens=5))
+    out = ray.get(
+        engine.generate.remote(
+            [[5, 6, 7], [8, 9]], temperature=1.0, top_p=0.9, n=3, seed=7, max_new_tokens=5
+        )
+    )
     assert [len(t) for t in out["tokens"]] == [5] * 6
     assert all(len(lp) == 5 and max(lp) <= 0 for lp in out["logprobs"])
-    for bad, named in (({"temperature": -1.0}, r"temperature=-1\.0"), ({"n": 0}, "n=0"),
-                       ({"top_p": 1.5}, r"top_p=1\.5"), ({"top_p": 0.0}, r"top_p=0\.0")):
+    for bad, named in (
+        ({"temperature": -1.0}, r"temperature=-1\.0"),
+        ({"n": 0}, "n=0"),
+        ({"top_p": 1.5}, r"top_p=1\.5"),
+        ({"top_p": 0.0}, r"top_p=0\.0"),
+    ):
         with pytest.raises(ValueError, match=named):
             ray.get(engine.generate.remote([[5, 6]], **bad))
 

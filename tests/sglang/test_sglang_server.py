@@ -21,9 +21,13 @@ def setup(tmp_path_factory):
     launcher.init_ray(num_cpus=2)
     # No api_key given: the actor makes one up (vllm's server test passes its own).
     engine = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model, mode="http")
-    trainer = launcher.TrainerGroup("weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
-                                    model_path=model, bucket_bytes=1 << 20, seed=0,
-                                    transport="gloo")
+    trainer = launcher.TrainerGroup(
+        "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+        transport="gloo",
+    )
     trainer.call("connect", {"sglang-http": engine})
     yield engine, trainer
     ray.get(engine.shutdown.remote(), timeout=120)
@@ -46,5 +50,14 @@ def test_server_listens_on_loopback_and_demands_a_key_by_default(setup):
     key = ray.get(engine.server_api_key.remote())
     assert isinstance(key, str) and len(key) >= 24
     check_server_on_loopback_demands_key(
-        engine, ["/update_weights_from_tensor", "/pause_generation", "/continue_generation",
-                 "/update_weight_version", "/generate"], key=key, get_path="/model_info")
+        engine,
+        [
+            "/update_weights_from_tensor",
+            "/pause_generation",
+            "/continue_generation",
+            "/update_weight_version",
+            "/generate",
+        ],
+        key=key,
+        get_path="/model_info",
+    )

@@ -26,8 +26,11 @@ def models(tmp_path_factory):
 
 def test_rope_model_on_cpu_is_refused_at_launch_naming_the_architecture_and_the_fix(models):
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"(?s)Qwen2ForCausalLM.*rotary position embeddings"
-                                         r".*rope_parameters.*vLLM on CPU.*CUDA GPU"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)Qwen2ForCausalLM.*rotary position embeddings"
+        r".*rope_parameters.*vLLM on CPU.*CUDA GPU",
+    ):
         launcher.launch(SGL, models["qwen2"])
     assert time.monotonic() - start < 2
 
@@ -41,9 +44,14 @@ def test_the_engine_actor_itself_refuses_a_rope_model_on_cpu(models):
     # The actor checks again in its own process (e.g. when the driver cannot read the model):
     # started here without the launcher's check, the first call raises the refusal.
     start = time.monotonic()
-    host = ray.remote(launcher.ActorHost).options(
-        num_cpus=0, runtime_env={"py_executable": str(envs.python_path("sglang"))},
-    ).remote(SGL, (models["qwen2"],), {})
+    host = (
+        ray.remote(launcher.ActorHost)
+        .options(
+            num_cpus=0,
+            runtime_env={"py_executable": str(envs.python_path("sglang"))},
+        )
+        .remote(SGL, (models["qwen2"],), {})
+    )
     proxy = launcher.ActorProxy(handle=host, qualname=SGL, env="sglang")
     with pytest.raises(ValueError, match=r"(?s)Qwen2ForCausalLM.*rotary.*vLLM on CPU"):
         ray.get(proxy.weight_version.remote(), timeout=120)
@@ -78,8 +86,11 @@ def test_a_scheduler_that_dies_at_start_up_surfaces_its_exception(models, tmp_pa
         f.truncate(os.path.getsize(weights) // 2)
     start = time.monotonic()
     proxy = launcher.launch(SGL, broken)
-    with pytest.raises(RuntimeError, match=r"(?s)failed to start.*its scheduler raised:.*"
-                                           r"SafetensorError: Error while deserializing header"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)failed to start.*its scheduler raised:.*"
+        r"SafetensorError: Error while deserializing header",
+    ):
         ray.get(proxy.weight_version.remote(), timeout=400)
     print(f"scheduler failure at the caller {time.monotonic() - start:.1f} s after launch")
     ray.kill(proxy.handle)

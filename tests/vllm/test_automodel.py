@@ -70,8 +70,14 @@ def _rank_main(rank, port, results, qwen2_path, moe_path):
     built = time.perf_counter()
     moe = _moe_part(moe_path)
     if rank == 0:
-        results.put({"qwen2": qwen2, "moe": moe, "qwen2_s": built - start,
-                     "moe_s": time.perf_counter() - built})
+        results.put(
+            {
+                "qwen2": qwen2,
+                "moe": moe,
+                "qwen2_s": built - start,
+                "moe_s": time.perf_counter() - built,
+            }
+        )
     close_trainer_group()
 
 
@@ -80,8 +86,10 @@ def ranks(tmp_path_factory):
     qwen2 = make_tiny_model(str(tmp_path_factory.mktemp("qwen2")), arch="qwen2", seed=0)
     moe = make_tiny_model(str(tmp_path_factory.mktemp("qwen3_moe")), arch="qwen3_moe", seed=1)
     out, seconds = _spawn(_rank_main, qwen2, moe)
-    print(f"\n2 ranks: {seconds:.1f} s in all; Qwen2 built, gathered, one step "
-          f"{out['qwen2_s']:.1f} s; Qwen3-MoE grouped experts to HF {out['moe_s']:.1f} s")
+    print(
+        f"\n2 ranks: {seconds:.1f} s in all; Qwen2 built, gathered, one step "
+        f"{out['qwen2_s']:.1f} s; Qwen3-MoE grouped experts to HF {out['moe_s']:.1f} s"
+    )
     for part in ("qwen2", "moe"):
         out[part]["full"] = {k: torch.from_numpy(v) for k, v in out[part]["full"].items()}
     return {"qwen2": (qwen2, out["qwen2"]), "moe": (moe, out["moe"])}
@@ -97,9 +105,13 @@ def _qwen2_part(model_path, moe_path):
     model = build_automodel(model_path, dtype="float32", device="cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # over the sharded parameters
     params = dict(model.named_parameters())
-    sharded = [name for name, param in params.items()
-               if [type(p) for p in getattr(param, "placements", ())] == [Shard]
-               and param.placements[0].dim == 0 and param.device_mesh.size() == 2]
+    sharded = [
+        name
+        for name, param in params.items()
+        if [type(p) for p in getattr(param, "placements", ())] == [Shard]
+        and param.placements[0].dim == 0
+        and param.device_mesh.size() == 2
+    ]
     source = DTensorV2Source(model)
     full = dict(source.tensors())
     batch = torch.tensor([list(range(3, 35)), list(range(40, 72))])
@@ -117,10 +129,17 @@ def _qwen2_part(model_path, moe_path):
         refusal = None
     except ValueError as exc:
         refusal = str(exc)
-    return {"num_params": len(params), "sharded": sharded, "full": _numpy(full), "loss": loss,
-            "refusal": refusal, "unsharded_by_forward": unsharded, "resharded": resharded,
-            "same_after_forward": all(torch.equal(full[n], after_forward[n]) for n in full),
-            "changed": sorted(n for n in full if not torch.equal(full[n], trained[n]))}
+    return {
+        "num_params": len(params),
+        "sharded": sharded,
+        "full": _numpy(full),
+        "loss": loss,
+        "refusal": refusal,
+        "unsharded_by_forward": unsharded,
+        "resharded": resharded,
+        "same_after_forward": all(torch.equal(full[n], after_forward[n]) for n in full),
+        "changed": sorted(n for n in full if not torch.equal(full[n], trained[n])),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -202,12 +221,24 @@ def _qwen3_moe_adapter(model_path: str):
 
     config = AutoConfig.from_pretrained(model_path)
     moe = MoEConfig(
-        dim=config.hidden_size, inter_dim=config.intermediate_size,
-        moe_inter_dim=config.moe_intermediate_size, n_routed_experts=config.num_experts,
-        n_shared_experts=0, n_activated_experts=config.num_experts_per_tok, n_expert_groups=0,
-        n_limited_groups=0, train_gate=True, gate_bias_update_factor=0.0, score_func="softmax",
-        route_scale=1.0, aux_loss_coeff=0.0, norm_topk_prob=config.norm_topk_prob,
-        expert_activation="swiglu", softmax_before_topk=True, dtype=torch.float32)
+        dim=config.hidden_size,
+        inter_dim=config.intermediate_size,
+        moe_inter_dim=config.moe_intermediate_size,
+        n_routed_experts=config.num_experts,
+        n_shared_experts=0,
+        n_activated_experts=config.num_experts_per_tok,
+        n_expert_groups=0,
+        n_limited_groups=0,
+        train_gate=True,
+        gate_bias_update_factor=0.0,
+        score_func="softmax",
+        route_scale=1.0,
+        aux_loss_coeff=0.0,
+        norm_topk_prob=config.norm_topk_prob,
+        expert_activation="swiglu",
+        softmax_before_topk=True,
+        dtype=torch.float32,
+    )
     return Qwen3MoeStateDictAdapter(config, moe, BackendConfig(), dtype=torch.float32)
 
 
@@ -231,8 +262,11 @@ def _moe_part(model_path):
     full = dict(source.tensors())
     all_specs = [None, None]
     dist.all_gather_object(all_specs, specs)
-    return {"native": {k: list(v.shape) for k, v in native.items()}, "specs": all_specs,
-            "full": _numpy(full)}
+    return {
+        "native": {k: list(v.shape) for k, v in native.items()},
+        "specs": all_specs,
+        "full": _numpy(full),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -266,12 +300,14 @@ def test_every_rank_announces_every_expert_under_its_hf_name(moe):
     rank0, rank1 = out["specs"]
     assert rank0 == rank1
     assert {s["name"]: tuple(s["shape"]) for s in rank0} == {
-        name: tuple(t.shape) for name, t in checkpoint.items()}
+        name: tuple(t.shape) for name, t in checkpoint.items()
+    }
     for layer in range(2):
         for expert in range(NUM_EXPERTS):
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 assert f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight" in {
-                    s["name"] for s in rank0}
+                    s["name"] for s in rank0
+                }
 
 
 def test_the_gathered_hf_tensors_equal_the_checkpoint(moe):
@@ -290,8 +326,9 @@ def test_vllm_accepts_the_adapters_hf_tensors(moe, moe_engine):
 
 def test_vllm_refuses_refit_info_missing_an_expert(moe, moe_engine):
     _, out = moe
-    specs = [s for s in out["specs"][0]
-             if s["name"] != "model.layers.1.mlp.experts.5.down_proj.weight"]
+    specs = [
+        s for s in out["specs"][0] if s["name"] != "model.layers.1.mlp.experts.5.down_proj.weight"
+    ]
     with pytest.raises(ValueError, match=r"experts\.5\.down_proj"):
         ray.get(moe_engine.check_refit.remote(specs))
 

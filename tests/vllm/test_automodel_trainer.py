@@ -20,9 +20,13 @@ def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("qwen2")), arch="qwen2", seed=0)
     launcher.init_ray(num_cpus=2)
     engine = launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model)
-    trainer = launcher.TrainerGroup("weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
-                                    model_path=model, model_builder="nemo_automodel",
-                                    bucket_bytes=1 << 20, seed=0)
+    trainer = launcher.TrainerGroup(
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+        model_path=model,
+        model_builder="nemo_automodel",
+        bucket_bytes=1 << 20,
+        seed=0,
+    )
     trainer.call("connect", {"vllm": engine})
     yield engine, trainer
     ray.shutdown()

@@ -23,8 +23,12 @@ def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="opt", seed=0)
     launcher.init_ray(num_cpus=2)
     engine = launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model)
-    trainer = launcher.TrainerGroup("weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
-                                    model_path=model, bucket_bytes=1 << 20, seed=0)
+    trainer = launcher.TrainerGroup(
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+    )
     trainer.call("connect", {"vllm": engine})
     yield engine, trainer, model
     ray.shutdown()
@@ -51,11 +55,15 @@ def test_bad_refit_info_is_rejected_and_the_engine_keeps_serving(setup):
     bad = [dict(s) for s in specs]
     victim = next(s for s in bad if s["name"].endswith("fc1.weight"))
     victim["shape"] = list(reversed(victim["shape"]))
-    with pytest.raises(ValueError, match=r"fc1.weight.*trainer shape \(256, 1024\) != engine "
-                       r"shape \(1024, 256\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"fc1.weight.*trainer shape \(256, 1024\) != engine "
+        r"shape \(1024, 256\)",
+    ):
         ray.get(engine.check_refit.remote(bad))
-    unknown = [dict(s) for s in specs] + [{"name": "model.decoder.layers.9.fc9.weight",
-                                           "dtype": "float32", "shape": [4, 4]}]
+    unknown = [dict(s) for s in specs] + [
+        {"name": "model.decoder.layers.9.fc9.weight", "dtype": "float32", "shape": [4, 4]}
+    ]
     with pytest.raises(ValueError, match=r"no parameter for trainer tensor.*layers.9.fc9"):
         ray.get(engine.check_refit.remote(unknown))
     with pytest.raises(ValueError, match="trainer dtype bfloat16 != engine dtype float32"):
@@ -96,8 +104,9 @@ def test_update_aborted_midway_is_rolled_back_with_keep_previous(setup, keep_pre
     prints = ray.get(engine.fingerprints.remote())
     served = ray.get(engine.generate.remote(prompt_ids()))
     try:
-        half_update(engine, next(s for s in trainer.call("refit_info")
-                                 if s["name"].endswith("fc1.weight")))
+        half_update(
+            engine, next(s for s in trainer.call("refit_info") if s["name"].endswith("fc1.weight"))
+        )
     finally:
         ray.get(engine.set_keep_previous.remote(False))
     assert ray.get(engine.weight_version.remote()) == version
@@ -124,8 +133,12 @@ def test_sampling_returns_n_seeded_samples_per_prompt_and_bad_options_are_refuse
     assert out["weight_version"] == ray.get(engine.weight_version.remote())
     again = ray.get(engine.generate.remote([[5, 6, 7], [8, 9]], **options))
     assert again["tokens"] == out["tokens"]  # sample j of each prompt is seeded seed + j
-    for bad, named in (({"temperature": -1.0}, r"temperature=-1\.0"), ({"n": 0}, "n=0"),
-                       ({"top_p": 1.5}, r"top_p=1\.5"), ({"top_p": 0.0}, r"top_p=0\.0")):
+    for bad, named in (
+        ({"temperature": -1.0}, r"temperature=-1\.0"),
+        ({"n": 0}, "n=0"),
+        ({"top_p": 1.5}, r"top_p=1\.5"),
+        ({"top_p": 0.0}, r"top_p=0\.0"),
+    ):
         with pytest.raises(ValueError, match=named):
             ray.get(engine.generate.remote([[5, 6]], **bad))
 

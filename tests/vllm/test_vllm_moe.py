@@ -26,8 +26,9 @@ def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("qwen3_moe")), arch="qwen3_moe", seed=0)
     launcher.init_ray(num_cpus=2)
     engine = launcher.launch(ENGINE, model)
-    trainer = launcher.TrainerGroup(TRAINER, world_size=2, model_path=model,
-                                    bucket_bytes=1 << 20, seed=0)
+    trainer = launcher.TrainerGroup(
+        TRAINER, world_size=2, model_path=model, bucket_bytes=1 << 20, seed=0
+    )
     answer = trainer.call("connect", {"vllm": engine})
     yield engine, trainer, answer, model
     ray.shutdown()
@@ -51,9 +52,12 @@ def assert_engine_serves_the_trainers_weights(engine, trainer, model_path) -> No
 
 
 def _expert_names() -> set[str]:
-    return {f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
-            for layer in range(NUM_LAYERS) for expert in range(NUM_EXPERTS)
-            for proj in ("gate_proj", "up_proj", "down_proj")}
+    return {
+        f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+        for layer in range(NUM_LAYERS)
+        for expert in range(NUM_EXPERTS)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    }
 
 
 def test_the_trainer_is_fsdp2_over_grouped_experts_and_sends_them_per_expert(setup):
@@ -103,8 +107,14 @@ def test_an_update_aborted_inside_the_experts_is_rolled_back_and_packed_again(se
     served = ray.get(engine.generate.remote(prompt_ids(), max_new_tokens=MAX_NEW_TOKENS))
     ray.get(engine.set_keep_previous.remote(True))
     try:
-        half_update(engine, next(s for s in trainer.call("refit_info")
-                                 if s["name"] == "model.layers.0.mlp.experts.3.up_proj.weight"))
+        half_update(
+            engine,
+            next(
+                s
+                for s in trainer.call("refit_info")
+                if s["name"] == "model.layers.0.mlp.experts.3.up_proj.weight"
+            ),
+        )
     finally:
         ray.get(engine.set_keep_previous.remote(False))
     assert ray.get(engine.weight_version.remote()) == version

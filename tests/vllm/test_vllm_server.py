@@ -21,11 +21,16 @@ API_KEY = "test-key-123"
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="gpt2", seed=0)
     launcher.init_ray(num_cpus=2)
-    engine = launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model, mode="http",
-                             api_key=API_KEY)
-    trainer = launcher.TrainerGroup("weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
-                                    model_path=model, bucket_bytes=1 << 20, seed=0,
-                                    transport="gloo")
+    engine = launcher.launch(
+        "weightsync.backends.vllm.engine.VllmEngineActor", model, mode="http", api_key=API_KEY
+    )
+    trainer = launcher.TrainerGroup(
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+        transport="gloo",
+    )
     trainer.call("connect", {"vllm-http": engine})
     yield engine, trainer
     ray.get(engine.shutdown.remote(), timeout=120)
@@ -47,6 +52,15 @@ def test_server_listens_on_loopback_and_demands_the_api_key(setup):
     engine, _ = setup
     assert ray.get(engine.server_api_key.remote()) == API_KEY
     check_server_on_loopback_demands_key(
-        engine, ["/v1/completions", "/collective_rpc", "/pause", "/resume",
-                 "/update_weight_version", "/reset_prefix_cache"], key=API_KEY,
-        get_path="/v1/models")
+        engine,
+        [
+            "/v1/completions",
+            "/collective_rpc",
+            "/pause",
+            "/resume",
+            "/update_weight_version",
+            "/reset_prefix_cache",
+        ],
+        key=API_KEY,
+        get_path="/v1/models",
+    )

@@ -31,11 +31,16 @@ def setup(tmp_path_factory):
     tp1 = launcher.launch(ENGINE, model)
     # Each trainer rank in a bundle of its own (on a GPU cluster: {"GPU": 1}).
     ranks = launcher.place(2, {"CPU": 0.5})
-    trainer = launcher.TrainerGroup("weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
-                                    model_path=model, bucket_bytes=1 << 20, seed=0,
-                                    placements=ranks)
-    assert [ray.get(r.handle.where.remote())["placement_group"] for r in trainer.ranks] == \
-        [ranks[0].group.id.hex()] * 2
+    trainer = launcher.TrainerGroup(
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+        placements=ranks,
+    )
+    assert [ray.get(r.handle.where.remote())["placement_group"] for r in trainer.ranks] == [
+        ranks[0].group.id.hex()
+    ] * 2
     answer = trainer.call("connect", {"tp2": tp2, "tp1": tp1})
     yield {"tp2": tp2, "tp1": tp1}, trainer, model, answer
     ray.shutdown()
@@ -58,8 +63,14 @@ def test_an_update_before_the_engine_learned_where_tensors_land_is_rolled_back(s
     # lands in, and it knows none yet. The answers show the weights: random values half
     # loaded into q_proj would change every logprob.
     served = ray.get(tp2.generate.remote(prompt_ids()))
-    half_update(tp2, next(s for s in trainer.call("refit_info")
-                          if s["name"].endswith("layers.1.self_attn.q_proj.weight")))
+    half_update(
+        tp2,
+        next(
+            s
+            for s in trainer.call("refit_info")
+            if s["name"].endswith("layers.1.self_attn.q_proj.weight")
+        ),
+    )
     assert ray.get(tp2.weight_version.remote()) == version
     ray.get(tp2.settle.remote(), timeout=300)  # GEMMs re-packed from the restored weights
     got = ray.get(tp2.generate.remote(prompt_ids()))
@@ -117,8 +128,14 @@ def test_an_update_aborted_midway_into_a_tp_engine_is_rolled_back_in_every_worke
     version = ray.get(tp2.weight_version.remote())
     prints = ray.get(tp2.worker_fingerprints.remote())
     served = ray.get(tp2.generate.remote(prompt_ids()))
-    half_update(tp2, next(s for s in trainer.call("refit_info")
-                          if s["name"].endswith("layers.0.mlp.down_proj.weight")))
+    half_update(
+        tp2,
+        next(
+            s
+            for s in trainer.call("refit_info")
+            if s["name"].endswith("layers.0.mlp.down_proj.weight")
+        ),
+    )
     assert ray.get(tp2.weight_version.remote()) == version
     assert ray.get(tp2.worker_fingerprints.remote()) == prints
     assert ray.get(tp2.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
@@ -131,8 +148,11 @@ def test_a_one_copy_update_aborted_without_keep_previous_is_not_served(setup):
     tp1 = engines["tp1"]
     assert ray.get(tp1.begin.remote("one-copy-half", True)) == {"one_copy": True}
     ray.get(tp1.abort.remote("sender failed"))
-    with pytest.raises(Exception, match=r"does not serve: update 'one-copy-half' was aborted "
-                                        r"after the trainer began writing"):
+    with pytest.raises(
+        Exception,
+        match=r"does not serve: update 'one-copy-half' was aborted "
+        r"after the trainer began writing",
+    ):
         ray.get(tp1.generate.remote(prompt_ids()))
     report = trainer.call("sync", "after-one-copy-abort", verify=True)
     assert report["engines"]["tp1"]["path"] == "one_copy" and report["verify"]["tp1"]["verified"]
@@ -160,8 +180,11 @@ def test_verification_names_the_worker_and_parameter_that_differ(setup):
 def test_a_tp_size_that_does_not_divide_the_heads_is_refused_before_start(setup):
     *_, model, _ = setup
     start = time.perf_counter()
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide model .*"
-                                         r"num_attention_heads=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=3 does not divide model .*"
+        r"num_attention_heads=4",
+    ):
         launcher.launch(ENGINE, model, tensor_parallel_size=3)
     assert time.perf_counter() - start < 5
 
@@ -170,9 +193,14 @@ def test_a_collective_transport_reaches_every_worker_of_every_engine(setup):
     """Over gloo the broadcast group is rank 0 plus every engine worker process (here 2 + 1):
     each TP worker joins it and loads its own slices of the full tensors it receives."""
     engines, _, model, _ = setup
-    other = launcher.TrainerGroup("weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
-                                  world_size=1, model_path=model, bucket_bytes=1 << 20,
-                                  seed=1, transport="gloo")
+    other = launcher.TrainerGroup(
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+        world_size=1,
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=1,
+        transport="gloo",
+    )
     try:
         other.call("set_weights_from", 7)
         other.call("connect", dict(engines))

@@ -53,8 +53,10 @@ def build_automodel(model_path: str, *, dtype: str = "float32", device: str = "c
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
     if not dist.is_initialized():
-        raise RuntimeError("build_automodel is collective: initialise the trainer's process "
-                           "group first (weightsync.trainer.source.init_trainer_group)")
+        raise RuntimeError(
+            "build_automodel is collective: initialise the trainer's process "
+            "group first (weightsync.trainer.source.init_trainer_group)"
+        )
     torch_dtype = dtype_from_str(dtype)
     if device == "cuda":
         return _build_on_cuda(model_path, torch_dtype)
@@ -67,8 +69,9 @@ def _fsdp2_config(torch_dtype: torch.dtype):
 
     # nemo-automodel's default computes in bfloat16; here the trainer computes in the dtype it
     # stores, so a float32 trainer matches a float32 reference and engine.
-    return FSDP2Config(mp_policy=MixedPrecisionPolicy(param_dtype=torch_dtype,
-                                                      reduce_dtype=torch.float32))
+    return FSDP2Config(
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch_dtype, reduce_dtype=torch.float32)
+    )
 
 
 def _build_on_cuda(model_path: str, torch_dtype: torch.dtype) -> nn.Module:
@@ -76,10 +79,10 @@ def _build_on_cuda(model_path: str, torch_dtype: torch.dtype) -> nn.Module:
     from nemo_automodel import NeMoAutoModelForCausalLM
     from nemo_automodel.components.distributed.config import DistributedSetup
 
-    setup = DistributedSetup.build(_fsdp2_config(torch_dtype),
-                                   world_size=dist.get_world_size())
-    model = NeMoAutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype,
-                                                     distributed_setup=setup)
+    setup = DistributedSetup.build(_fsdp2_config(torch_dtype), world_size=dist.get_world_size())
+    model = NeMoAutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch_dtype, distributed_setup=setup
+    )
     return model.eval()
 
 
@@ -100,7 +103,8 @@ def _build_on_cpu(model_path: str, torch_dtype: torch.dtype) -> nn.Module:
         raise ValueError(
             f"{model_path}: architecture {arch!r} has no nemo-automodel model class that builds "
             f"on a CPU here; supported on CPU: {sorted(CPU_MODEL_MODULES)} (on CUDA, any "
-            f"architecture NeMoAutoModelForCausalLM supports)")
+            f"architecture NeMoAutoModelForCausalLM supports)"
+        )
     # The default RMSNorm upcasts to float32 in a torch.compile'd kernel: ~30 s of inductor per
     # process on a CPU. A float32 model gets the same math from the plain one.
     backend = BackendConfig(rms_norm="torch" if torch_dtype == torch.float32 else "torch_fp32")
@@ -109,12 +113,16 @@ def _build_on_cpu(model_path: str, torch_dtype: torch.dtype) -> nn.Module:
     model.to(dtype=torch_dtype)
     load_safetensors(model, model_path)
     strategy = _fsdp2_config(torch_dtype)
-    mesh, _ = _create_device_meshes(strategy, ParallelismSizes(),
-                                    world_size=dist.get_world_size())
-    model = parallelize_model(model, MeshContext.from_meshes(mesh, None,
-                                                             strategy_config=strategy))
-    logger.info("rank %d: built %s from %s with nemo-automodel (FSDP2 over %d ranks, %s)",
-                dist.get_rank(), arch, model_path, dist.get_world_size(), torch_dtype)
+    mesh, _ = _create_device_meshes(strategy, ParallelismSizes(), world_size=dist.get_world_size())
+    model = parallelize_model(model, MeshContext.from_meshes(mesh, None, strategy_config=strategy))
+    logger.info(
+        "rank %d: built %s from %s with nemo-automodel (FSDP2 over %d ranks, %s)",
+        dist.get_rank(),
+        arch,
+        model_path,
+        dist.get_world_size(),
+        torch_dtype,
+    )
     return model.eval()
 
 
@@ -127,8 +135,10 @@ def load_safetensors(model: nn.Module, model_path: str) -> None:
 
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
-        raise ValueError(f"{model_path}: no *.safetensors files; save the checkpoint with "
-                         f"safe_serialization=True")
+        raise ValueError(
+            f"{model_path}: no *.safetensors files; save the checkpoint with "
+            f"safe_serialization=True"
+        )
     state = model.state_dict()
     loaded: set[str] = set()
     with torch.no_grad():
@@ -137,17 +147,21 @@ def load_safetensors(model: nn.Module, model_path: str) -> None:
                 for name in f.keys():
                     target = state.get(name)
                     if target is None:
-                        raise ValueError(f"{path}: tensor {name!r} has no parameter in "
-                                         f"{type(model).__name__}")
+                        raise ValueError(
+                            f"{path}: tensor {name!r} has no parameter in {type(model).__name__}"
+                        )
                     tensor = f.get_tensor(name)
                     if tuple(tensor.shape) != tuple(target.shape):
                         raise ValueError(
                             f"{path}: tensor {name!r}: checkpoint shape {tuple(tensor.shape)} != "
                             f"model shape {tuple(target.shape)}; config.json and the weights "
-                            f"disagree")
+                            f"disagree"
+                        )
                     target.copy_(tensor)
                     loaded.add(name)
     missing = sorted(set(state) - loaded - set(tied_aliases(model)))
     if missing:
-        raise ValueError(f"{model_path}: the checkpoint lacks {len(missing)} tensor(s) of "
-                         f"{type(model).__name__}, e.g. {missing[:5]}")
+        raise ValueError(
+            f"{model_path}: the checkpoint lacks {len(missing)} tensor(s) of "
+            f"{type(model).__name__}, e.g. {missing[:5]}"
+        )

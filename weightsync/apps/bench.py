@@ -39,9 +39,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="GB/s against model size")
-    p.add_argument("--tp", type=int, default=1,
-                   help="with --tp > 1 or --replicas > 1: vLLM engines of this "
-                        "tensor_parallel_size (a topology run, vLLM only)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="with --tp > 1 or --replicas > 1: vLLM engines of this "
+        "tensor_parallel_size (a topology run, vLLM only)",
+    )
     p.add_argument("--replicas", type=int, default=1, help="engine replicas in a topology run")
     p.set_defaults(run=run)
 
@@ -51,8 +55,9 @@ def _bench_model(size: str) -> tuple[str, str]:
     from weightsync.apps.models import make_tiny_model
 
     work = tempfile.mkdtemp(prefix=f"wsbench-{size}-", dir="/dev/shm")
-    return work, make_tiny_model(os.path.join(work, "model"), arch="opt", size=size, seed=0,
-                                 dtype="bfloat16")
+    return work, make_tiny_model(
+        os.path.join(work, "model"), arch="opt", size=size, seed=0, dtype="bfloat16"
+    )
 
 
 def _bench_trainer(model: str, args: argparse.Namespace) -> Any:
@@ -60,9 +65,14 @@ def _bench_trainer(model: str, args: argparse.Namespace) -> Any:
     from weightsync.launch import launcher
 
     launcher.register_actor("weightsync.apps.bench_worker.BenchWorker", "sglang")
-    return launcher.TrainerGroup("weightsync.apps.bench_worker.BenchWorker", env="sglang",
-                                 model_path=model, dtype="bfloat16",
-                                 bucket_bytes=args.bucket_mb << 20, timeout_s=300)
+    return launcher.TrainerGroup(
+        "weightsync.apps.bench_worker.BenchWorker",
+        env="sglang",
+        model_path=model,
+        dtype="bfloat16",
+        bucket_bytes=args.bucket_mb << 20,
+        timeout_s=300,
+    )
 
 
 def _tear_down(engines: dict[str, Any], trainer: Any, work: str) -> None:
@@ -86,9 +96,15 @@ def _bench_topology(size: str, args: argparse.Namespace) -> dict[str, Any]:
     from weightsync.launch import launcher
 
     work, model = _bench_model(size)
-    engines = {f"vllm-{i}": launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model,
-                                            dtype="bfloat16", tensor_parallel_size=args.tp)
-               for i in range(args.replicas)}
+    engines = {
+        f"vllm-{i}": launcher.launch(
+            "weightsync.backends.vllm.engine.VllmEngineActor",
+            model,
+            dtype="bfloat16",
+            tensor_parallel_size=args.tp,
+        )
+        for i in range(args.replicas)
+    }
     trainer = _bench_trainer(model, args)
     trainer.call("connect", engines)
     trainer.call("sync")  # by buckets; the engines then share their parameters
@@ -100,13 +116,18 @@ def _bench_topology(size: str, args: argparse.Namespace) -> dict[str, Any]:
     best = min(syncs, key=lambda r: r["sync_s"])
     checked = trainer.call("sync", verify=True)
     written = int(best.get("bytes_written", 0))
-    result = {"size": size, "tp": args.tp, "replicas": args.replicas,
-              "nbytes": model_bytes("opt", size, dtype="bfloat16"), "path": best["path"],
-              "sync_s": best["sync_s"], "bytes_written": written,
-              "phases_s": best.get("phases_s"),
-              "memcpy_s": trainer.call("bench_memcpy", max(written, 1)),
-              "verified": all(v["verified"] for k, v in checked["verify"].items()
-                              if k != "verify_s")}
+    result = {
+        "size": size,
+        "tp": args.tp,
+        "replicas": args.replicas,
+        "nbytes": model_bytes("opt", size, dtype="bfloat16"),
+        "path": best["path"],
+        "sync_s": best["sync_s"],
+        "bytes_written": written,
+        "phases_s": best.get("phases_s"),
+        "memcpy_s": trainer.call("bench_memcpy", max(written, 1)),
+        "verified": all(v["verified"] for k, v in checked["verify"].items() if k != "verify_s"),
+    }
     _tear_down(engines, trainer, work)
     return result
 
@@ -129,18 +150,36 @@ def _run_topology(args: argparse.Namespace, sizes: list[str]) -> int:
     from rich.table import Table
 
     table = Table(title=f"one sync into {args.replicas} vLLM replica(s) of TP={args.tp}")
-    for col in ("size", "model GB", "path", "bytes written GB", "sync ms", "written GB/s",
-                "memcpy GB/s", "ratio", "verified", "begin / write / end ms"):
+    for col in (
+        "size",
+        "model GB",
+        "path",
+        "bytes written GB",
+        "sync ms",
+        "written GB/s",
+        "memcpy GB/s",
+        "ratio",
+        "verified",
+        "begin / write / end ms",
+    ):
         table.add_column(col)
     for r in results:
         rate = _gbps(r["bytes_written"], r["sync_s"])
         copy = _gbps(r["bytes_written"], r["memcpy_s"])
-        table.add_row(r["size"], f"{r['nbytes'] / 1e9:.3f}", r["path"],
-                      f"{r['bytes_written'] / 1e9:.3f}", f"{r['sync_s'] * 1e3:.0f}",
-                      f"{rate:.2f}", f"{copy:.2f}", f"{rate / copy:.2f}" if copy else "-",
-                      str(r["verified"]),
-                      " / ".join(f"{(r['phases_s'] or {}).get(k, 0) * 1e3:.0f}"
-                                 for k in ("begin", "write", "end")))
+        table.add_row(
+            r["size"],
+            f"{r['nbytes'] / 1e9:.3f}",
+            r["path"],
+            f"{r['bytes_written'] / 1e9:.3f}",
+            f"{r['sync_s'] * 1e3:.0f}",
+            f"{rate:.2f}",
+            f"{copy:.2f}",
+            f"{rate / copy:.2f}" if copy else "-",
+            str(r["verified"]),
+            " / ".join(
+                f"{(r['phases_s'] or {}).get(k, 0) * 1e3:.0f}" for k in ("begin", "write", "end")
+            ),
+        )
     Console(width=160).print(table)
     return 0
 
@@ -154,11 +193,15 @@ def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict
     work, model = _bench_model(size)
     nbytes = model_bytes("opt", size, dtype="bfloat16")
     actors = {
-        "sglang": lambda: launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model,
-                                          dtype="bfloat16",
-                                          engine_args={"mem_fraction_static": 0.3}),
-        "vllm": lambda: launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model,
-                                        dtype="bfloat16"),
+        "sglang": lambda: launcher.launch(
+            "weightsync.backends.sglang.engine.SglEngineActor",
+            model,
+            dtype="bfloat16",
+            engine_args={"mem_fraction_static": 0.3},
+        ),
+        "vllm": lambda: launcher.launch(
+            "weightsync.backends.vllm.engine.VllmEngineActor", model, dtype="bfloat16"
+        ),
     }
     handles = {name: actors[name]() for name in engines}
     trainer = _bench_trainer(model, args)
@@ -197,19 +240,26 @@ def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict
         if name == "sglang":
             ray.get(handle.native_update_from_tensor.remote(save_dir))  # warm-up
             native["gather+update_weights_from_tensor"] = result["gather_s"] + min(
-                ray.get(handle.native_update_from_tensor.remote(save_dir)) for _ in range(r))
+                ray.get(handle.native_update_from_tensor.remote(save_dir)) for _ in range(r)
+            )
             ray.get(handle.native_update_from_disk.remote(save_dir))
             native["gather+save+update_weights_from_disk"] = result["gather_save_s"] + min(
-                ray.get(handle.native_update_from_disk.remote(save_dir)) for _ in range(r))
+                ray.get(handle.native_update_from_disk.remote(save_dir)) for _ in range(r)
+            )
         else:
             ray.get(handle.native_reload.remote(save_dir))
             native["gather+save+reload_weights"] = result["gather_save_s"] + min(
-                ray.get(handle.native_reload.remote(save_dir)) for _ in range(r))
+                ray.get(handle.native_reload.remote(save_dir)) for _ in range(r)
+            )
         result["engines"][name] = {
-            "sync_s": plain, "engine_session_s": min(times),
-            "verify_extra_s": max(0.0, with_verify - plain), "verified": verified,
-            "engine_phases_s": phases, "background_s": background,
-            "path": best["engines"][name]["path"], "phases_s": best.get("phases_s"),
+            "sync_s": plain,
+            "engine_session_s": min(times),
+            "verify_extra_s": max(0.0, with_verify - plain),
+            "verified": verified,
+            "engine_phases_s": phases,
+            "background_s": background,
+            "path": best["engines"][name]["path"],
+            "phases_s": best.get("phases_s"),
             "share_s": warm["engines"][name].get("share_s"),
             "native_s": native,
         }
@@ -242,34 +292,79 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for res in results:
         n = res["nbytes"]
-        rows.append([res["size"], f"{n / 1e9:.3f}", "memcpy", f"{_gbps(n, res['memcpy_s']):.2f}",
-                     f"{res['memcpy_s'] * 1e3:.0f}"])
-        rows.append([res["size"], "", "transport alone (shm)",
-                     f"{_gbps(n, res['transport_s']):.2f}", f"{res['transport_s'] * 1e3:.0f}"])
+        rows.append(
+            [
+                res["size"],
+                f"{n / 1e9:.3f}",
+                "memcpy",
+                f"{_gbps(n, res['memcpy_s']):.2f}",
+                f"{res['memcpy_s'] * 1e3:.0f}",
+            ]
+        )
+        rows.append(
+            [
+                res["size"],
+                "",
+                "transport alone (shm)",
+                f"{_gbps(n, res['transport_s']):.2f}",
+                f"{res['transport_s'] * 1e3:.0f}",
+            ]
+        )
         for name, eng in res["engines"].items():
-            rows.append([res["size"], "", f"{name}: weightsync sync ({eng.get('path')})",
-                         f"{_gbps(n, eng['sync_s']):.2f}", f"{eng['sync_s'] * 1e3:.0f}"])
-            rows.append([res["size"], "",
-                         f"{name}: + verify (extra; "
-                         f"{'verified' if eng['verified'] else 'NOT VERIFIED'})", "",
-                         f"{eng['verify_extra_s'] * 1e3:.0f}"])
+            rows.append(
+                [
+                    res["size"],
+                    "",
+                    f"{name}: weightsync sync ({eng.get('path')})",
+                    f"{_gbps(n, eng['sync_s']):.2f}",
+                    f"{eng['sync_s'] * 1e3:.0f}",
+                ]
+            )
+            rows.append(
+                [
+                    res["size"],
+                    "",
+                    f"{name}: + verify (extra; "
+                    f"{'verified' if eng['verified'] else 'NOT VERIFIED'})",
+                    "",
+                    f"{eng['verify_extra_s'] * 1e3:.0f}",
+                ]
+            )
             if eng.get("background_s"):
-                rows.append([res["size"], "", f"{name}: background after sync (GEMM re-pack)",
-                             "", f"{eng['background_s'] * 1e3:.0f}"])
+                rows.append(
+                    [
+                        res["size"],
+                        "",
+                        f"{name}: background after sync (GEMM re-pack)",
+                        "",
+                        f"{eng['background_s'] * 1e3:.0f}",
+                    ]
+                )
             for path, seconds in eng["native_s"].items():
-                rows.append([res["size"], "", f"{name}: native {path}",
-                             f"{_gbps(n, seconds):.2f}", f"{seconds * 1e3:.0f}"])
+                rows.append(
+                    [
+                        res["size"],
+                        "",
+                        f"{name}: native {path}",
+                        f"{_gbps(n, seconds):.2f}",
+                        f"{seconds * 1e3:.0f}",
+                    ]
+                )
     largest = results[-1]
     summary = {
-        "model_size": largest["size"], "nbytes": largest["nbytes"],
+        "model_size": largest["size"],
+        "nbytes": largest["nbytes"],
         "memcpy_gbps": _gbps(largest["nbytes"], largest["memcpy_s"]),
         "transport_gbps": _gbps(largest["nbytes"], largest["transport_s"]),
         "engines": {
-            name: {"weightsync_gbps": _gbps(largest["nbytes"], eng["sync_s"]),
-                   "verify_extra_s": eng["verify_extra_s"], "verified": eng["verified"],
-                   "native_gbps": {p: _gbps(largest["nbytes"], s)
-                                   for p, s in eng["native_s"].items()}}
-            for name, eng in largest["engines"].items()},
+            name: {
+                "weightsync_gbps": _gbps(largest["nbytes"], eng["sync_s"]),
+                "verify_extra_s": eng["verify_extra_s"],
+                "verified": eng["verified"],
+                "native_gbps": {p: _gbps(largest["nbytes"], s) for p, s in eng["native_s"].items()},
+            }
+            for name, eng in largest["engines"].items()
+        },
         "runs": results,
     }
     if args.json:
@@ -295,11 +390,20 @@ def _plot(results: list[dict[str, Any]], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(xs, [_gbps(r["nbytes"], r["memcpy_s"]) for r in results], "k--", label="memcpy")
     for name in results[0]["engines"]:
-        ax.plot(xs, [_gbps(r["nbytes"], r["engines"][name]["sync_s"]) for r in results],
-                marker="o", label=f"{name} weightsync")
+        ax.plot(
+            xs,
+            [_gbps(r["nbytes"], r["engines"][name]["sync_s"]) for r in results],
+            marker="o",
+            label=f"{name} weightsync",
+        )
         for p in results[0]["engines"][name]["native_s"]:
-            ax.plot(xs, [_gbps(r["nbytes"], r["engines"][name]["native_s"][p]) for r in results],
-                    marker="x", linestyle=":", label=f"{name} native {p}")
+            ax.plot(
+                xs,
+                [_gbps(r["nbytes"], r["engines"][name]["native_s"][p]) for r in results],
+                marker="x",
+                linestyle=":",
+                label=f"{name} native {p}",
+            )
     ax.set(xlabel="model GB (bf16)", ylabel="GB/s", title="weight sync throughput")
     ax.legend(fontsize=7)
     fig.tight_layout()

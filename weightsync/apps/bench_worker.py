@@ -62,8 +62,9 @@ class BenchWorker(DTensorV2WeightSyncWorker):
 
         def one_pass() -> float:
             start = time.perf_counter()
-            for plan in fill_buckets(plans, iter(tensors),
-                                     lambda p: sender.buffer(p.index % 2, p.nbytes)):
+            for plan in fill_buckets(
+                plans, iter(tensors), lambda p: sender.buffer(p.index % 2, p.nbytes)
+            ):
                 desc = plan.descriptor(sender.handle(plan.index % 2))
                 for name, view in unpack(receiver.receive(desc.handle, desc.nbytes), desc):
                     dst[name].copy_(view)

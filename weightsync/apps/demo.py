@@ -35,20 +35,30 @@ MISMATCH_BOUND = {"opt": 1e-5, "qwen2": 1e-5}
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="GRPO on a tiny model with SGLang and vLLM kept in step")
-    p.add_argument("--task", choices=("grpo", "sft"), default="grpo",
-                   help="grpo: engines sample, the trainer learns from rewards (default); sft: "
-                        "supervised steps on one sentence, greedy continuations compared")
+    p.add_argument(
+        "--task",
+        choices=("grpo", "sft"),
+        default="grpo",
+        help="grpo: engines sample, the trainer learns from rewards (default); sft: "
+        "supervised steps on one sentence, greedy continuations compared",
+    )
     # "%(default).0s" prints nothing; it only keeps the formatter from adding "(default: None)".
-    p.add_argument("--steps", type=int, help="steps, each followed by a sync (default: 24 for "
-                                             "grpo, 30 for sft)%(default).0s")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="steps, each followed by a sync (default: 24 for grpo, 30 for sft)%(default).0s",
+    )
     p.add_argument("--engines", default="sglang,vllm", help="comma-separated: sglang, vllm")
     p.add_argument("--arch", default="opt", help="opt (both engines) or qwen2 (vLLM only)")
     p.add_argument("--model-size", default="tiny", help="tiny, small, base or medium")
     p.add_argument("--group-size", type=int, default=8, help="grpo: samples per prompt")
     p.add_argument("--seed", type=int, default=0, help="grpo: model and sampling seed")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    p.add_argument("--plot", metavar="FILE.png",
-                   help="draw over steps: grpo reward, mismatch, seconds; sft loss, sync times")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw over steps: grpo reward, mismatch, seconds; sft loss, sync times",
+    )
     p.set_defaults(run=run)
 
 
@@ -78,25 +88,32 @@ def _run_sft(args: argparse.Namespace) -> int:
     for name in engines:
         env = "sglang" if name == "sglang" else envs.default_vllm_env()
         log.info("env %s: %s", env, envs.build(env)["action"])
-    model = make_tiny_model(tempfile.mkdtemp(prefix="weightsync-demo-"), arch=args.arch,
-                            size=args.model_size, seed=0)
+    model = make_tiny_model(
+        tempfile.mkdtemp(prefix="weightsync-demo-"), arch=args.arch, size=args.model_size, seed=0
+    )
     tok = make_tokenizer()
     prompt = tok("weightsync keeps").input_ids
     batch = [tok(TEXT * 3).input_ids[:96]] * 2
     launcher.init_ray(num_cpus=2, log_to_driver=False)
     actors = {
-        "sglang": lambda: launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", model),
+        "sglang": lambda: launcher.launch(
+            "weightsync.backends.sglang.engine.SglEngineActor", model
+        ),
         "vllm": lambda: launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model),
     }
     handles = {name: actors[name]() for name in engines}
-    trainer = launcher.TrainerGroup("weightsync.apps.worker.DTensorV2WeightSyncWorker",
-                                    model_path=model, lr=2e-3, seed=0)
+    trainer = launcher.TrainerGroup(
+        "weightsync.apps.worker.DTensorV2WeightSyncWorker", model_path=model, lr=2e-3, seed=0
+    )
     _wait_for_engines(handles)
     trainer.call("connect", handles)
     steps: list[dict[str, Any]] = []
     ok = True
-    table = Table("step", "loss", *[c for n in engines
-                                     for c in (f"{n} ms", "GB/s", "ok", f"{n} continuation")])
+    table = Table(
+        "step",
+        "loss",
+        *[c for n in engines for c in (f"{n} ms", "GB/s", "ok", f"{n} continuation")],
+    )
     console = Console()
     live = Live(table, console=console, auto_refresh=False)
     if not args.json:
@@ -112,13 +129,28 @@ def _run_sft(args: argparse.Namespace) -> int:
             same = got["tokens"][0] == want
             ok &= verified and same
             engine_s = report["engines"][name].get("session_s", report["sync_s"])
-            row["engines"][name] = {"verified": verified, "matches_reference": same,
-                                    "sync_s": engine_s, "gbps": report["nbytes"] / engine_s / 1e9,
-                                    "text": _continuation(got["tokens"][0])}
+            row["engines"][name] = {
+                "verified": verified,
+                "matches_reference": same,
+                "sync_s": engine_s,
+                "gbps": report["nbytes"] / engine_s / 1e9,
+                "text": _continuation(got["tokens"][0]),
+            }
         steps.append(row)
-        table.add_row(str(step), f"{loss:.3f}", *[c for e in row["engines"].values() for c in (
-            f"{e['sync_s'] * 1e3:.1f}", f"{e['gbps']:.2f}",
-            "yes" if e["verified"] and e["matches_reference"] else "NO", repr(e["text"][:28]))])
+        table.add_row(
+            str(step),
+            f"{loss:.3f}",
+            *[
+                c
+                for e in row["engines"].values()
+                for c in (
+                    f"{e['sync_s'] * 1e3:.1f}",
+                    f"{e['gbps']:.2f}",
+                    "yes" if e["verified"] and e["matches_reference"] else "NO",
+                    repr(e["text"][:28]),
+                )
+            ],
+        )
         live.refresh()
     if not args.json:
         live.stop()
@@ -129,8 +161,11 @@ def _run_sft(args: argparse.Namespace) -> int:
         print()
     else:
         print(f"reference continuation: {summary['reference'][:60]!r}")
-        print("every sync verified and every engine matched the trainer" if ok
-              else "FAILED: a sync did not verify or an engine differed from the trainer")
+        print(
+            "every sync verified and every engine matched the trainer"
+            if ok
+            else "FAILED: a sync did not verify or an engine differed from the trainer"
+        )
     if args.plot:
         _plot(steps, args.plot)
     _shutdown(handles)
@@ -154,33 +189,55 @@ def _run_grpo(args: argparse.Namespace) -> int:
     if args.arch not in ("opt", "qwen2"):
         raise ValueError(f"--arch {args.arch!r}: expected opt or qwen2")
     if args.arch != "opt" and "sglang" in engines:
-        raise ValueError(f"--arch {args.arch}: SGLang cannot run rope models on a CPU; use "
-                         f"--engines vllm")
+        raise ValueError(
+            f"--arch {args.arch}: SGLang cannot run rope models on a CPU; use --engines vllm"
+        )
     # Bad options (steps, group size, sampling) fail here, before any engine starts.
-    config = GrpoConfig(steps=24 if args.steps is None else args.steps,
-                        group_size=args.group_size, seed=args.seed)
+    config = GrpoConfig(
+        steps=24 if args.steps is None else args.steps, group_size=args.group_size, seed=args.seed
+    )
     log = logging.getLogger("weightsync.apps.demo")
     for name in engines:
         env = "sglang" if name == "sglang" else envs.default_vllm_env()
         log.info("env %s: %s", env, envs.build(env)["action"])
-    model = make_tiny_model(tempfile.mkdtemp(prefix="weightsync-grpo-"), arch=args.arch,
-                            size=args.model_size, seed=args.seed)
+    model = make_tiny_model(
+        tempfile.mkdtemp(prefix="weightsync-grpo-"),
+        arch=args.arch,
+        size=args.model_size,
+        seed=args.seed,
+    )
     tok = make_tokenizer()
     launcher.init_ray(num_cpus=2, log_to_driver=False)
-    classes = {"sglang": "weightsync.backends.sglang.engine.SglEngineActor",
-               "vllm": "weightsync.backends.vllm.engine.VllmEngineActor"}
+    classes = {
+        "sglang": "weightsync.backends.sglang.engine.SglEngineActor",
+        "vllm": "weightsync.backends.vllm.engine.VllmEngineActor",
+    }
     handles = {name: launcher.launch(classes[name], model) for name in engines}
-    trainer = launcher.TrainerGroup("weightsync.apps.worker.DTensorV2WeightSyncWorker",
-                                    model_path=model, lr=GRPO_LR, seed=args.seed)
+    trainer = launcher.TrainerGroup(
+        "weightsync.apps.worker.DTensorV2WeightSyncWorker",
+        model_path=model,
+        lr=GRPO_LR,
+        seed=args.seed,
+    )
     _wait_for_engines(handles)
     trainer.call("connect", handles)
-    loop = GrpoLoop(trainer, handles, config, encode=lambda text: tok(text).input_ids,
-                    decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    loop = GrpoLoop(
+        trainer,
+        handles,
+        config,
+        encode=lambda text: tok(text).input_ids,
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+    )
     started = time.perf_counter()
     first = loop.start()
-    table = Table("step", *[c for n in engines for c in (f"{n} reward", "|dlogp|", "KL",
-                                                         "version", "ok")],
-                  "rollout s", "train s", "sync s", f"sample ({engines[0]})")
+    table = Table(
+        "step",
+        *[c for n in engines for c in (f"{n} reward", "|dlogp|", "KL", "version", "ok")],
+        "rollout s",
+        "train s",
+        "sync s",
+        f"sample ({engines[0]})",
+    )
     console = Console()
     live = Live(table, console=console, auto_refresh=False)
     if not args.json:
@@ -190,21 +247,43 @@ def _run_grpo(args: argparse.Namespace) -> int:
         row = loop.step(step)
         steps.append(row)
         es = row["engines"]
-        table.add_row(str(step), *[c for e in es.values() for c in (
-            f"{e['reward']:.3f}", f"{e['mean_abs']:.1e}", f"{e['kl']:.1e}",
-            ",".join(e["versions"]), "yes" if e["verified"] and e["on_version"] else "NO")],
-            f"{row['rollout_s']:.2f}", f"{row['train_s']:.2f}", f"{row['sync_s']:.2f}",
-            repr(es[engines[0]]["sample"][:16]))
+        table.add_row(
+            str(step),
+            *[
+                c
+                for e in es.values()
+                for c in (
+                    f"{e['reward']:.3f}",
+                    f"{e['mean_abs']:.1e}",
+                    f"{e['kl']:.1e}",
+                    ",".join(e["versions"]),
+                    "yes" if e["verified"] and e["on_version"] else "NO",
+                )
+            ],
+            f"{row['rollout_s']:.2f}",
+            f"{row['train_s']:.2f}",
+            f"{row['sync_s']:.2f}",
+            repr(es[engines[0]]["sample"][:16]),
+        )
         live.refresh()
     loop_s = time.perf_counter() - started
     if not args.json:
         live.stop()
         console.line()
     verdict = Verdict(max_mean_abs=MISMATCH_BOUND[args.arch]).judge(
-        steps, start_verified=first["verified"])
-    summary = {"ok": verdict.ok, "failures": verdict.failures, "arch": args.arch,
-               "engines": engines, "loop_s": loop_s, "mismatch_bound": verdict.max_mean_abs,
-               "first_sync": first, "phases": _phases(steps), "steps": steps}
+        steps, start_verified=first["verified"]
+    )
+    summary = {
+        "ok": verdict.ok,
+        "failures": verdict.failures,
+        "arch": args.arch,
+        "engines": engines,
+        "loop_s": loop_s,
+        "mismatch_bound": verdict.max_mean_abs,
+        "first_sync": first,
+        "phases": _phases(steps),
+        "steps": steps,
+    }
     if args.json:
         json.dump(summary, sys.stdout, indent=1)
         print()
@@ -212,15 +291,25 @@ def _run_grpo(args: argparse.Namespace) -> int:
         for name in engines:
             rewards = [s["engines"][name]["reward"] for s in steps]
             worst = max(s["engines"][name]["mean_abs"] for s in steps)
-            print(f"{name}: mean reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; worst mean "
-                  f"|dlogp| {worst:.1e} (bound {verdict.max_mean_abs:.0e})")
+            print(
+                f"{name}: mean reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; worst mean "
+                f"|dlogp| {worst:.1e} (bound {verdict.max_mean_abs:.0e})"
+            )
         phases = summary["phases"]
-        print(f"{config.steps} steps in {loop_s:.1f} s; a step after the first (median s, "
-              f"share): " + ", ".join(f"{k} {phases[k + '_s']:.3f} ({phases[k + '_share']:.0%})"
-                                      for k in ("rollout", "train", "sync")))
-        print("every sync verified, every rollout came from the version just synced, the reward "
-              "rose and the mismatch stayed in bound" if verdict.ok else
-              "FAILED: " + "; ".join(verdict.failures))
+        print(
+            f"{config.steps} steps in {loop_s:.1f} s; a step after the first (median s, "
+            f"share): "
+            + ", ".join(
+                f"{k} {phases[k + '_s']:.3f} ({phases[k + '_share']:.0%})"
+                for k in ("rollout", "train", "sync")
+            )
+        )
+        print(
+            "every sync verified, every rollout came from the version just synced, the reward "
+            "rose and the mismatch stayed in bound"
+            if verdict.ok
+            else "FAILED: " + "; ".join(verdict.failures)
+        )
     if args.plot:
         _plot_grpo(steps, args.plot, bound=verdict.max_mean_abs)
     _shutdown(handles)
@@ -263,10 +352,19 @@ def _plot_grpo(steps: list[dict[str, Any]], path: str, *, bound: float) -> None:
     xs = [s["step"] for s in steps]
     for name in steps[0]["engines"]:
         ax_reward.plot(xs, [s["engines"][name]["reward"] for s in steps], marker="o", label=name)
-        ax_gap.plot(xs, [s["engines"][name]["mean_abs"] for s in steps], marker="o",
-                    label=f"{name} mean |dlogp|")
-        ax_gap.plot(xs, [max(s["engines"][name]["kl"], 1e-18) for s in steps], marker="x",
-                    linestyle=":", label=f"{name} KL (k3)")
+        ax_gap.plot(
+            xs,
+            [s["engines"][name]["mean_abs"] for s in steps],
+            marker="o",
+            label=f"{name} mean |dlogp|",
+        )
+        ax_gap.plot(
+            xs,
+            [max(s["engines"][name]["kl"], 1e-18) for s in steps],
+            marker="x",
+            linestyle=":",
+            label=f"{name} KL (k3)",
+        )
     ax_gap.axhline(bound, color="red", linestyle="--", label="bound (mean |dlogp|)")
     ax_gap.set_yscale("log")
     for key in ("rollout_s", "train_s", "sync_s"):
@@ -291,8 +389,14 @@ def _wait_for_engines(handles: dict[str, Any]) -> None:
 
     def status() -> Text:
         now = time.monotonic() - start
-        return Text("  ".join(f"{n}: ready after {ready[n]:.0f} s" if n in ready
-                              else f"{n}: starting, {now:.0f} s" for n in handles))
+        return Text(
+            "  ".join(
+                f"{n}: ready after {ready[n]:.0f} s"
+                if n in ready
+                else f"{n}: starting, {now:.0f} s"
+                for n in handles
+            )
+        )
 
     with Live(status(), console=Console(stderr=True), refresh_per_second=2) as live:
         while pending:
@@ -316,8 +420,9 @@ def _plot(steps: list[dict[str, Any]], path: str) -> None:
     ax_loss.plot(xs, [s["loss"] for s in steps], marker="o")
     ax_loss.set(xlabel="step", ylabel="training loss", title="loss")
     for name in steps[0]["engines"]:
-        ax_sync.plot(xs, [s["engines"][name]["sync_s"] * 1e3 for s in steps], marker="o",
-                     label=name)
+        ax_sync.plot(
+            xs, [s["engines"][name]["sync_s"] * 1e3 for s in steps], marker="o", label=name
+        )
     ax_sync.set(xlabel="step", ylabel="sync ms", title="sync time per engine")
     ax_sync.legend()
     fig.tight_layout()

@@ -43,11 +43,13 @@ def group_advantages(rewards: list[float], group_size: int) -> list[float]:
     """Rewards minus their group's mean, over the group's standard deviation (+1e-4): groups
     are consecutive runs of `group_size`. A group whose rewards are all equal gets zeros."""
     if group_size < 2 or len(rewards) % group_size:
-        raise ValueError(f"{len(rewards)} rewards in groups of {group_size}: need groups of at "
-                         f"least 2 that divide the rewards")
+        raise ValueError(
+            f"{len(rewards)} rewards in groups of {group_size}: need groups of at "
+            f"least 2 that divide the rewards"
+        )
     out: list[float] = []
     for start in range(0, len(rewards), group_size):
-        group = rewards[start:start + group_size]
+        group = rewards[start : start + group_size]
         mean = sum(group) / group_size
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / (group_size - 1))
         out += [(r - mean) / (std + 1e-4) for r in group]
@@ -57,18 +59,24 @@ def group_advantages(rewards: list[float], group_size: int) -> list[float]:
 def mismatch(sampler: list[list[float]], learner: list[list[float]]) -> dict[str, float]:
     """Mean |sampler - learner| and the k3 estimate of KL(sampler || learner) over all sampled
     tokens (log-probabilities of the same tokens; k3 = exp(l - s) - 1 - (l - s) >= 0)."""
-    deltas = [lv - sv for s_row, l_row in zip(sampler, learner, strict=True)
-              for sv, lv in zip(s_row, l_row, strict=True)]
+    deltas = [
+        lv - sv
+        for s_row, l_row in zip(sampler, learner, strict=True)
+        for sv, lv in zip(s_row, l_row, strict=True)
+    ]
     if not deltas:
         raise ValueError("no sampled tokens to compare")
-    return {"mean_abs": sum(abs(d) for d in deltas) / len(deltas),
-            "kl": sum(math.expm1(d) - d for d in deltas) / len(deltas),
-            "max_abs": max(abs(d) for d in deltas)}
+    return {
+        "mean_abs": sum(abs(d) for d in deltas) / len(deltas),
+        "kl": sum(math.expm1(d) - d for d in deltas) / len(deltas),
+        "max_abs": max(abs(d) for d in deltas),
+    }
 
 
 # ---- the trainer ranks' side --------------------------------------------------------------------
-def token_logprobs(model: torch.nn.Module, rollouts: list[dict[str, Any]], *,
-                   temperature: float) -> list[torch.Tensor]:
+def token_logprobs(
+    model: torch.nn.Module, rollouts: list[dict[str, Any]], *, temperature: float
+) -> list[torch.Tensor]:
     """Log-probabilities (float32, with grad) of each rollout's "tokens" after its "prompt",
     under softmax(logits / temperature); one right-padded forward pass."""
     import torch
@@ -79,21 +87,27 @@ def token_logprobs(model: torch.nn.Module, rollouts: list[dict[str, Any]], *,
     ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row, device=device)
-        mask[i, :len(row)] = 1
+        ids[i, : len(row)] = torch.tensor(row, device=device)
+        mask[i, : len(row)] = 1
     logits = model(input_ids=ids, attention_mask=mask).logits.float()
     logprobs = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
     picked = logprobs.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     out = []
     for i, r in enumerate(rollouts):
         start = len(r["prompt"]) - 1
-        out.append(picked[i, start:start + len(r["tokens"])])
+        out.append(picked[i, start : start + len(r["tokens"])])
     return out
 
 
-def policy_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                rollouts: list[dict[str, Any]], *, temperature: float = 1.0,
-                clip_eps: float = 0.2, num_updates: int = 2) -> dict[str, Any]:
+def policy_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rollouts: list[dict[str, Any]],
+    *,
+    temperature: float = 1.0,
+    clip_eps: float = 0.2,
+    num_updates: int = 2,
+) -> dict[str, Any]:
     """`num_updates` clipped policy-gradient updates on `rollouts` ({"prompt", "tokens",
     "advantage"}), every trainer rank at once with the same list; each rank computes rank::world
     of them and FSDP2 averages the gradients. The loss is per token, -min(ratio * A,
@@ -105,7 +119,9 @@ def policy_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if len(rollouts) < world:
-        raise ValueError(f"{len(rollouts)} rollouts for {world} trainer ranks: every rank needs one")
+        raise ValueError(
+            f"{len(rollouts)} rollouts for {world} trainer ranks: every rank needs one"
+        )
     mine = rollouts[rank::world]
     num_tokens = sum(len(r["tokens"]) for r in rollouts)
     advantages = [torch.tensor(r["advantage"]) for r in mine]
@@ -175,9 +191,13 @@ class GrpoConfig:
         self.sampling(0)  # bad sampling options fail here, before any engine is asked
 
     def sampling(self, step: int) -> SamplingOptions:
-        return SamplingOptions(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                               top_p=self.top_p, n=self.group_size,
-                               seed=self.seed + 1000 * step)
+        return SamplingOptions(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            n=self.group_size,
+            seed=self.seed + 1000 * step,
+        )
 
 
 class GrpoLoop:
@@ -185,8 +205,16 @@ class GrpoLoop:
     actors (`generate`), from the driver. `start()` syncs once (version "step-0"), so the first
     rollouts already come from a known version; `step(s)` returns the step's plain-data record."""
 
-    def __init__(self, trainer: Any, engines: dict[str, Any], config: GrpoConfig, *,
-                 encode: Any, decode: Any, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        trainer: Any,
+        engines: dict[str, Any],
+        config: GrpoConfig,
+        *,
+        encode: Any,
+        decode: Any,
+        timeout_s: float = 600.0,
+    ) -> None:
         self.trainer = trainer
         self.engines = engines
         self.config = config
@@ -214,8 +242,9 @@ class GrpoLoop:
         options = asdict(cfg.sampling(step))
         n = cfg.group_size
         start = time.perf_counter()
-        refs = {name: h.generate.remote(self.prompt_ids, **options)
-                for name, h in self.engines.items()}
+        refs = {
+            name: h.generate.remote(self.prompt_ids, **options) for name, h in self.engines.items()
+        }
         outs = {name: ray.get(ref, timeout=self.timeout_s) for name, ref in refs.items()}
         rollout_s = time.perf_counter() - start
         rollouts: list[dict[str, Any]] = []
@@ -224,10 +253,13 @@ class GrpoLoop:
             rewards = [reward(self.decode(t), len(t)) for t in out["tokens"]]
             advantages = group_advantages(rewards, n)
             first = len(rollouts)
-            rollouts += [{"prompt": self.prompt_ids[i // n], "tokens": t, "advantage": a}
-                         for i, (t, a) in enumerate(zip(out["tokens"], advantages, strict=True))]
+            rollouts += [
+                {"prompt": self.prompt_ids[i // n], "tokens": t, "advantage": a}
+                for i, (t, a) in enumerate(zip(out["tokens"], advantages, strict=True))
+            ]
             per_engine[name] = {
-                "reward": sum(rewards) / len(rewards), "rows": (first, len(rollouts)),
+                "reward": sum(rewards) / len(rewards),
+                "rows": (first, len(rollouts)),
                 "versions": sorted({str(out["weight_version"])}),
                 "expected_version": self.version,
                 "sample": self.decode(out["tokens"][0]),
@@ -235,8 +267,13 @@ class GrpoLoop:
                 "num_tokens": sum(len(t) for t in out["tokens"]),
             }
         start = time.perf_counter()
-        learned = self.trainer.call("grpo_step", rollouts, temperature=cfg.temperature,
-                                    clip_eps=cfg.clip_eps, num_updates=cfg.num_updates)
+        learned = self.trainer.call(
+            "grpo_step",
+            rollouts,
+            temperature=cfg.temperature,
+            clip_eps=cfg.clip_eps,
+            num_updates=cfg.num_updates,
+        )
         train_s = time.perf_counter() - start
         for name, rec in per_engine.items():
             lo, hi = rec.pop("rows")
@@ -248,10 +285,17 @@ class GrpoLoop:
         for name, ok in self._verified(report).items():
             per_engine[name]["verified"] = ok
             per_engine[name]["sync_s"] = float(
-                report["engines"][name].get("session_s", report["sync_s"]))
-        return {"step": step, "loss": learned["loss"], "rollout_s": rollout_s,
-                "train_s": train_s, "sync_s": sync_s, "version": self.version,
-                "engines": per_engine}
+                report["engines"][name].get("session_s", report["sync_s"])
+            )
+        return {
+            "step": step,
+            "loss": learned["loss"],
+            "rollout_s": rollout_s,
+            "train_s": train_s,
+            "sync_s": sync_s,
+            "version": self.version,
+            "engines": per_engine,
+        }
 
 
 @dataclass(kw_only=True, slots=True)
@@ -268,25 +312,34 @@ class Verdict:
 
     def judge(self, steps: list[dict[str, Any]], *, start_verified: dict[str, bool]) -> Verdict:
         out = replace(self, failures=[])
-        out.failures += [f"{n}: the first sync (step-0) did not verify"
-                         for n, ok in start_verified.items() if not ok]
+        out.failures += [
+            f"{n}: the first sync (step-0) did not verify"
+            for n, ok in start_verified.items()
+            if not ok
+        ]
         window = max(1, min(self.window, len(steps) // 4))
         for s in steps:
             for name, e in s["engines"].items():
                 if not e["verified"]:
                     out.failures.append(f"step {s['step']}: {name}'s sync did not verify")
                 if not e["on_version"]:
-                    out.failures.append(f"step {s['step']}: {name} sampled with versions "
-                                        f"{e['versions']}, expected {e['expected_version']!r}")
+                    out.failures.append(
+                        f"step {s['step']}: {name} sampled with versions "
+                        f"{e['versions']}, expected {e['expected_version']!r}"
+                    )
                 if not e["mean_abs"] < self.max_mean_abs:
-                    out.failures.append(f"step {s['step']}: {name}'s mean |log-prob delta| "
-                                        f"{e['mean_abs']:.2e} >= bound {self.max_mean_abs:.0e}")
+                    out.failures.append(
+                        f"step {s['step']}: {name}'s mean |log-prob delta| "
+                        f"{e['mean_abs']:.2e} >= bound {self.max_mean_abs:.0e}"
+                    )
         for name in steps[0]["engines"]:
             first = sum(s["engines"][name]["reward"] for s in steps[:window]) / window
             last = sum(s["engines"][name]["reward"] for s in steps[-window:]) / window
             if not last >= first + self.min_gain:
-                out.failures.append(f"{name}: mean reward of the last {window} steps {last:.3f} "
-                                    f"is not {self.min_gain} above the first {window}' {first:.3f}")
+                out.failures.append(
+                    f"{name}: mean reward of the last {window} steps {last:.3f} "
+                    f"is not {self.min_gain} above the first {window}' {first:.3f}"
+                )
         return out
 
     @property

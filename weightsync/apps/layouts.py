@@ -22,8 +22,9 @@ Layout = list[tuple[str, tuple[int, ...]]]
 LAYOUTS = ("uniform", "llama8b", "qwen3-30b-a3b")
 
 
-def _dense_layer(i: int, *, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int) -> Layout:
+def _dense_layer(
+    i: int, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int
+) -> Layout:
     p = f"model.layers.{i}"
     return [
         (f"{p}.input_layernorm.weight", (hidden,)),
@@ -48,8 +49,14 @@ def llama8b(num_layers: int = 32, *, shrink: int = 1) -> Layout:
     hidden, vocab, heads, kv_heads, intermediate = _shrunk(shrink, 4096, 128256, 32, 8, 14336)
     out: Layout = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(num_layers):
-        out += _dense_layer(i, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=128,
-                            intermediate=intermediate)
+        out += _dense_layer(
+            i,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=128,
+            intermediate=intermediate,
+        )
     return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
 
 
@@ -72,19 +79,22 @@ def qwen3_30b_a3b(num_layers: int = 48, *, shrink: int = 1) -> Layout:
         ]
         for e in range(experts):
             q = f"{p}.mlp.experts.{e}"
-            out += [(f"{q}.gate_proj.weight", (moe_intermediate, hidden)),
-                    (f"{q}.up_proj.weight", (moe_intermediate, hidden)),
-                    (f"{q}.down_proj.weight", (hidden, moe_intermediate))]
+            out += [
+                (f"{q}.gate_proj.weight", (moe_intermediate, hidden)),
+                (f"{q}.up_proj.weight", (moe_intermediate, hidden)),
+                (f"{q}.down_proj.weight", (hidden, moe_intermediate)),
+            ]
     return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
 
 
 # How an engine fuses a checkpoint's tensors into its parameters (vLLM's layout for these
 # models): (name suffix pattern, fused parameter suffix, whether each member is one expert's).
-_FUSED = ((re.compile(r"(.*\.self_attn)\.[qkv]_proj\.weight$"), "qkv_proj.weight", False),
-          (re.compile(r"(.*\.mlp)\.(?:gate|up)_proj\.weight$"), "gate_up_proj.weight", False),
-          (re.compile(r"(.*\.mlp\.experts)\.\d+\.(?:gate|up)_proj\.weight$"), "w13_weight",
-           True),
-          (re.compile(r"(.*\.mlp\.experts)\.\d+\.down_proj\.weight$"), "w2_weight", True))
+_FUSED = (
+    (re.compile(r"(.*\.self_attn)\.[qkv]_proj\.weight$"), "qkv_proj.weight", False),
+    (re.compile(r"(.*\.mlp)\.(?:gate|up)_proj\.weight$"), "gate_up_proj.weight", False),
+    (re.compile(r"(.*\.mlp\.experts)\.\d+\.(?:gate|up)_proj\.weight$"), "w13_weight", True),
+    (re.compile(r"(.*\.mlp\.experts)\.\d+\.down_proj\.weight$"), "w2_weight", True),
+)
 
 
 def fused(shapes: Layout) -> tuple[Layout, dict[str, tuple[str, int]]]:
@@ -134,8 +144,14 @@ def uniform(num_tensors: int, tensor_bytes: int, element_bytes: int = 2) -> Layo
     return [(f"layers.{i}.weight", (math.ceil(numel / cols), cols)) for i in range(num_tensors)]
 
 
-def layout(name: str, *, num_layers: int | None = None, num_tensors: int = 64,
-           tensor_bytes: int = 256 << 20, shrink: int = 1) -> Layout:
+def layout(
+    name: str,
+    *,
+    num_layers: int | None = None,
+    num_tensors: int = 64,
+    tensor_bytes: int = 256 << 20,
+    shrink: int = 1,
+) -> Layout:
     """The layout called `name` (one of LAYOUTS); `shrink` divides a real layout's widths."""
     if name == "llama8b":
         return llama8b(32 if num_layers is None else num_layers, shrink=shrink)
@@ -150,8 +166,7 @@ def nbytes(shapes: Layout, element_bytes: int = 2) -> int:
     return sum(math.prod(shape) for _, shape in shapes) * element_bytes
 
 
-def build_module(shapes: Layout, *, device: str = "cpu", fill: bool = False,
-                 seed: int = 0) -> Any:
+def build_module(shapes: Layout, *, device: str = "cpu", fill: bool = False, seed: int = 0) -> Any:
     """An `nn.Module` whose parameters have exactly these names and shapes (bf16, no grad):
     zeros, or with `fill` random normal values from `seed`."""
     import torch

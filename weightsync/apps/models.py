@@ -60,31 +60,61 @@ def make_config(arch: str = "opt", size: str = "tiny"):
 
     s = _check(arch, size)
     ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
-    rope = {"vocab_size": VOCAB_SIZE, "hidden_size": s.hidden, "num_attention_heads": s.heads,
-            "num_key_value_heads": s.heads // 2, "head_dim": s.hidden // s.heads,
-            "num_hidden_layers": s.layers, "intermediate_size": s.ffn,
-            "max_position_embeddings": MAX_POSITIONS, "tie_word_embeddings": False, **ids}
+    rope = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": s.hidden,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.heads // 2,
+        "head_dim": s.hidden // s.heads,
+        "num_hidden_layers": s.layers,
+        "intermediate_size": s.ffn,
+        "max_position_embeddings": MAX_POSITIONS,
+        "tie_word_embeddings": False,
+        **ids,
+    }
     if arch == "qwen2":
         return Qwen2Config(**rope)
     if arch == "qwen3_moe":
-        return Qwen3MoeConfig(**rope, num_experts=NUM_EXPERTS, num_experts_per_tok=2,
-                              moe_intermediate_size=s.ffn // 8, decoder_sparse_step=1)
+        return Qwen3MoeConfig(
+            **rope,
+            num_experts=NUM_EXPERTS,
+            num_experts_per_tok=2,
+            moe_intermediate_size=s.ffn // 8,
+            decoder_sparse_step=1,
+        )
     if arch == "opt":
         return OPTConfig(
-            vocab_size=VOCAB_SIZE, hidden_size=s.hidden, num_attention_heads=s.heads,
-            num_hidden_layers=s.layers, ffn_dim=s.ffn, max_position_embeddings=MAX_POSITIONS,
-            word_embed_proj_dim=s.hidden, do_layer_norm_before=True, dropout=0.0,
-            attention_dropout=0.0, tie_word_embeddings=True, **ids,
+            vocab_size=VOCAB_SIZE,
+            hidden_size=s.hidden,
+            num_attention_heads=s.heads,
+            num_hidden_layers=s.layers,
+            ffn_dim=s.ffn,
+            max_position_embeddings=MAX_POSITIONS,
+            word_embed_proj_dim=s.hidden,
+            do_layer_norm_before=True,
+            dropout=0.0,
+            attention_dropout=0.0,
+            tie_word_embeddings=True,
+            **ids,
         )
     return GPT2Config(
-        vocab_size=VOCAB_SIZE, n_embd=s.hidden, n_head=s.heads, n_layer=s.layers,
-        n_inner=s.ffn, n_positions=MAX_POSITIONS, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, tie_word_embeddings=True, **ids,
+        vocab_size=VOCAB_SIZE,
+        n_embd=s.hidden,
+        n_head=s.heads,
+        n_layer=s.layers,
+        n_inner=s.ffn,
+        n_positions=MAX_POSITIONS,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        **ids,
     )
 
 
-def build_model(arch: str = "opt", size: str = "tiny", *, seed: int = 0,
-                dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_model(
+    arch: str = "opt", size: str = "tiny", *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """A randomly initialised causal LM, the same for the same (arch, size, seed)."""
     from transformers import AutoModelForCausalLM
 
@@ -107,8 +137,13 @@ def make_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
-                                   pad_token=PAD, model_max_length=MAX_POSITIONS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=MAX_POSITIONS,
+    )
 
 
 def save_model(model: nn.Module, path: str, *, dtype: torch.dtype | None = None) -> str:
@@ -121,8 +156,9 @@ def save_model(model: nn.Module, path: str, *, dtype: torch.dtype | None = None)
     return path
 
 
-def make_tiny_model(path: str, *, arch: str = "opt", size: str = "tiny", seed: int = 0,
-                    dtype: str = "float32") -> str:
+def make_tiny_model(
+    path: str, *, arch: str = "opt", size: str = "tiny", seed: int = 0, dtype: str = "float32"
+) -> str:
     """Build and save a model; skipped when `path` already holds the same one."""
     from weightsync.wire.specs import dtype_from_str
 

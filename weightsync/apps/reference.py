@@ -11,8 +11,13 @@ from typing import Any
 import torch
 
 
-def reference_generate(model_path: str, state: dict[str, torch.Tensor],
-                       prompts: list[list[int]], *, max_new_tokens: int) -> dict[str, Any]:
+def reference_generate(
+    model_path: str,
+    state: dict[str, torch.Tensor],
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+) -> dict[str, Any]:
     """{"tokens": [[ids]], "logprobs": [[float]]}: greedy continuations of `prompts` by the
     architecture of the checkpoint at `model_path` holding the weights `state` (HF names)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -30,21 +35,28 @@ def reference_generate(model_path: str, state: dict[str, torch.Tensor],
         missing, _ = reference.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied:
-        raise ValueError(f"the trainer's state lacks {sorted(set(missing) - tied)[:5]} of the "
-                         f"architecture at {model_path}")
+        raise ValueError(
+            f"the trainer's state lacks {sorted(set(missing) - tied)[:5]} of the "
+            f"architecture at {model_path}"
+        )
     reference.tie_weights()
     reference.eval()
     tokens, logprobs = [], []
     with torch.no_grad():
         for prompt in prompts:
-            out = reference.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                                     do_sample=False, output_scores=True,
-                                     return_dict_in_generate=True,
-                                     pad_token_id=config.pad_token_id)
-            new = out.sequences[0, len(prompt):].tolist()
+            out = reference.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=config.pad_token_id,
+            )
+            new = out.sequences[0, len(prompt) :].tolist()
             tokens.append(new)
-            logprobs.append([float(torch.log_softmax(s[0].float(), -1)[t])
-                             for s, t in zip(out.scores, new)])
+            logprobs.append(
+                [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.scores, new)]
+            )
     return {"tokens": tokens, "logprobs": logprobs}
 
 
@@ -59,13 +71,18 @@ def _from_checkpoint_state(model_path: str, state: dict[str, torch.Tensor]) -> t
     from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory(prefix="weightsync-reference-") as tmp:
-        save_file({name: t.contiguous() for name, t in state.items()},
-                  str(Path(tmp) / "model.safetensors"))
+        save_file(
+            {name: t.contiguous() for name, t in state.items()},
+            str(Path(tmp) / "model.safetensors"),
+        )
         shutil.copy(Path(model_path) / "config.json", Path(tmp) / "config.json")
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32,
-                                                               output_loading_info=True)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                tmp, dtype=torch.float32, output_loading_info=True
+            )
         except RuntimeError as exc:  # transformers' conversion found pieces that do not fit
-            raise ValueError(f"the trainer's state does not load as a checkpoint of the "
-                             f"architecture at {model_path}: {str(exc).splitlines()[0]}") from exc
+            raise ValueError(
+                f"the trainer's state does not load as a checkpoint of the "
+                f"architecture at {model_path}: {str(exc).splitlines()[0]}"
+            ) from exc
         return model, list(info["missing_keys"])

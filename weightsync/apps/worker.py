@@ -37,18 +37,32 @@ class DTensorV2WeightSyncWorker:
 
     engine_env: str | None = None
 
-    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int,
-                 model_path: str, rank0_hosts_store: bool = True, dtype: str = "float32",
-                 lr: float = 1e-3, seed: int = 0,
-                 model_builder: Literal["transformers", "nemo_automodel"] = "transformers",
-                 test_pause: tuple[str, int, float] | None = None,
-                 **sync_options: Any) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        model_path: str,
+        rank0_hosts_store: bool = True,
+        dtype: str = "float32",
+        lr: float = 1e-3,
+        seed: int = 0,
+        model_builder: Literal["transformers", "nemo_automodel"] = "transformers",
+        test_pause: tuple[str, int, float] | None = None,
+        **sync_options: Any,
+    ) -> None:
         options = SyncOptions(**sync_options)  # bad options fail before anything starts
         torch.manual_seed(seed)
         self.rank = rank
-        self.device = init_trainer_group(rank=rank, world_size=world_size,
-                                         master_addr=master_addr, master_port=master_port,
-                                         rank0_hosts_store=rank0_hosts_store)
+        self.device = init_trainer_group(
+            rank=rank,
+            world_size=world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            rank0_hosts_store=rank0_hosts_store,
+        )
         self.model_path = model_path
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"dtype={dtype!r}: not a torch dtype name (e.g. 'float32')")
@@ -62,11 +76,13 @@ class DTensorV2WeightSyncWorker:
 
             self.model = build_automodel(model_path, dtype=dtype, device=self.device)
         else:
-            raise ValueError(f"model_builder={model_builder!r}: expected 'transformers' or "
-                             f"'nemo_automodel'")
+            raise ValueError(
+                f"model_builder={model_builder!r}: expected 'transformers' or 'nemo_automodel'"
+            )
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.weights = TrainerSync(self.model, options=options,
-                                   before_write=_pause_hook(test_pause, rank))
+        self.weights = TrainerSync(
+            self.model, options=options, before_write=_pause_hook(test_pause, rank)
+        )
 
     # ---- weight sync: TrainerSync's -------------------------------------------------------
     def refit_info(self) -> list[dict]:
@@ -75,8 +91,13 @@ class DTensorV2WeightSyncWorker:
     def connect(self, engines: dict[str, Any]) -> dict[str, Any]:
         return self.weights.connect(engines)
 
-    def sync(self, version: str | None = None, *, verify: bool | None = None,
-             engines: list[str] | None = None) -> dict[str, Any]:
+    def sync(
+        self,
+        version: str | None = None,
+        *,
+        verify: bool | None = None,
+        engines: list[str] | None = None,
+    ) -> dict[str, Any]:
         return self.weights.sync(version, verify=verify, engines=engines)
 
     def verify(self, engines: list[str] | None = None) -> dict[str, Any]:
@@ -133,11 +154,15 @@ class DTensorV2WeightSyncWorker:
         """Which class holds the weights and how many parameters are DTensors (plain data)."""
         params = list(self.model.parameters())
         # fully_shard swaps in a subclass ("FSDP<name>"): report the model's own class.
-        cls = next(c for c in type(self.model).__mro__
-                   if not c.__module__.startswith("torch.distributed"))
-        return {"module": cls.__module__, "class": cls.__name__,
-                "num_params": len(params),
-                "num_dtensor_params": sum(type(p).__name__ == "DTensor" for p in params)}
+        cls = next(
+            c for c in type(self.model).__mro__ if not c.__module__.startswith("torch.distributed")
+        )
+        return {
+            "module": cls.__module__,
+            "class": cls.__name__,
+            "num_params": len(params),
+            "num_dtensor_params": sum(type(p).__name__ == "DTensor" for p in params),
+        }
 
     def shutdown(self) -> None:
         self.weights.close()

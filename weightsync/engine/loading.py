@@ -38,13 +38,18 @@ if TYPE_CHECKING:
     from weightsync.wire.specs import BucketDescriptor
 
 
-
 class BucketLoader:
     """Receives one model replica's buckets through their transports (one receiving transport
     per kind, kept open across syncs) and loads them through the engine's loader."""
 
-    def __init__(self, refit: RefitCheck, *, load_fn: LoadFn, name: str = "engine",
-                 plain_copies: bool = False) -> None:
+    def __init__(
+        self,
+        refit: RefitCheck,
+        *,
+        load_fn: LoadFn,
+        name: str = "engine",
+        plain_copies: bool = False,
+    ) -> None:
         self.refit = refit
         self.load_fn = load_fn
         self.name = name
@@ -73,8 +78,10 @@ class BucketLoader:
         for meta in descriptor.tensors:
             spec = accepted.get(meta.name)
             if spec is None:
-                raise BucketRejected(f"{self.name}: bucket {descriptor.index} carries "
-                                     f"{meta.name!r}, which refit info did not announce")
+                raise BucketRejected(
+                    f"{self.name}: bucket {descriptor.index} carries "
+                    f"{meta.name!r}, which refit info did not announce"
+                )
             if spec.shape != meta.shape or spec.dtype != meta.dtype:
                 raise BucketRejected(
                     f"{self.name}: tensor {meta.name!r}: bucket has {meta.dtype} {meta.shape}, "
@@ -98,11 +105,11 @@ class BucketLoader:
         if not self.plain_copies:
             self.load_fn(iter(named_tensors))
             return
-        replayed = self._replayed if self._replayed and self._replayed[1] is named_tensors \
-            else None
+        replayed = self._replayed if self._replayed and self._replayed[1] is named_tensors else None
         lists = self._copy_lists.get(replayed[0]) if replayed else None
-        if lists is not None and (lists[0] is not named_tensors
-                                  or list(map(_data_ptr, lists[4])) != lists[5]):
+        if lists is not None and (
+            lists[0] is not named_tensors or list(map(_data_ptr, lists[4])) != lists[5]
+        ):
             lists = None  # new views, or a parameter's memory moved
         if lists is None:
             big, params, srcs, rest, plain = self._split(named_tensors)
@@ -118,8 +125,7 @@ class BucketLoader:
                 lists = (named_tensors, big, [([p.data for p in params], srcs)], rest)
                 if replayed:
                     targets = [p for p, _ in plain]
-                    self._copy_lists[replayed[0]] = (*lists, targets,
-                                                     list(map(_data_ptr, targets)))
+                    self._copy_lists[replayed[0]] = (*lists, targets, list(map(_data_ptr, targets)))
         _, big, small, rest = lists[:4]
         issue(big, small)
         if rest:
@@ -154,12 +160,18 @@ class BucketLoader:
             if self._params is None:
                 self._params = dict(self.refit.model.named_parameters())
             param = self._params.get(targets[0]) if len(targets) == 1 else None
-            if param is not None and (getattr(param, "weight_loader", None) is not None
-                                      or self.refit.default_loader is not copy_loader):
+            if param is not None and (
+                getattr(param, "weight_loader", None) is not None
+                or self.refit.default_loader is not copy_loader
+            ):
                 param = None
             self._plain[name] = param
-        if param is None or param.shape != tensor.shape or param.dtype != tensor.dtype \
-                or param.device != tensor.device:
+        if (
+            param is None
+            or param.shape != tensor.shape
+            or param.dtype != tensor.dtype
+            or param.device != tensor.device
+        ):
             return None
         return param
 

@@ -21,14 +21,15 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-
 def _fused_loader(param: torch.Tensor, loaded: torch.Tensor, start: int) -> None:
     """Copy `loaded` into `param`'s elements from `start` on (one of a fused parameter's
     members)."""
     if start + loaded.numel() > param.numel():
-        raise ValueError(f"{tuple(loaded.shape)} from element {start} overruns a parameter of "
-                         f"{param.numel()} elements")
-    param.data.view(-1)[start:start + loaded.numel()].copy_(loaded.reshape(-1))
+        raise ValueError(
+            f"{tuple(loaded.shape)} from element {start} overruns a parameter of "
+            f"{param.numel()} elements"
+        )
+    param.data.view(-1)[start : start + loaded.numel()].copy_(loaded.reshape(-1))
 
 
 class ModuleWeightReceiver(WeightReceiver):
@@ -38,8 +39,14 @@ class ModuleWeightReceiver(WeightReceiver):
     the core tests and the GPU transport benchmarks).
     """
 
-    def __init__(self, model: nn.Module, *, name: str = "module", sliced: bool = False,
-                 fused: dict[str, tuple[str, int]] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        name: str = "module",
+        sliced: bool = False,
+        fused: dict[str, tuple[str, int]] | None = None,
+    ) -> None:
         """`sliced`: the parameters' loaders keep a slice of each tensor (a tensor-parallel
         worker's): the receiver learns its placements and reports them at `end`. `fused`:
         where the loader puts tensors, as engines fuse q/k/v or experts into one parameter
@@ -61,8 +68,7 @@ class ModuleWeightReceiver(WeightReceiver):
                 if param is not None:
                     getattr(param, "weight_loader", copy_loader)(param, tensor)
 
-        self.receiver = ModelReceiver(model, load_fn=load_fn, default_loader=copy_loader,
-                                      name=name)
+        self.receiver = ModelReceiver(model, load_fn=load_fn, default_loader=copy_loader, name=name)
         # load_fn hands each unfused tensor to the parameter of its name: plain copies may be
         # batched.
         self.receiver.buckets.plain_copies = not fused
@@ -110,8 +116,9 @@ class ModuleWeightReceiver(WeightReceiver):
         if self._session != version:
             raise RuntimeError(f"stage({version!r}) but the open session is {self._session!r}")
         placements = [self.receiver.placements] if self.sliced else None
-        return StageReport(fingerprints=[self.receiver.fingerprints()],
-                           placements=placements).to_dict()
+        return StageReport(
+            fingerprints=[self.receiver.fingerprints()], placements=placements
+        ).to_dict()
 
     def fingerprints(self) -> dict[str, list[int]]:
         return self.receiver.fingerprints()

@@ -57,8 +57,14 @@ class RefitCheck:
     for parameters that carry no `weight_loader` of their own.
     """
 
-    def __init__(self, model: nn.Module, *, load_fn: LoadFn, default_loader: WeightLoader,
-                 name: str = "engine") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        load_fn: LoadFn,
+        default_loader: WeightLoader,
+        name: str = "engine",
+    ) -> None:
         self.model = model
         self.load_fn = load_fn
         self.default_loader = default_loader
@@ -99,8 +105,9 @@ class RefitCheck:
                 else:
                     del param.weight_loader
 
-    def _feed(self, state: dict[str, Any],
-              tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _feed(
+        self, state: dict[str, Any], tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in tensors:
             state["current"] = name
             yield name, tensor
@@ -177,9 +184,20 @@ def checkpoint_specs(path: str) -> dict[str, TensorSpec]:
 
     from safetensors import safe_open
 
-    dtypes = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
-              "I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64",
-              "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+    dtypes = {
+        "BF16": "bfloat16",
+        "F16": "float16",
+        "F32": "float32",
+        "F64": "float64",
+        "I8": "int8",
+        "U8": "uint8",
+        "I16": "int16",
+        "I32": "int32",
+        "I64": "int64",
+        "BOOL": "bool",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
+    }
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {path!r}; cannot check refit info")
@@ -188,13 +206,17 @@ def checkpoint_specs(path: str) -> dict[str, TensorSpec]:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 piece = f.get_slice(name)
-                specs[name] = TensorSpec(name=name, dtype=dtypes.get(piece.get_dtype(), "?"),
-                                         shape=tuple(piece.get_shape()))
+                specs[name] = TensorSpec(
+                    name=name,
+                    dtype=dtypes.get(piece.get_dtype(), "?"),
+                    shape=tuple(piece.get_shape()),
+                )
     return specs
 
 
-def check_against_checkpoint(specs: list[TensorSpec], path: str, *, engine_dtype: str,
-                             name: str = "engine") -> None:
+def check_against_checkpoint(
+    specs: list[TensorSpec], path: str, *, engine_dtype: str, name: str = "engine"
+) -> None:
     """Refit check for engines without a dry run: the trainer's tensors must be the ones the
     engine was started from (same names and shapes), in the engine's dtype."""
     known = checkpoint_specs(path)
@@ -205,19 +227,27 @@ def check_against_checkpoint(specs: list[TensorSpec], path: str, *, engine_dtype
         seen.add(spec.name)
         ref = known.get(spec.name)
         if ref is None:
-            raise ValueError(f"{name}: the engine's model has no parameter for trainer tensor "
-                             f"{spec.name!r}; check the model architecture and HF naming")
+            raise ValueError(
+                f"{name}: the engine's model has no parameter for trainer tensor "
+                f"{spec.name!r}; check the model architecture and HF naming"
+            )
         if ref.shape != spec.shape:
-            raise ValueError(f"{name}: tensor {spec.name!r}: trainer shape {spec.shape} != "
-                             f"engine shape {ref.shape}")
+            raise ValueError(
+                f"{name}: tensor {spec.name!r}: trainer shape {spec.shape} != "
+                f"engine shape {ref.shape}"
+            )
         if spec.dtype != engine_dtype:
-            raise ValueError(f"{name}: tensor {spec.name!r}: trainer dtype {spec.dtype} != "
-                             f"engine dtype {engine_dtype}; send {engine_dtype} (the worker's "
-                             f"dtype= option)")
+            raise ValueError(
+                f"{name}: tensor {spec.name!r}: trainer dtype {spec.dtype} != "
+                f"engine dtype {engine_dtype}; send {engine_dtype} (the worker's "
+                f"dtype= option)"
+            )
     # A tied head is stored once by the engine and is not sent.
     missing = sorted(set(known) - seen - {"lm_head.weight"})
     if missing:
-        raise ValueError(f"{name}: {len(missing)} engine tensor(s) would get no trainer tensor, "
-                         f"e.g. {missing[:5]}; a sync would leave them stale")
+        raise ValueError(
+            f"{name}: {len(missing)} engine tensor(s) would get no trainer tensor, "
+            f"e.g. {missing[:5]}; a sync would leave them stale"
+        )
     if not specs:
         raise ValueError(f"{name}: the trainer offers no tensors (an empty model?)")

@@ -45,13 +45,18 @@ class ModelReceiver:
     for parameters that carry no `weight_loader` of their own.
     """
 
-    def __init__(self, model: nn.Module, *, load_fn: LoadFn, default_loader: WeightLoader,
-                 name: str = "engine") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        load_fn: LoadFn,
+        default_loader: WeightLoader,
+        name: str = "engine",
+    ) -> None:
         self.model = model
         self.name = name
         self.load_fn = load_fn
-        self.refit = RefitCheck(model, load_fn=load_fn, default_loader=default_loader,
-                                name=name)
+        self.refit = RefitCheck(model, load_fn=load_fn, default_loader=default_loader, name=name)
         self.buckets = BucketLoader(self.refit, load_fn=load_fn, name=name)
         self.previous = PreviousWeights(model, self.refit, name=name)
         self.sharing = ParameterSharing(model, self.refit, load_fn=load_fn, name=name)
@@ -72,16 +77,22 @@ class ModelReceiver:
     def receive(self, descriptor: BucketDescriptor) -> list[tuple[str, torch.Tensor]]:
         return self.buckets.receive(descriptor)
 
-    def load(self, named_tensors: list[tuple[str, torch.Tensor]], *,
-             keep_previous: bool = False) -> None:
+    def load(
+        self, named_tensors: list[tuple[str, torch.Tensor]], *, keep_previous: bool = False
+    ) -> None:
         """Load through the engine's loaders. With `keep_previous`, first copy every parameter
         these tensors land in (once per update), so that `restore_previous()` can undo it."""
         if keep_previous:
             self.previous.keep([name for name, _ in named_tensors])
         self.buckets.load(named_tensors)
 
-    def load_bucket(self, descriptor: BucketDescriptor, *, keep_previous: bool = False,
-                    learn_placements: bool = True) -> tuple[LoadReport, set[str]]:
+    def load_bucket(
+        self,
+        descriptor: BucketDescriptor,
+        *,
+        keep_previous: bool = False,
+        learn_placements: bool = True,
+    ) -> tuple[LoadReport, set[str]]:
         """One bucket into the live parameters: its tensors received through their transport
         (checked against the refit info), loaded through the engine's loaders, their
         placements learned (`learn_placements`), the bucket released to the sender. A tensor
@@ -110,8 +121,11 @@ class ModelReceiver:
             self.learn_placements(views)
         del views, known
         self.release(descriptor)
-        report = LoadReport(num_tensors=len(descriptor.tensors), nbytes=descriptor.nbytes,
-                            seconds=time.perf_counter() - start)
+        report = LoadReport(
+            num_tensors=len(descriptor.tensors),
+            nbytes=descriptor.nbytes,
+            seconds=time.perf_counter() - start,
+        )
         return report, written
 
     def release(self, descriptor: BucketDescriptor) -> None:
@@ -155,8 +169,12 @@ class ModelReceiver:
             if name in self.placements or name in self._unplaced or len(targets) != 1:
                 continue
             params = params or dict(self.model.named_parameters())
-            pats = learn_placement(params[targets[0]], tensor.dtype, tuple(tensor.shape),
-                                   lambda t, name=name: self.buckets.load([(name, t)]))
+            pats = learn_placement(
+                params[targets[0]],
+                tensor.dtype,
+                tuple(tensor.shape),
+                lambda t, name=name: self.buckets.load([(name, t)]),
+            )
             if pats is None:
                 self._unplaced.add(name)
             else:
@@ -165,16 +183,19 @@ class ModelReceiver:
     def share(self, placements: dict[str, Any] | None = None) -> ShareAnswer:
         return self.sharing.share(placements)
 
-    def begin_one_copy(self, *, keep_previous: bool,
-                     sharing: list[str] | None = None) -> str | None:
+    def begin_one_copy(
+        self, *, keep_previous: bool, sharing: list[str] | None = None
+    ) -> str | None:
         """Before the trainer writes: None if the parameters are where it will write (and, with
         `keep_previous`, copied first), else why not. `sharing`: the sharings the trainer
         writes into (`ParameterSharing.begin`)."""
         why = self.sharing.begin(sharing)
         if why is None and keep_previous and self.sharing.shared.device is not None:
-            why = (f"{self.sharing.name}: keep_previous on GPU parameters: the previous weights "
-                   f"cannot be put back safely under the trainer's writes (weightsync/"
-                   f"direct_cuda.py); this update takes buckets")
+            why = (
+                f"{self.sharing.name}: keep_previous on GPU parameters: the previous weights "
+                f"cannot be put back safely under the trainer's writes (weightsync/"
+                f"direct_cuda.py); this update takes buckets"
+            )
         if why is None and keep_previous:
             self.previous.keep_all(self.sharing.shared.params)
         self._writing = why is None

@@ -36,8 +36,10 @@ class PreviousWeights:
         for name in names:
             targets = self.refit.param_of.get(name)
             if targets is None:
-                raise RuntimeError(f"{self.name}: cannot keep the previous weights of {name!r}: "
-                                   f"its parameters are unknown (check_refit first)")
+                raise RuntimeError(
+                    f"{self.name}: cannot keep the previous weights of {name!r}: "
+                    f"its parameters are unknown (check_refit first)"
+                )
             for pname in targets:
                 if pname not in self._saved:
                     self._saved[pname] = params[pname].detach().clone()

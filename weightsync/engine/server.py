@@ -77,8 +77,9 @@ def cli_flags(args: dict[str, Any]) -> list[str]:
     return flags
 
 
-def http_json(method: str, url: str, body: Any = None, *, api_key: str | None = None,
-              timeout: float = 300) -> tuple[int, Any]:
+def http_json(
+    method: str, url: str, body: Any = None, *, api_key: str | None = None, timeout: float = 300
+) -> tuple[int, Any]:
     """One JSON request: (HTTP status, decoded JSON or text), an error status included."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)
@@ -99,17 +100,35 @@ def http_json(method: str, url: str, body: Any = None, *, api_key: str | None = 
 class LocalServer:
     """`command` plus `--host 127.0.0.1 --port P`, started in its own process group."""
 
-    def __init__(self, command: list[str], *, name: str, api_key: str | None = None,
-                 env: dict[str, str] | None = None, startup_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        command: list[str],
+        *,
+        name: str,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
         self.name = name
         self.api_key = api_key
         for attempt in range(1, _START_ATTEMPTS + 1):
             port = _free_port()
             self.base = f"http://127.0.0.1:{port}"
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _GUARD, str(os.getpid()), *command,
-                 "--host", "127.0.0.1", "--port", str(port)],
-                env={**os.environ, **(env or {})}, start_new_session=True)
+                [
+                    sys.executable,
+                    "-c",
+                    _GUARD,
+                    str(os.getpid()),
+                    *command,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
             if self._wait_healthy(startup_timeout_s):
                 return
             try:  # what it started goes with it, and frees the port if it was the holder
@@ -117,8 +136,10 @@ class LocalServer:
             except ProcessLookupError:
                 pass
             if not _port_in_use(port) or attempt == _START_ATTEMPTS:
-                raise RuntimeError(f"{name} server exited with {self.proc.returncode} at start "
-                                   f"(port {port}, attempt {attempt} of {_START_ATTEMPTS})")
+                raise RuntimeError(
+                    f"{name} server exited with {self.proc.returncode} at start "
+                    f"(port {port}, attempt {attempt} of {_START_ATTEMPTS})"
+                )
 
     def _wait_healthy(self, startup_timeout_s: float) -> bool:
         """True once /health answers 200; False if the server exited first."""
@@ -133,12 +154,14 @@ class LocalServer:
                 pass
             if time.monotonic() > deadline:
                 self.shutdown()
-                raise RuntimeError(f"{self.name} server not healthy after "
-                                   f"{startup_timeout_s:.0f} s")
+                raise RuntimeError(
+                    f"{self.name} server not healthy after {startup_timeout_s:.0f} s"
+                )
             time.sleep(1)
 
-    def request(self, method: str, path: str, body: Any = None,
-                timeout: float = 300) -> tuple[int, Any]:
+    def request(
+        self, method: str, path: str, body: Any = None, timeout: float = 300
+    ) -> tuple[int, Any]:
         """(HTTP status, decoded JSON or text)."""
         return http_json(method, self.base + path, body, api_key=self.api_key, timeout=timeout)
 

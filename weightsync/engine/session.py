@@ -27,7 +27,6 @@ from weightsync.wire.protocol import (
 )
 
 if TYPE_CHECKING:
-
     pass
 
 logger = logging.getLogger(__name__)
@@ -101,8 +100,7 @@ class WeightReceiver(ABC):
     def share_params(self) -> dict:
         """Move the parameters into shared memory for the one-copy path, after a first sync:
         a `ShareAnswer`."""
-        return ShareAnswer(shared=None,
-                           why=f"{type(self).__name__} has no one-copy path").to_dict()
+        return ShareAnswer(shared=None, why=f"{type(self).__name__} has no one-copy path").to_dict()
 
 
 class EngineSession(WeightReceiver):
@@ -201,8 +199,9 @@ class EngineSession(WeightReceiver):
     def load_bucket(self, descriptor: dict) -> dict:
         with self._lock:
             if self._open is None:
-                raise RuntimeError(f"{self.engine_name}: load_bucket outside an update; call "
-                                   f"begin first")
+                raise RuntimeError(
+                    f"{self.engine_name}: load_bucket outside an update; call begin first"
+                )
             self._last_call = time.perf_counter()
             try:
                 result = self._engine_load(descriptor)
@@ -220,8 +219,9 @@ class EngineSession(WeightReceiver):
         """Still paused: what the open update holds (`_engine_stage`)."""
         with self._lock:
             if self._open != version:
-                raise RuntimeError(f"{self.engine_name}: stage({version!r}) but the open "
-                                   f"update is {self._open!r}")
+                raise RuntimeError(
+                    f"{self.engine_name}: stage({version!r}) but the open update is {self._open!r}"
+                )
             self._last_call = time.perf_counter()
             try:
                 return self._engine_stage().to_dict()
@@ -231,28 +231,37 @@ class EngineSession(WeightReceiver):
     def end(self, version: str) -> dict:
         with self._lock:
             if self._open != version:
-                raise RuntimeError(f"{self.engine_name}: end({version!r}) but the open update "
-                                   f"is {self._open!r}")
+                raise RuntimeError(
+                    f"{self.engine_name}: end({version!r}) but the open update is {self._open!r}"
+                )
             start = time.perf_counter()
             # A failed end leaves the update open, and so paused: the sender's `abort` (or the
             # idle expiry) resumes, once the engine's weights are whole or it refuses to serve.
             report = self._engine_end(version)
             self._open, self._broken, self._version = None, None, version
             self._resume_generation()
-            return replace(report, end_s=time.perf_counter() - start,
-                           session_s=time.perf_counter() - self._begin_t).to_dict()
+            return replace(
+                report,
+                end_s=time.perf_counter() - start,
+                session_s=time.perf_counter() - self._begin_t,
+            ).to_dict()
 
     def abort(self, reason: str) -> None:
         with self._lock:
             try:
                 if self._open is not None:
-                    logger.warning("%s: update %r aborted: %s", self.engine_name, self._open,
-                                   reason)
+                    logger.warning(
+                        "%s: update %r aborted: %s", self.engine_name, self._open, reason
+                    )
                     if self._engine_abort(reason):
-                        done = ("the trainer began writing into the parameters" if self._one_copy
-                                else f"{self._loaded} bucket(s)")
-                        self._broken = (f"update {self._open!r} was aborted after {done} "
-                                        f"({reason}); sync again")
+                        done = (
+                            "the trainer began writing into the parameters"
+                            if self._one_copy
+                            else f"{self._loaded} bucket(s)"
+                        )
+                        self._broken = (
+                            f"update {self._open!r} was aborted after {done} ({reason}); sync again"
+                        )
             finally:
                 self._open = None
                 self._resume_generation()
@@ -282,8 +291,10 @@ class EngineSession(WeightReceiver):
         with self._lock:
             idle = time.perf_counter() - self._last_call
             if self._open is not None and idle > self.idle_timeout_s:
-                self.abort(f"its sender made no call for {idle:.0f} s (idle_timeout_s="
-                           f"{self.idle_timeout_s:g}); it is presumed dead")
+                self.abort(
+                    f"its sender made no call for {idle:.0f} s (idle_timeout_s="
+                    f"{self.idle_timeout_s:g}); it is presumed dead"
+                )
 
     def check_serving(self) -> None:
         """Raise unless the engine holds one complete set of weights."""
@@ -291,8 +302,9 @@ class EngineSession(WeightReceiver):
         if self._broken:
             raise RuntimeError(f"{self.engine_name} engine does not serve: {self._broken}")
         if self._open:
-            raise RuntimeError(f"{self.engine_name} engine does not serve during update "
-                               f"{self._open!r}")
+            raise RuntimeError(
+                f"{self.engine_name} engine does not serve during update {self._open!r}"
+            )
 
 
 class GenerationPause:
@@ -312,8 +324,12 @@ class GenerationPause:
         self.paused = self.session._pause()
         if self.paused:
             self._count += 1
-            threading.Thread(target=self._watch, args=(self._count,), daemon=True,
-                             name=f"{self.session.engine_name}-idle-watchdog").start()
+            threading.Thread(
+                target=self._watch,
+                args=(self._count,),
+                daemon=True,
+                name=f"{self.session.engine_name}-idle-watchdog",
+            ).start()
 
     def resume(self) -> None:
         if not self.paused:
@@ -322,9 +338,11 @@ class GenerationPause:
         try:
             self.session._resume()
         except Exception as exc:
-            raise RuntimeError(f"{self.session.engine_name}: resuming generation failed "
-                               f"({exc}); the engine may stay paused until the next update "
-                               f"ends") from exc
+            raise RuntimeError(
+                f"{self.session.engine_name}: resuming generation failed "
+                f"({exc}); the engine may stay paused until the next update "
+                f"ends"
+            ) from exc
 
     def _watch(self, pause: int) -> None:
         """While pause number `pause` lasts: expire a silent update without waiting for a

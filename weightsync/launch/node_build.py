@@ -24,8 +24,9 @@ _MARK = "WEIGHTSYNC-BUILD "
 
 
 def node_dir() -> Path:
-    return Path(os.environ.get("WEIGHTSYNC_NODE_DIR",
-                               Path.home() / ".cache" / "weightsync" / "nodes"))
+    return Path(
+        os.environ.get("WEIGHTSYNC_NODE_DIR", Path.home() / ".cache" / "weightsync" / "nodes")
+    )
 
 
 def unpack(archive: bytes, key: str) -> Path:
@@ -48,14 +49,18 @@ def unpack(archive: bytes, key: str) -> Path:
 def build_here(env: str, key: str, archive: bytes) -> dict:
     """Runs on the target node: unpack, build `env`, return its python path (plain data)."""
     root = unpack(archive, key)
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from weightsync.launch import envs; "
-            "r = envs.build(sys.argv[2], quiet=True); "
-            f"print({_MARK!r} + json.dumps({{**r, 'python': str(envs.python_path(sys.argv[2]))}}))")
-    result = subprocess.run([sys.executable, "-c", code, str(root), env], capture_output=True,
-                            text=True, cwd=root)
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from weightsync.launch import envs; "
+        "r = envs.build(sys.argv[2], quiet=True); "
+        f"print({_MARK!r} + json.dumps({{**r, 'python': str(envs.python_path(sys.argv[2]))}}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(root), env], capture_output=True, text=True, cwd=root
+    )
     for line in result.stdout.splitlines():
         if line.startswith(_MARK):
             return {**json.loads(line.removeprefix(_MARK)), "root": str(root)}
     tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
-    raise RuntimeError(f"building env {env!r} in {root} on this node failed "
-                       f"(exit {result.returncode}):\n{tail}")
+    raise RuntimeError(
+        f"building env {env!r} in {root} on this node failed (exit {result.returncode}):\n{tail}"
+    )

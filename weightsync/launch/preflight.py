@@ -21,14 +21,49 @@ import json
 import os
 from typing import Any
 
-ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "rotary_dim", "rotary_pct",
-             "rotary_emb_base", "partial_rotary_factor")
-ROPE_MODEL_TYPES = frozenset({
-    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
-    "gemma3", "gemma3_text", "phi", "phi3", "deepseek_v2", "deepseek_v3", "gpt_neox", "gptj",
-    "olmo", "olmo2", "stablelm", "starcoder2", "cohere", "granite", "internlm2", "minicpm",
-    "exaone", "glm", "glm4", "chatglm", "baichuan",
-})
+ROPE_KEYS = (
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "rotary_dim",
+    "rotary_pct",
+    "rotary_emb_base",
+    "partial_rotary_factor",
+)
+ROPE_MODEL_TYPES = frozenset(
+    {
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "phi",
+        "phi3",
+        "deepseek_v2",
+        "deepseek_v3",
+        "gpt_neox",
+        "gptj",
+        "olmo",
+        "olmo2",
+        "stablelm",
+        "starcoder2",
+        "cohere",
+        "granite",
+        "internlm2",
+        "minicpm",
+        "exaone",
+        "glm",
+        "glm4",
+        "chatglm",
+        "baichuan",
+    }
+)
 
 
 def read_config(model_path: str) -> dict[str, Any] | None:
@@ -65,8 +100,9 @@ def sglang_runs_on_cpu(engine_args: dict[str, Any], *, cuda: bool) -> bool:
     return device == "cpu" if device is not None else not cuda
 
 
-def refuse_unsupported_sglang(model_path: str, *, engine_args: dict[str, Any] | None = None,
-                              cuda: bool) -> None:
+def refuse_unsupported_sglang(
+    model_path: str, *, engine_args: dict[str, Any] | None = None, cuda: bool
+) -> None:
     """Raise ValueError for an SGLang engine that is known not to start: on CPU (`cuda` False
     and no device in `engine_args`, or device="cpu"), a rotary-embedding model or tp_size > 1.
     Called by `SglEngineActor.__init__` and, before the actor exists, by the launcher."""
@@ -78,9 +114,10 @@ def refuse_unsupported_sglang(model_path: str, *, engine_args: dict[str, Any] | 
         raise ValueError(
             f"sglang on CPU cannot run tp_size={tp_size} (model {model_path!r}): SGLang 0.5's "
             f"tensor-parallel group needs a CUDA device even with device='cpu' (NCCL: \"Expected "
-            f"a cuda device, but got: cpu\"). Use tp_size=1, or vLLM for tensor parallelism on "
+            f'a cuda device, but got: cpu"). Use tp_size=1, or vLLM for tensor parallelism on '
             f"CPU (weightsync.backends.vllm.engine.VllmEngineActor, tensor_parallel_size), or run SGLang "
-            f"on a CUDA GPU")
+            f"on a CUDA GPU"
+        )
     config = read_config(model_path)
     if config is None:
         return
@@ -93,7 +130,8 @@ def refuse_unsupported_sglang(model_path: str, *, engine_args: dict[str, Any] | 
             f"vLLM's kernel (vllm._custom_ops), which the sglang env does not have; its own CPU "
             f"kernels (SGLANG_USE_CPU_ENGINE=1) need a CPU build of sgl-kernel, which is not on "
             f"the package index. Serve this model with vLLM on CPU "
-            f"(weightsync.backends.vllm.engine.VllmEngineActor), or run SGLang on a CUDA GPU")
+            f"(weightsync.backends.vllm.engine.VllmEngineActor), or run SGLang on a CUDA GPU"
+        )
 
 
 def cuda_device_present() -> bool:
@@ -110,8 +148,9 @@ def sglang_launch_check(args: tuple, kwargs: dict[str, Any]) -> None:
     model_path = args[0] if args else kwargs.get("model_path")
     # A path that is not a local folder is left to the actor, which names what is missing.
     if isinstance(model_path, str) and os.path.isdir(model_path):
-        refuse_unsupported_sglang(model_path, engine_args=kwargs.get("engine_args"),
-                                  cuda=cuda_device_present())
+        refuse_unsupported_sglang(
+            model_path, engine_args=kwargs.get("engine_args"), cuda=cuda_device_present()
+        )
 
 
 def tp_divisibility_errors(config: dict[str, Any], tp_size: int) -> list[str]:
@@ -133,8 +172,9 @@ def tp_divisibility_errors(config: dict[str, Any], tp_size: int) -> list[str]:
     return errors
 
 
-def refuse_unsupported_vllm(model_path: str, *, tensor_parallel_size: int = 1,
-                            engine_args: dict[str, Any] | None = None) -> None:
+def refuse_unsupported_vllm(
+    model_path: str, *, tensor_parallel_size: int = 1, engine_args: dict[str, Any] | None = None
+) -> None:
     """Raise ValueError for a vLLM engine known not to start: a tensor-parallel size that is
     not a positive int, or one the model's heads or MLP width cannot be split by (vLLM itself
     would fail after a minute of start-up, inside a worker process)."""
@@ -142,8 +182,10 @@ def refuse_unsupported_vllm(model_path: str, *, tensor_parallel_size: int = 1,
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tensor_parallel_size={tp_size!r}: must be a positive int")
     if "tensor_parallel_size" in (engine_args or {}):
-        raise ValueError("engine_args['tensor_parallel_size']: pass tensor_parallel_size= to "
-                         "the engine actor instead (it also binds the workers' CPU threads)")
+        raise ValueError(
+            "engine_args['tensor_parallel_size']: pass tensor_parallel_size= to "
+            "the engine actor instead (it also binds the workers' CPU threads)"
+        )
     config = read_config(model_path)
     if config is None or tp_size == 1:
         return
@@ -151,7 +193,8 @@ def refuse_unsupported_vllm(model_path: str, *, tensor_parallel_size: int = 1,
     if errors:
         raise ValueError(
             f"vllm: tensor_parallel_size={tp_size} does not divide model {model_path!r}: "
-            f"{', '.join(errors)}; use a tensor_parallel_size that divides each")
+            f"{', '.join(errors)}; use a tensor_parallel_size that divides each"
+        )
 
 
 def cpu_binding(num_workers: int) -> str:
@@ -159,10 +202,12 @@ def cpu_binding(num_workers: int) -> str:
     into that many consecutive groups ("0|1", "0-3|4-7"). Fewer cores than workers raise."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < num_workers:
-        raise ValueError(f"tensor_parallel_size={num_workers} on CPU needs a core per worker; "
-                         f"this process may use {len(cores)} ({cores})")
+        raise ValueError(
+            f"tensor_parallel_size={num_workers} on CPU needs a core per worker; "
+            f"this process may use {len(cores)} ({cores})"
+        )
     per = len(cores) // num_workers
-    groups = [cores[i * per:(i + 1) * per] for i in range(num_workers)]
+    groups = [cores[i * per : (i + 1) * per] for i in range(num_workers)]
 
     def spell(group: list[int]) -> str:
         if len(group) == 1:
@@ -178,6 +223,8 @@ def vllm_launch_check(args: tuple, kwargs: dict[str, Any]) -> None:
     """The launcher's check for a `VllmEngineActor(model_path, ...)`."""
     model_path = args[0] if args else kwargs.get("model_path")
     if isinstance(model_path, str) and os.path.isdir(model_path):
-        refuse_unsupported_vllm(model_path,
-                                tensor_parallel_size=kwargs.get("tensor_parallel_size", 1),
-                                engine_args=kwargs.get("engine_args"))
+        refuse_unsupported_vllm(
+            model_path,
+            tensor_parallel_size=kwargs.get("tensor_parallel_size", 1),
+            engine_args=kwargs.get("engine_args"),
+        )

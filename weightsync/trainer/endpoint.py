@@ -119,9 +119,13 @@ class EngineCalls:
     def wait_all(self, calls: list[Call], *, timeout_s: float | None = None) -> list[Any]:
         """The answers to `submit`'s calls, in order, each turned into its
         weightsync/wire/protocol.py class as it comes off the wire."""
-        return [from_wire(method, self.engines[name].endpoint.wait(
-                    ticket, timeout_s=timeout_s or self.timeout_s))
-                for name, method, ticket in calls]
+        return [
+            from_wire(
+                method,
+                self.engines[name].endpoint.wait(ticket, timeout_s=timeout_s or self.timeout_s),
+            )
+            for name, method, ticket in calls
+        ]
 
     def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         return self.wait_all([self.submit(name, method, *args)], timeout_s=timeout_s)[0]

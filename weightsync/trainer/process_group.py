@@ -11,9 +11,16 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-def init_trainer_group(*, rank: int, world_size: int, master_addr: str, master_port: int,
-                       timeout_s: float = 300.0, rank0_hosts_store: bool = True,
-                       device: str | None = None) -> str:
+def init_trainer_group(
+    *,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    timeout_s: float = 300.0,
+    rank0_hosts_store: bool = True,
+    device: str | None = None,
+) -> str:
     """Join the trainer's process group (gloo on CPU, NCCL on GPU); returns the device type.
 
     `device`: "cpu" (gloo) or "cuda" (NCCL, one GPU a rank); default "cuda" where a GPU is
@@ -33,25 +40,38 @@ def init_trainer_group(*, rank: int, world_size: int, master_addr: str, master_p
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: pass 'cpu' (gloo) or 'cuda' (NCCL), or None for "
-                         f"'cuda' where a GPU is visible")
+        raise ValueError(
+            f"device={device!r}: pass 'cpu' (gloo) or 'cuda' (NCCL), or None for "
+            f"'cuda' where a GPU is visible"
+        )
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no GPU is visible here; pass device='cpu' (gloo)")
     if not dist.is_initialized():
         if rank0_hosts_store and master_port == 0:
-            raise ValueError("master_port=0 with rank0_hosts_store=True: the other ranks cannot "
-                             "learn the port; host the store first (weightsync.transports.rendezvous."
-                             "host_store) and pass its port with rank0_hosts_store=False")
+            raise ValueError(
+                "master_port=0 with rank0_hosts_store=True: the other ranks cannot "
+                "learn the port; host the store first (weightsync.transports.rendezvous."
+                "host_store) and pass its port with rank0_hosts_store=False"
+            )
         use_gloo_interface_for(master_addr)
         if rank == 0 and rank0_hosts_store:
-            store = host_store(master_addr, port=master_port, timeout_s=timeout_s,
-                               world_size=world_size)
+            store = host_store(
+                master_addr, port=master_port, timeout_s=timeout_s, world_size=world_size
+            )
         else:
-            store = dist.TCPStore(master_addr, master_port, world_size, is_master=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
+            store = dist.TCPStore(
+                master_addr,
+                master_port,
+                world_size,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
         dist.init_process_group(
-            "nccl" if device == "cuda" else "gloo", store=store, rank=rank,
-            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+            "nccl" if device == "cuda" else "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -50,8 +50,14 @@ DEFAULT_TIMEOUT_S = 60.0
 class WeightSender:
     """Plans buckets once from refit info, then runs syncs into registered engines."""
 
-    def __init__(self, specs: list[TensorSpec], *, transport: SenderTransport | None,
-                 capacity_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        specs: list[TensorSpec],
+        *,
+        transport: SenderTransport | None,
+        capacity_bytes: int,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         """`transport` may be set later (`self.transport = ...`), e.g. once the engines are
         known, as a collective transport needs their number."""
         if timeout_s <= 0:
@@ -67,15 +73,18 @@ class WeightSender:
         self._last_names: list[str] = []
         self.num_syncs = 0
 
-
     def add_engine(self, endpoint: Endpoint, *, timeout_s: float | None = None) -> RefitAnswer:
         """Check refit info with the engine (nothing is written) and remember it.
 
         `timeout_s` bounds this first call, which also waits for an engine still starting."""
         if endpoint.name in self.engines:
             raise ValueError(f"engine {endpoint.name!r} is registered already")
-        answer = from_wire("check_refit", endpoint.call(
-            "check_refit", specs_to_dicts(self.specs), timeout_s=timeout_s or self.timeout_s))
+        answer = from_wire(
+            "check_refit",
+            endpoint.call(
+                "check_refit", specs_to_dicts(self.specs), timeout_s=timeout_s or self.timeout_s
+            ),
+        )
         self.engines[endpoint.name] = EngineState(endpoint=endpoint, param_of=answer.param_of)
         if self.transport is not None:
             self.transport.forget_replays()  # the new engine holds none of them
@@ -91,10 +100,15 @@ class WeightSender:
         for (name, _, _), report in zip(calls, reports):
             load_s[name] = load_s.get(name, 0.0) + report.seconds
 
-    def sync(self, tensors: Iterator[tuple[str, torch.Tensor]] | None, *, version: str,
-             engines: list[str] | None = None, verify: bool = False,
-             write_bucket: Callable[[BucketPlan, int, torch.Tensor], None] | None = None,
-             ) -> SyncReport:
+    def sync(
+        self,
+        tensors: Iterator[tuple[str, torch.Tensor]] | None,
+        *,
+        version: str,
+        engines: list[str] | None = None,
+        verify: bool = False,
+        write_bucket: Callable[[BucketPlan, int, torch.Tensor], None] | None = None,
+    ) -> SyncReport:
         """Send every tensor of `tensors` (in refit-info order) to `engines` (default: all).
 
         Instead of `tensors`, `write_bucket(plan, slot, buffer)` may fill each bucket itself
@@ -110,8 +124,11 @@ class WeightSender:
             self.transport.forget_replays()
         self._last_names = names
         # Transports that can pass the tensors themselves (CUDA IPC) take them in `attach`.
-        attach = self.transport.attach if (self.transport.takes_tensors
-                                           and write_bucket is None) else None
+        attach = (
+            self.transport.attach
+            if (self.transport.takes_tensors and write_bucket is None)
+            else None
+        )
         in_flight: dict[int, list[Call]] = {}
         sent = SentPrints(self.engines, names, self.verifier.specs) if verify else None
         load_s: dict[str, float] = {}
@@ -130,30 +147,40 @@ class WeightSender:
             if write_bucket is not None:
                 filled = _write_each(self.plans, get_buffer, write_bucket, num_slots)
             elif attach is not None:
-                filled = _attach_each(self.plans, tensors, wait_slot, attach,
-                                      sent.add if sent else None)
+                filled = _attach_each(
+                    self.plans, tensors, wait_slot, attach, sent.add if sent else None
+                )
             else:
                 filled = fill_buckets(self.plans, tensors, get_buffer)
             for plan in filled:
                 slot = plan.index % num_slots
                 handle = self.transport.handle(slot)
-                descriptor = (BucketDescriptor(index=plan.index, nbytes=plan.nbytes, tensors=[],
-                                               handle=handle) if handle.get("same")
-                              else plan.descriptor(handle)).to_dict()
+                descriptor = (
+                    BucketDescriptor(
+                        index=plan.index, nbytes=plan.nbytes, tensors=[], handle=handle
+                    )
+                    if handle.get("same")
+                    else plan.descriptor(handle)
+                ).to_dict()
                 in_flight[slot] = [self.calls.submit(n, "load_bucket", descriptor) for n in names]
                 self.transport.send(slot, plan.nbytes)
                 if sent and attach is None:
                     buffer = self.transport.buffer(slot, plan.nbytes)
-                    sent.add([meta.name for meta in plan.tensors],
-                             [tensor_view(buffer, meta) for meta in plan.tensors])
+                    sent.add(
+                        [meta.name for meta in plan.tensors],
+                        [tensor_view(buffer, meta) for meta in plan.tensors],
+                    )
             for slot in list(in_flight):
                 self._wait_loads(in_flight.pop(slot), load_s)
             checked = None
             if sent:  # stage, verify, then commit: nothing failed is ever adopted
                 staged = self.calls.call_all("stage", version, names=names)
                 checked = self.verifier.check_staged(
-                    dict(zip(names, staged)), sent.result(), version=version,
-                    worker_sent=sent.worker_results())
+                    dict(zip(names, staged)),
+                    sent.result(),
+                    version=version,
+                    worker_sent=sent.worker_results(),
+                )
             ends: list[EndReport] = self.calls.call_all("end", version, names=names)
             for name, end in zip(names, ends):
                 # Engines that learn the tensor -> parameter map while loading report it here.
@@ -170,16 +197,27 @@ class WeightSender:
         if checked is not None:  # the sync proper leaves out the checking
             sync_s -= checked["verify_s"]
         return SyncReport(
-            version=version, path="buckets", nbytes=self.nbytes, num_buckets=len(self.plans),
-            sync_s=sync_s, verify=checked,
-            engines={n: EngineSyncReport.of(e, path="buckets", load_s=load_s.get(n, 0.0))
-                     for n, e in zip(names, ends)})
+            version=version,
+            path="buckets",
+            nbytes=self.nbytes,
+            num_buckets=len(self.plans),
+            sync_s=sync_s,
+            verify=checked,
+            engines={
+                n: EngineSyncReport.of(e, path="buckets", load_s=load_s.get(n, 0.0))
+                for n, e in zip(names, ends)
+            },
+        )
 
-
-    def sync_one_copy(self, write: Callable[[list[str], list[str]], dict[str, Any] | None], *,
-                    version: str, engines: list[str], verify: bool = False,
-                    sharing: dict[str, list[str]] | None = None,
-                    ) -> tuple[SyncReport | None, list[str]]:
+    def sync_one_copy(
+        self,
+        write: Callable[[list[str], list[str]], dict[str, Any] | None],
+        *,
+        version: str,
+        engines: list[str],
+        verify: bool = False,
+        sharing: dict[str, list[str]] | None = None,
+    ) -> tuple[SyncReport | None, list[str]]:
         """The one-copy path (weightsync/trainer/one_copy/targets.py) into engines whose parameters are shared.
 
         begin(version, one_copy=...) on each: the sharings the trainer holds mapped for it
@@ -200,7 +238,8 @@ class WeightSender:
         try:
             sharing = sharing or {}
             answers: list[BeginAnswer] = self.calls.wait_all(
-                [self.calls.submit(n, "begin", version, sharing.get(n, True)) for n in engines])
+                [self.calls.submit(n, "begin", version, sharing.get(n, True)) for n in engines]
+            )
             phases["begin"] = time.perf_counter() - start
             for name, answer in zip(engines, answers):
                 if answer.one_copy:
@@ -221,8 +260,9 @@ class WeightSender:
             if one_copy and verify:
                 # Checked before `end`: an engine whose bytes differ is aborted, never served.
                 checked = self.verifier.check_one_copy(written, engines=one_copy, version=version)
-            ends: list[EndReport] = (self.calls.call_all("end", version, names=one_copy) if one_copy
-                                     else [])
+            ends: list[EndReport] = (
+                self.calls.call_all("end", version, names=one_copy) if one_copy else []
+            )
         except BaseException as exc:
             if failure is None:
                 self.calls.abort(one_copy, f"{type(exc).__name__}: {exc}")
@@ -235,9 +275,16 @@ class WeightSender:
             sync_s -= checked["verify_s"]
         phases["end"] = sync_s - written_s
         report = SyncReport(
-            version=version, path="one_copy", nbytes=self.nbytes, num_buckets=0, sync_s=sync_s,
-            phases_s=phases, bytes_written=int(written.get("bytes", 0)), verify=checked,
-            engines={n: EngineSyncReport.of(e, path="one_copy") for n, e in zip(one_copy, ends)})
+            version=version,
+            path="one_copy",
+            nbytes=self.nbytes,
+            num_buckets=0,
+            sync_s=sync_s,
+            phases_s=phases,
+            bytes_written=int(written.get("bytes", 0)),
+            verify=checked,
+            engines={n: EngineSyncReport.of(e, path="one_copy") for n, e in zip(one_copy, ends)},
+        )
         return report, fallback
 
     def verify_one_copy(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
@@ -245,9 +292,13 @@ class WeightSender:
         parameters still are those bytes, or fails)."""
         return self.verifier.verify_one_copy(written, engines=engines)
 
-    def verify(self, sent: dict[str, Fingerprint], *, engines: list[str],
-               worker_sent: dict[str, list[dict[str, Fingerprint]]] | None = None,
-               ) -> dict[str, Any]:
+    def verify(
+        self,
+        sent: dict[str, Fingerprint],
+        *,
+        engines: list[str],
+        worker_sent: dict[str, list[dict[str, Fingerprint]]] | None = None,
+    ) -> dict[str, Any]:
         """Compare the engines' parameter fingerprints with what was sent (`sent`: trainer
         tensor -> fingerprint). A tensor-parallel engine is compared worker by worker with
         `worker_sent[engine]` (per worker, parameter -> fingerprint of the slices it holds,
@@ -260,19 +311,24 @@ class WeightSender:
             self.transport.close()
 
 
-def _write_each(plans: list[BucketPlan], get_buffer: Callable[[BucketPlan], torch.Tensor],
-                write_bucket: Callable[[BucketPlan, int, torch.Tensor], None],
-                num_slots: int) -> Iterator[BucketPlan]:
+def _write_each(
+    plans: list[BucketPlan],
+    get_buffer: Callable[[BucketPlan], torch.Tensor],
+    write_bucket: Callable[[BucketPlan, int, torch.Tensor], None],
+    num_slots: int,
+) -> Iterator[BucketPlan]:
     for plan in plans:
         write_bucket(plan, plan.index % num_slots, get_buffer(plan))
         yield plan
 
 
-def _attach_each(plans: list[BucketPlan], tensors: Iterator[tuple[str, torch.Tensor]],
-                 wait_slot: Callable[[BucketPlan], int],
-                 attach: Callable[[int, BucketPlan, list[torch.Tensor]], None],
-                 record: Callable[[list[str], list[torch.Tensor]], None] | None,
-                 ) -> Iterator[BucketPlan]:
+def _attach_each(
+    plans: list[BucketPlan],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    wait_slot: Callable[[BucketPlan], int],
+    attach: Callable[[int, BucketPlan, list[torch.Tensor]], None],
+    record: Callable[[list[str], list[torch.Tensor]], None] | None,
+) -> Iterator[BucketPlan]:
     """Hand each bucket's tensors to the transport's `attach(slot, plan, tensors)`, which
     passes them in place (no copy into a bucket); `record` takes each for verification."""
     for plan in plans:

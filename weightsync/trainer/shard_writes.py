@@ -29,11 +29,13 @@ def _write_pieces(pieces: Any, plan: BucketPlan, buffer: torch.Tensor) -> None:
     for meta in plan.tensors:
         name, data, offset = next(pieces)
         if name != meta.name:
-            raise RuntimeError(f"shard stream gave {name!r} where the bucket plan has "
-                               f"{meta.name!r}: the model changed since refit info was taken")
+            raise RuntimeError(
+                f"shard stream gave {name!r} where the bucket plan has "
+                f"{meta.name!r}: the model changed since refit info was taken"
+            )
         if data is not None:
             start = meta.offset + offset
-            buffer[start:start + data.nbytes].copy_(data.reshape(-1).view(torch.uint8))
+            buffer[start : start + data.nbytes].copy_(data.reshape(-1).view(torch.uint8))
 
 
 class BucketShardWriter:
@@ -43,8 +45,14 @@ class BucketShardWriter:
     ranks wait for it: the slot is free), all ranks write, a barrier, then rank 0 hands the
     bucket to the engines."""
 
-    def __init__(self, source: DTensorV2Source, group: SyncGroup, *, bucket_bytes: int,
-                 before_write: BeforeWrite | None = None) -> None:
+    def __init__(
+        self,
+        source: DTensorV2Source,
+        group: SyncGroup,
+        *,
+        bucket_bytes: int,
+        before_write: BeforeWrite | None = None,
+    ) -> None:
         self.source = source
         self.group = group
         self.bucket_bytes = bucket_bytes
@@ -80,5 +88,3 @@ class BucketShardWriter:
         if self._maps is not None:
             self._maps.close()
             self._maps = None
-
-

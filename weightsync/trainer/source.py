@@ -74,11 +74,15 @@ class CheckpointFormat:
         self._revert = _transformers_revert(model)
         if self._revert is None:
             return
-        meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
-                for name, t in native.items()}
+        meta = {
+            name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in native.items()
+        }
         whole = self._revert(model, dict(meta))
-        changed = [name for name, t in meta.items()
-                   if name not in whole or tuple(whole[name].shape) != tuple(t.shape)]
+        changed = [
+            name
+            for name, t in meta.items()
+            if name not in whole or tuple(whole[name].shape) != tuple(t.shape)
+        ]
         made: set[str] = set()
         for name in changed:
             layout = self._revert(model, {name: meta[name]})
@@ -86,7 +90,8 @@ class CheckpointFormat:
                 raise ValueError(
                     f"tensor {name!r}: transformers converts it to checkpoint tensors "
                     f"{sorted(layout)[:4]} only together with other tensors; give the model a "
-                    f"state_dict_adapter whose to_hf() maps each tensor on its own")
+                    f"state_dict_adapter whose to_hf() maps each tensor on its own"
+                )
             made |= set(layout)
             self.layouts[name] = layout
 
@@ -126,8 +131,9 @@ def _transformers_revert(model: nn.Module):
         return None
     if not isinstance(model, PreTrainedModel):
         return None
-    if getattr(model, "_weight_conversions", None) is None and \
-            not get_model_conversion_mapping(model, add_legacy=False):
+    if getattr(model, "_weight_conversions", None) is None and not get_model_conversion_mapping(
+        model, add_legacy=False
+    ):
         return None
     return revert_weight_conversion
 
@@ -150,8 +156,9 @@ class DTensorV2Source:
         self._fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         # Without an adapter, the tensors transformers converts between its modules and its
         # checkpoints (grouped experts) are sent as the checkpoint holds them.
-        self.checkpoint_format = (CheckpointFormat(model, self._native())
-                                  if self.adapter is None else None)
+        self.checkpoint_format = (
+            CheckpointFormat(model, self._native()) if self.adapter is None else None
+        )
 
     def _native(self) -> dict[str, torch.Tensor]:
         """The model's own state dict (training names), tied aliases left out.
@@ -193,8 +200,7 @@ class DTensorV2Source:
     def _hf_layout(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """What `_to_hf` makes of `tensor`, as "meta" tensors of the global shape."""
         if self.adapter is not None:
-            return self._to_hf(name, torch.empty(tensor.shape, dtype=tensor.dtype,
-                                                 device="meta"))
+            return self._to_hf(name, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
         if self.converts(name):
             return self.checkpoint_format.layouts[name]
         return {name: tensor}
@@ -275,7 +281,8 @@ class ShardPieces:
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
             _, start = compute_local_shape_and_global_offset(
-                tensor.shape, tensor.device_mesh, tensor.placements)
+                tensor.shape, tensor.device_mesh, tensor.placements
+            )
             offset = cache[key] = start[0] * math.prod(tensor.shape[1:]) * out_dtype.itemsize
         return offset
 
@@ -291,8 +298,9 @@ class ShardPieces:
         layout = self._split_layout(name, tensor)
         if layout is not None:
             return not self._runs_held(name, tensor)
-        return not (_dim0_sharded(tensor) or _replicated(tensor)
-                    or not hasattr(tensor, "placements"))
+        return not (
+            _dim0_sharded(tensor) or _replicated(tensor) or not hasattr(tensor, "placements")
+        )
 
     def _split_layout(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """The engine tensors of a native tensor that reaches the engines renamed or split."""
@@ -320,8 +328,13 @@ class ShardPieces:
         out_dtype = self.source._out_dtype(tensor)
         if _dim0_sharded(tensor):
             local = tensor.to_local()
-            yield Piece(name, local if local.numel() else None,
-                        self._offset(name, tensor, out_dtype), out_dtype, True)
+            yield Piece(
+                name,
+                local if local.numel() else None,
+                self._offset(name, tensor, out_dtype),
+                out_dtype,
+                True,
+            )
         elif _replicated(tensor) or not hasattr(tensor, "placements"):
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             yield Piece(name, local if self.rank == 0 else None, 0, out_dtype, True)
@@ -329,8 +342,9 @@ class ShardPieces:
             full = tensor.full_tensor()
             yield Piece(name, full if self.rank == 0 else None, 0, out_dtype, False)
 
-    def _converted(self, name: str, tensor: torch.Tensor, layout: dict[str, torch.Tensor]
-                   ) -> Iterator[Piece]:
+    def _converted(
+        self, name: str, tensor: torch.Tensor, layout: dict[str, torch.Tensor]
+    ) -> Iterator[Piece]:
         """The pieces of a native tensor that reaches the engines renamed or split. Checkpoint
         tensors that are each one contiguous run of a dim-0 sharded tensor (grouped experts):
         each rank writes the part of each run it holds. Otherwise (an adapter's conversion):
@@ -338,8 +352,9 @@ class ShardPieces:
         source = self.source
         if not self._runs_held(name, tensor):
             for hf_name, full in source._to_hf(name, _full(tensor)).items():
-                yield Piece(hf_name, full if self.rank == 0 else None, 0,
-                            source._out_dtype(full), False)
+                yield Piece(
+                    hf_name, full if self.rank == 0 else None, 0, source._out_dtype(full), False
+                )
             return
         runs = source.checkpoint_format.runs(name, tuple(tensor.shape))
         assert len(runs) == len(layout), (name, runs, list(layout))
@@ -352,5 +367,10 @@ class ShardPieces:
             if first >= last:
                 yield Piece(hf_name, None, 0, out_dtype, True)
                 continue
-            yield Piece(hf_name, local[first - low:last - low],
-                        (first - start) * out_dtype.itemsize, out_dtype, True)
+            yield Piece(
+                hf_name,
+                local[first - low : last - low],
+                (first - start) * out_dtype.itemsize,
+                out_dtype,
+                True,
+            )

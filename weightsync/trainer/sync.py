@@ -83,8 +83,9 @@ class SyncOptions:
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"SyncOptions.transport={self.transport!r}: expected one of "
-                             f"{list(TRANSPORTS)}")
+            raise ValueError(
+                f"SyncOptions.transport={self.transport!r}: expected one of {list(TRANSPORTS)}"
+            )
         for name in ("bucket_bytes", "timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
@@ -92,16 +93,20 @@ class SyncOptions:
         if not isinstance(self.bucket_bytes, int):
             raise ValueError(f"SyncOptions.bucket_bytes={self.bucket_bytes!r}: must be an int")
         if self.one_copy and self.transport not in ONE_COPY_TRANSPORTS:
-            raise ValueError(f"SyncOptions.one_copy=True with transport={self.transport!r}: "
-                             f"the one-copy path needs transport='shm' or 'cuda_ipc' (engines "
-                             f"on this host); set one_copy=None or "
-                             f"False for {self.transport!r}")
+            raise ValueError(
+                f"SyncOptions.one_copy=True with transport={self.transport!r}: "
+                f"the one-copy path needs transport='shm' or 'cuda_ipc' (engines "
+                f"on this host); set one_copy=None or "
+                f"False for {self.transport!r}"
+            )
         if self.sync_dtype is not None:
             try:
                 dtype_from_str(self.sync_dtype)
             except (ValueError, KeyError, AttributeError):
-                raise ValueError(f"SyncOptions.sync_dtype={self.sync_dtype!r}: not a torch "
-                                 f"dtype name (e.g. 'bfloat16', 'float32')") from None
+                raise ValueError(
+                    f"SyncOptions.sync_dtype={self.sync_dtype!r}: not a torch "
+                    f"dtype name (e.g. 'bfloat16', 'float32')"
+                ) from None
 
 
 class _RankLog(logging.LoggerAdapter):
@@ -128,9 +133,14 @@ class TrainerSync:
     world); construct on every process of the default group at once. `before_write`: called on
     rank 0 before each bucket / one-copy piece is written (fault injection in tests)."""
 
-    def __init__(self, model: nn.Module, *, options: SyncOptions | None = None,
-                 group: dist.ProcessGroup | None = None,
-                 before_write: BeforeWrite | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        options: SyncOptions | None = None,
+        group: dist.ProcessGroup | None = None,
+        before_write: BeforeWrite | None = None,
+    ) -> None:
         self.options = options = options or SyncOptions()
         self.group = SyncGroup(group, timeout_s=options.timeout_s)
         self.rank = self.group.rank
@@ -140,21 +150,29 @@ class TrainerSync:
         if options.shard_writes and self.shard_writes and self.group.world_size == 1:
             self.shard_writes = False
         if options.shard_writes and not self.shard_writes and self.rank == 0:
-            self.log.info("shard_writes off: %s", "one rank" if self.group.world_size == 1
-                          else f"transport {options.transport!r} sends from rank 0")
-        self.one_copy = (options.one_copy is not False
-                         and options.transport in ONE_COPY_TRANSPORTS)
+            self.log.info(
+                "shard_writes off: %s",
+                "one rank"
+                if self.group.world_size == 1
+                else f"transport {options.transport!r} sends from rank 0",
+            )
+        self.one_copy = options.one_copy is not False and options.transport in ONE_COPY_TRANSPORTS
         if options.one_copy is None and not self.one_copy and self.rank == 0:
             self.log.info("one_copy off: transport %r has no one-copy path", options.transport)
-        self.buckets = BucketShardWriter(self.source, self.group,
-                                         bucket_bytes=options.bucket_bytes,
-                                         before_write=before_write)
+        self.buckets = BucketShardWriter(
+            self.source, self.group, bucket_bytes=options.bucket_bytes, before_write=before_write
+        )
         rank_gpus = None
         if self.one_copy and options.transport == "cuda_ipc":  # where each rank's shards are
             rank_gpus = self.group.gather(_gpu_of(model))
-        self.one_copy_path = OneCopyPath(self.source, self.group, log=self.log,
-                                         before_write=before_write,
-                                         transport=options.transport, rank_gpus=rank_gpus)
+        self.one_copy_path = OneCopyPath(
+            self.source,
+            self.group,
+            log=self.log,
+            before_write=before_write,
+            transport=options.transport,
+            rank_gpus=rank_gpus,
+        )
         self.sender: WeightSender | None = None
         self._num_syncs = 0
 
@@ -170,39 +188,57 @@ class TrainerSync:
             return {"rank": self.rank}
         opts = self.options
         if self.sender is None:
-            self.sender = WeightSender(self.source.specs(), transport=None,
-                                       capacity_bytes=opts.bucket_bytes, timeout_s=opts.timeout_s)
+            self.sender = WeightSender(
+                self.source.specs(),
+                transport=None,
+                capacity_bytes=opts.bucket_bytes,
+                timeout_s=opts.timeout_s,
+            )
         elif engines and opts.transport in ("gloo", "nccl"):
-            raise ValueError(f"transport {opts.transport!r} forms one group for all engines: "
-                             f"connect every engine in one connect() call")
+            raise ValueError(
+                f"transport {opts.transport!r} forms one group for all engines: "
+                f"connect every engine in one connect() call"
+            )
         answers = {}
         for name, engine in engines.items():
             endpoint = engine if isinstance(engine, Endpoint) else RayEndpoint(engine, name=name)
             answer = self.sender.add_engine(endpoint, timeout_s=opts.connect_timeout_s)
-            answers[name] = {"num_params": answer.num_params,
-                             "num_receivers": answer.num_receivers}
+            answers[name] = {"num_params": answer.num_params, "num_receivers": answer.num_receivers}
             if opts.keep_previous:
                 self._keep_previous(name)
         if self.sender.transport is None and answers:
             self.sender.transport = self._make_transport(
-                sum(a["num_receivers"] for a in answers.values()))
+                sum(a["num_receivers"] for a in answers.values())
+            )
         return as_plain(answers)
 
     def _keep_previous(self, name: str) -> None:
         try:
             self.sender.call(name, "set_keep_previous", True)
         except (AttributeError, RuntimeError) as exc:
-            self.log.info("keep_previous off for engine %r: it cannot keep its previous "
-                          "weights (%s)", name, str(exc).splitlines()[0][:200])
+            self.log.info(
+                "keep_previous off for engine %r: it cannot keep its previous weights (%s)",
+                name,
+                str(exc).splitlines()[0][:200],
+            )
 
     def _make_transport(self, num_receivers: int) -> SenderTransport:
         from weightsync.transports import make_sender
 
-        return make_sender(self.options.transport, num_receivers=num_receivers,
-                           host=self.options.collective_host, timeout_s=self.options.timeout_s)
+        return make_sender(
+            self.options.transport,
+            num_receivers=num_receivers,
+            host=self.options.collective_host,
+            timeout_s=self.options.timeout_s,
+        )
 
-    def sync(self, version: str | None = None, *, verify: bool | None = None,
-             engines: list[str] | None = None) -> dict[str, Any]:
+    def sync(
+        self,
+        version: str | None = None,
+        *,
+        verify: bool | None = None,
+        engines: list[str] | None = None,
+    ) -> dict[str, Any]:
         """Deliver the model's current weights to `engines` (default: all connected) as
         `version` (default "v<n>"). On rank 0 a `SyncReport` as plain data (its `to_dict()`:
         {"version", "path", "nbytes", "sync_s", "gbps", "engines": {name: {...}}, ...}),
@@ -210,16 +246,16 @@ class TrainerSync:
         its previous version. After a sync that failed on any rank, the next one first
         rebuilds the ranks' sync group, so the same trainer syncs again."""
         if self.group.recover():
-            self.log.warning("the last sync failed on some rank: the ranks' sync group was "
-                             "rebuilt")
+            self.log.warning("the last sync failed on some rank: the ranks' sync group was rebuilt")
         try:
             return self._sync(version, verify=verify, engines=engines)
         except BaseException:
             self.group.failed = True  # the next sync rebuilds the group on every rank
             raise
 
-    def _sync(self, version: str | None, *, verify: bool | None,
-              engines: list[str] | None) -> dict[str, Any]:
+    def _sync(
+        self, version: str | None, *, verify: bool | None, engines: list[str] | None
+    ) -> dict[str, Any]:
         self._num_syncs += 1
         version = version or f"v{self._num_syncs}"
         verify = self.options.verify if verify is None else verify
@@ -229,8 +265,9 @@ class TrainerSync:
         buckets = list(plan["buckets"])
         one_copy_report = None
         if plan["one_copy"]:
-            one_copy_report, fallback = self.one_copy_path.sync(self.sender, version,
-                                                              plan["one_copy"], verify=verify)
+            one_copy_report, fallback = self.one_copy_path.sync(
+                self.sender, version, plan["one_copy"], verify=verify
+            )
             buckets += fallback
         bucket_report = None
         if buckets:
@@ -242,8 +279,9 @@ class TrainerSync:
             report = self._verify_pending(report)
         if self.rank != 0:
             return {"rank": self.rank}
-        self.log.info("sync %s: %.3f s, %.2f GB/s (%s)", version, report.sync_s, report.gbps,
-                      report.path)
+        self.log.info(
+            "sync %s: %.3f s, %.2f GB/s (%s)", version, report.sync_s, report.gbps, report.path
+        )
         return as_plain(report.to_dict())
 
     def verify(self, engines: list[str] | None = None) -> dict[str, Any]:
@@ -251,10 +289,18 @@ class TrainerSync:
         {engine: {"verified", "mismatched", "num_checked"}, "verify_s"} on rank 0. A
         tensor-parallel engine is checked worker by worker against the slices it holds."""
         connected = self.sender is not None and bool(self.sender.engines)
-        names = [] if self.rank != 0 or not connected else \
-            list(self.sender.engines) if engines is None else list(engines)
-        workers = {n: WorkerPrints(self.sender.engines[n].placements) for n in names
-                   if self.sender.engines[n].placements is not None}
+        names = (
+            []
+            if self.rank != 0 or not connected
+            else list(self.sender.engines)
+            if engines is None
+            else list(engines)
+        )
+        workers = {
+            n: WorkerPrints(self.sender.engines[n].placements)
+            for n in names
+            if self.sender.engines[n].placements is not None
+        }
         batch, order = FingerprintBatch(), []
         for name, tensor in self.source.tensors():  # every rank takes part in each gather
             if self.rank == 0 and connected:
@@ -268,8 +314,11 @@ class TrainerSync:
             return {"rank": self.rank}
         if not connected:
             raise ValueError("verify before connect: call connect({name: engine}) first")
-        return as_plain(self.sender.verify(
-            sent, engines=names, worker_sent={n: w.result() for n, w in workers.items()}))
+        return as_plain(
+            self.sender.verify(
+                sent, engines=names, worker_sent={n: w.result() for n, w in workers.items()}
+            )
+        )
 
     def _verify_pending(self, report: SyncReport | None) -> SyncReport | None:
         """After a verified sync: engines whose workers hold slices were left "pending" (their
@@ -278,16 +327,23 @@ class TrainerSync:
         pending = None
         if self.rank == 0:
             checked = report.verify or {}
-            pending = sorted(n for n, v in checked.items()
-                             if isinstance(v, dict) and v.get("pending"))
+            pending = sorted(
+                n for n, v in checked.items() if isinstance(v, dict) and v.get("pending")
+            )
         pending = self.group.broadcast(pending)
         if not pending:
             return report
         again = self.verify(engines=pending)
         if self.rank != 0:
             return report
-        return replace(report, verify={**report.verify, **{n: again[n] for n in pending},
-                                       "verify_s": report.verify["verify_s"] + again["verify_s"]})
+        return replace(
+            report,
+            verify={
+                **report.verify,
+                **{n: again[n] for n in pending},
+                "verify_s": report.verify["verify_s"] + again["verify_s"],
+            },
+        )
 
     def close(self) -> None:
         """Free the transport, the mapped segments and the sync group (all ranks)."""
@@ -305,19 +361,24 @@ class TrainerSync:
         names = list(self.sender.engines) if engines is None else list(engines)
         unknown = [n for n in names if n not in self.sender.engines]
         if unknown:
-            return {"error": f"unknown engine(s) {unknown}; registered: "
-                             f"{list(self.sender.engines)}"}
+            return {
+                "error": f"unknown engine(s) {unknown}; registered: {list(self.sender.engines)}"
+            }
         one_copy = [n for n in names if self.one_copy_path.takes(n)]
         return {"one_copy": one_copy, "buckets": [n for n in names if n not in one_copy]}
 
-    def _sync_buckets(self, version: str, names: list[str], *,
-                      verify: bool) -> SyncReport | None:
+    def _sync_buckets(self, version: str, names: list[str], *, verify: bool) -> SyncReport | None:
         if self.shard_writes:
             if self.rank != 0:
                 self.buckets.follow()
                 return None
-            return self.sender.sync(None, version=version, engines=names, verify=verify,
-                                    write_bucket=self.buckets.sender_hook(self.sender.transport))
+            return self.sender.sync(
+                None,
+                version=version,
+                engines=names,
+                verify=verify,
+                write_bucket=self.buckets.sender_hook(self.sender.transport),
+            )
         tensors = self.source.tensors()
         if self.rank != 0:
             for _ in tensors:  # take part in every gather
@@ -335,8 +396,18 @@ def _merge(one_copy: SyncReport | None, buckets: SyncReport | None) -> SyncRepor
         return report
     verify = None
     if one_copy.verify is not None or buckets.verify is not None:
-        verify = {**(one_copy.verify or {}), **(buckets.verify or {}),
-                  "verify_s": ((one_copy.verify or {}).get("verify_s", 0.0)
-                               + (buckets.verify or {}).get("verify_s", 0.0))}
-    return replace(buckets, path="mixed", engines={**one_copy.engines, **buckets.engines},
-                   sync_s=one_copy.sync_s + buckets.sync_s, verify=verify)
+        verify = {
+            **(one_copy.verify or {}),
+            **(buckets.verify or {}),
+            "verify_s": (
+                (one_copy.verify or {}).get("verify_s", 0.0)
+                + (buckets.verify or {}).get("verify_s", 0.0)
+            ),
+        }
+    return replace(
+        buckets,
+        path="mixed",
+        engines={**one_copy.engines, **buckets.engines},
+        sync_s=one_copy.sync_s + buckets.sync_s,
+        verify=verify,
+    )

@@ -59,7 +59,7 @@ def _encode(obj: Any) -> bytes:
 def _to_tensor(data: bytes, size: int) -> torch.Tensor:
     buf = torch.zeros(size, dtype=torch.uint8)
     if data:
-        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return buf
 
 
@@ -71,8 +71,10 @@ class SyncGroup:
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, timeout_s: float) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call "
-                               "dist.init_process_group (or init_trainer_group) first")
+            raise RuntimeError(
+                "torch.distributed is not initialised: call "
+                "dist.init_process_group (or init_trainer_group) first"
+            )
         self._parent = group
         self._ranks = dist.get_process_group_ranks(group) if group is not None else None
         self._timeout = datetime.timedelta(seconds=timeout_s)
@@ -88,8 +90,9 @@ class SyncGroup:
         failure came after the others' last collective. The ranks agree on it over the group
         the trainer was built on (the training group), which the failure did not touch."""
         on_gpu = dist.get_backend(self._parent) == "nccl"
-        flag = torch.tensor([int(self.failed)],
-                            device=torch.cuda.current_device() if on_gpu else "cpu")
+        flag = torch.tensor(
+            [int(self.failed)], device=torch.cuda.current_device() if on_gpu else "cpu"
+        )
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._parent)
         self.failed = False
         if not int(flag.item()):
@@ -120,8 +123,11 @@ class SyncGroup:
             if error is not None:
                 raise TypeError(f"sync group: {error}") from error
             raise RuntimeError("sync group: rank 0 could not encode what it broadcast")
-        buf = _to_tensor(data, int(size[0])) if self.rank == 0 else \
-            torch.empty(int(size[0]), dtype=torch.uint8)
+        buf = (
+            _to_tensor(data, int(size[0]))
+            if self.rank == 0
+            else torch.empty(int(size[0]), dtype=torch.uint8)
+        )
         dist.broadcast(buf, group=self.group, group_src=0)
         return json.loads(buf.numpy().tobytes()) if self.rank != 0 else json.loads(data)
 
@@ -135,12 +141,15 @@ class SyncGroup:
         dist.all_gather(sizes, size, group=self.group)
         longest = max(int(s[0]) for s in sizes)
         buf = _to_tensor(data, longest)
-        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)] \
-            if self.rank == 0 else None
+        out = (
+            [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            if self.rank == 0
+            else None
+        )
         dist.gather(buf, out, group=self.group, group_dst=0)
         if out is None:
             return None
-        return [json.loads(b[:int(s[0])].numpy().tobytes()) for b, s in zip(out, sizes)]
+        return [json.loads(b[: int(s[0])].numpy().tobytes()) for b, s in zip(out, sizes)]
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)

@@ -42,12 +42,16 @@ class SentPrints:
     tensor's fingerprint (hashed in batches), and for engines whose workers hold slices (their
     placements known) each worker's expected fingerprints (`placement.WorkerPrints`)."""
 
-    def __init__(self, engines: dict[str, Any], names: list[str],
-                 specs: dict[str, TensorSpec]) -> None:
+    def __init__(
+        self, engines: dict[str, Any], names: list[str], specs: dict[str, TensorSpec]
+    ) -> None:
         self._batch, self._order = FingerprintBatch(), []
-        self._workers = {n: WorkerPrints(engines[n].placements) for n in names
-                         if engines[n].placements is not None
-                         and any(sliced(p, specs) for p in engines[n].placements)}
+        self._workers = {
+            n: WorkerPrints(engines[n].placements)
+            for n in names
+            if engines[n].placements is not None
+            and any(sliced(p, specs) for p in engines[n].placements)
+        }
 
     def add(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         """One bucket's tensors, hashed before its memory is reused."""
@@ -73,8 +77,13 @@ class Verifier:
         self.engines = calls.engines
         self.specs = {spec.name: spec for spec in specs}
 
-    def verify(self, sent: dict[str, Fingerprint], *, engines: list[str],
-               worker_sent: WorkerSent | None = None) -> dict[str, Any]:
+    def verify(
+        self,
+        sent: dict[str, Fingerprint],
+        *,
+        engines: list[str],
+        worker_sent: WorkerSent | None = None,
+    ) -> dict[str, Any]:
         """`WeightSender.verify`: {engine: {"verified", "mismatched", "num_checked"},
         "verify_s"}; an engine whose workers hold slices, without `worker_sent`, is left
         pending."""
@@ -95,8 +104,14 @@ class Verifier:
         out["verify_s"] = time.perf_counter() - start
         return out
 
-    def check_staged(self, staged: dict[str, StageReport], sent: dict[str, Fingerprint], *,
-                     version: str, worker_sent: WorkerSent | None = None) -> dict[str, Any]:
+    def check_staged(
+        self,
+        staged: dict[str, StageReport],
+        sent: dict[str, Fingerprint],
+        *,
+        version: str,
+        worker_sent: WorkerSent | None = None,
+    ) -> dict[str, Any]:
         """Compare what each engine's open update holds (its `stage` answer) with what was
         sent; raise `VerificationFailed` naming the engines and parameters that differ (an
         engine with nothing it could check is reported unverified, not failed)."""
@@ -109,19 +124,26 @@ class Verifier:
             if report.placements is not None:
                 state.placements = report.placements
             want = self._expected(name, sent, worker_sent or {})
-            out[name] = _pending() if want is None else \
-                self._compare(name, want, report.fingerprints, sent)
+            out[name] = (
+                _pending() if want is None else self._compare(name, want, report.fingerprints, sent)
+            )
         out["verify_s"] = time.perf_counter() - start
-        bad = {n: r["mismatched"] for n, r in out.items()
-               if isinstance(r, dict) and r.get("mismatched")}
+        bad = {
+            n: r["mismatched"]
+            for n, r in out.items()
+            if isinstance(r, dict) and r.get("mismatched")
+        }
         if bad:
             raise VerificationFailed(
                 f"verification failed, update {version!r} aborted before any engine adopted "
-                f"it: the staged bytes differ from the trainer's in {bad}", out)
+                f"it: the staged bytes differ from the trainer's in {bad}",
+                out,
+            )
         return out
 
-    def _expected(self, name: str, sent: dict[str, Fingerprint],
-                  worker_sent: WorkerSent) -> str | list[dict[str, Fingerprint]] | None:
+    def _expected(
+        self, name: str, sent: dict[str, Fingerprint], worker_sent: WorkerSent
+    ) -> str | list[dict[str, Fingerprint]] | None:
         """Per worker, what its parameters must fingerprint to; "by-name" for a receiver
         without placements; None when that needs the tensors again (pending)."""
         placements = self.engines[name].placements
@@ -132,41 +154,59 @@ class Verifier:
         want = [prints_from_sent(p, sent, self.specs) for p in placements]
         return None if any(w is None for w in want) else want
 
-    def _compare(self, name: str, want: str | list[dict[str, Fingerprint]],
-                 workers: list[dict[str, Any]], sent: dict[str, Fingerprint]) -> dict[str, Any]:
+    def _compare(
+        self,
+        name: str,
+        want: str | list[dict[str, Fingerprint]],
+        workers: list[dict[str, Any]],
+        sent: dict[str, Fingerprint],
+    ) -> dict[str, Any]:
         state = self.engines[name]
         if want == "by-name":
             expected = expected_fingerprints(state.param_of, sent)
             bad = _mismatched(expected, workers[0])
-            return {"verified": not bad and bool(expected), "mismatched": bad,
-                    "num_checked": len(expected)}
+            return {
+                "verified": not bad and bool(expected),
+                "mismatched": bad,
+                "num_checked": len(expected),
+            }
         bad, checked = [], 0
         for rank, (placements, wanted, got) in enumerate(zip(state.placements, want, workers)):
             placed = placed_params(state.param_of, placements)
             expected = {p: fp for p, fp in wanted.items() if p in placed}
             bad += [f"worker {rank}: {p}" for p in _mismatched(expected, got)]
             checked += len(expected)
-        return {"verified": not bad and checked > 0, "mismatched": bad,
-                "num_checked": checked, "num_workers": len(workers)}
+        return {
+            "verified": not bad and checked > 0,
+            "mismatched": bad,
+            "num_checked": checked,
+            "num_workers": len(workers),
+        }
 
     def verify_one_copy(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
         """`WeightSender.verify_one_copy`: the ranks' read-back, the same for every engine."""
         start = time.perf_counter()
         pieces = int(written.get("pieces", 0))
         bad = sorted(set(written.get("mismatched", [])))
-        out: dict[str, Any] = {name: {"verified": not bad and pieces > 0, "mismatched": bad,
-                                      "num_checked": pieces} for name in engines}
+        out: dict[str, Any] = {
+            name: {"verified": not bad and pieces > 0, "mismatched": bad, "num_checked": pieces}
+            for name in engines
+        }
         out["verify_s"] = time.perf_counter() - start
         return out
 
-    def check_one_copy(self, written: dict[str, Any], *, engines: list[str],
-                     version: str) -> dict[str, Any]:
+    def check_one_copy(
+        self, written: dict[str, Any], *, engines: list[str], version: str
+    ) -> dict[str, Any]:
         """`verify_one_copy`, raising where an engine's bytes differ (the update is aborted)."""
         checked = self.verify_one_copy(written, engines=engines)
         bad = {n: checked[n]["mismatched"] for n in engines if not checked[n]["verified"]}
         if bad:
-            raise VerificationFailed(f"verification failed, update {version!r} aborted: "
-                                     f"bytes differ from the trainer's in {bad}", checked)
+            raise VerificationFailed(
+                f"verification failed, update {version!r} aborted: "
+                f"bytes differ from the trainer's in {bad}",
+                checked,
+            )
         return checked
 
 
@@ -175,5 +215,6 @@ def _pending() -> dict[str, Any]:
 
 
 def _mismatched(expected: dict[str, Fingerprint], actual: dict[str, Any]) -> list[str]:
-    return sorted(p for p, fp in expected.items()
-                  if p not in actual or tuple(actual[p]) != tuple(fp))
+    return sorted(
+        p for p, fp in expected.items() if p not in actual or tuple(actual[p]) != tuple(fp)
+    )

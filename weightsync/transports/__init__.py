@@ -47,8 +47,9 @@ class SenderTransport(ABC):
     `buffer` (unless the trainer's ranks fill the buffers themselves)."""
 
     @classmethod
-    def create(cls, *, num_receivers: int, host: str, timeout_s: float,
-               **options: Any) -> SenderTransport:
+    def create(
+        cls, *, num_receivers: int, host: str, timeout_s: float, **options: Any
+    ) -> SenderTransport:
         """Called by `make_sender` for a sync into `num_receivers` engine processes; `host` is
         the trainer's address they may connect to, `timeout_s` bounds every wait. `options`
         are the registry's fixed options for this name. By default `cls(**options)`, for
@@ -68,8 +69,10 @@ class SenderTransport(ABC):
     def attach(self, slot: int, plan: BucketPlan, tensors: list[torch.Tensor]) -> None:
         """With `takes_tensors`: make `plan`'s tensors reachable through `handle(slot)`, in place
         where the transport can. Called instead of `buffer` for each bucket."""
-        raise NotImplementedError(f"{type(self).__name__} does not take tensors "
-                                  f"(takes_tensors is False); fill buffer() instead")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not take tensors "
+            f"(takes_tensors is False); fill buffer() instead"
+        )
 
     @abstractmethod
     def handle(self, slot: int) -> dict[str, Any]:
@@ -126,8 +129,10 @@ def register_transport(name: str, *, sender: str, receiver: str, **options: Any)
     only when one is made) and fixed options for the sender's `create`. A name is registered
     once."""
     if name in _REGISTRY:
-        raise ValueError(f"transport {name!r} is registered already (sender "
-                         f"{_REGISTRY[name].sender}); choose another name")
+        raise ValueError(
+            f"transport {name!r} is registered already (sender "
+            f"{_REGISTRY[name].sender}); choose another name"
+        )
     for side, target in (("sender", sender), ("receiver", receiver)):
         module, _, cls = target.partition(":")
         if not module or not cls:
@@ -152,12 +157,14 @@ def _load(target: str) -> Any:
     return getattr(importlib.import_module(module), cls)
 
 
-def make_sender(name: str, *, num_receivers: int, host: str = "127.0.0.1",
-                timeout_s: float = 60.0) -> SenderTransport:
+def make_sender(
+    name: str, *, num_receivers: int, host: str = "127.0.0.1", timeout_s: float = 60.0
+) -> SenderTransport:
     """The sender of transport `name`, importing its module only now (see `create`)."""
     entry = _entry(name)
-    return _load(entry.sender).create(num_receivers=num_receivers, host=host,
-                                      timeout_s=timeout_s, **entry.options)
+    return _load(entry.sender).create(
+        num_receivers=num_receivers, host=host, timeout_s=timeout_s, **entry.options
+    )
 
 
 def make_receiver(kind: str, **options: Any) -> ReceiverTransport:
@@ -165,11 +172,25 @@ def make_receiver(kind: str, **options: Any) -> ReceiverTransport:
     return _load(_entry(kind).receiver)(**options)
 
 
-register_transport("shm", sender="weightsync.transports.shm:ShmSender",
-                   receiver="weightsync.transports.shm:ShmReceiver")
-register_transport("cuda_ipc", sender="weightsync.transports.cuda_ipc:CudaIpcSender",
-                   receiver="weightsync.transports.cuda_ipc:CudaIpcReceiver")
-register_transport("gloo", sender="weightsync.transports.collective:CollectiveSender",
-                   receiver="weightsync.transports.collective:CollectiveReceiver", backend="gloo")
-register_transport("nccl", sender="weightsync.transports.collective:CollectiveSender",
-                   receiver="weightsync.transports.collective:CollectiveReceiver", backend="nccl")
+register_transport(
+    "shm",
+    sender="weightsync.transports.shm:ShmSender",
+    receiver="weightsync.transports.shm:ShmReceiver",
+)
+register_transport(
+    "cuda_ipc",
+    sender="weightsync.transports.cuda_ipc:CudaIpcSender",
+    receiver="weightsync.transports.cuda_ipc:CudaIpcReceiver",
+)
+register_transport(
+    "gloo",
+    sender="weightsync.transports.collective:CollectiveSender",
+    receiver="weightsync.transports.collective:CollectiveReceiver",
+    backend="gloo",
+)
+register_transport(
+    "nccl",
+    sender="weightsync.transports.collective:CollectiveSender",
+    receiver="weightsync.transports.collective:CollectiveReceiver",
+    backend="nccl",
+)

@@ -40,8 +40,9 @@ from weightsync.wire.errors import CollectiveFailed
 logger = logging.getLogger(__name__)
 
 
-def _make_group(backend: str, store: Any, rank: int, world_size: int,
-                timeout: datetime.timedelta, host: str) -> Any:
+def _make_group(
+    backend: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta, host: str
+) -> Any:
     """`host`: the store's; a gloo device listens on the local address that reaches it."""
     prefixed = dist.PrefixStore(f"weightsync/{backend}", store)
     if backend == "gloo":
@@ -86,24 +87,37 @@ class CollectiveSender(SenderTransport):
     takes_tensors = True
 
     @classmethod
-    def create(cls, *, num_receivers: int, host: str, timeout_s: float,
-               **options: Any) -> CollectiveSender:
+    def create(
+        cls, *, num_receivers: int, host: str, timeout_s: float, **options: Any
+    ) -> CollectiveSender:
         return cls(num_receivers=num_receivers, host=host, timeout_s=timeout_s, **options)
 
-    def __init__(self, *, num_receivers: int, backend: str = "gloo", host: str = "127.0.0.1",
-                 port: int | None = None, num_slots: int = 2, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        num_receivers: int,
+        backend: str = "gloo",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        num_slots: int = 2,
+        timeout_s: float = 60.0,
+    ) -> None:
         if num_receivers < 1:
             raise ValueError(f"num_receivers={num_receivers}: need at least one receiver")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"collective backend {backend!r}: expected 'gloo' or 'nccl'")
         self.kind = self.backend = backend
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if backend == "nccl" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
         self.host = host
         self.world_size = 1 + num_receivers
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = host_store(host, port=port or 0, timeout_s=timeout_s,
-                                world_size=self.world_size)
+        self.store = host_store(
+            host, port=port or 0, timeout_s=timeout_s, world_size=self.world_size
+        )
         self.port = self.store.port
         self.group: Any = None
         self._slots: list[torch.Tensor | None] = [None] * num_slots
@@ -119,8 +133,11 @@ class CollectiveSender(SenderTransport):
         """Broadcast a bucket of one tensor straight from it (NCCL); pack anything else."""
         if self.backend == "nccl" and len(tensors) == 1:
             tensor = tensors[0]
-            if (tensor.device == self.device and tensor.is_contiguous()
-                    and 0 < tensor.numel() * tensor.element_size() == plan.nbytes):
+            if (
+                tensor.device == self.device
+                and tensor.is_contiguous()
+                and 0 < tensor.numel() * tensor.element_size() == plan.nbytes
+            ):
                 self._one_copy[slot] = tensor
                 return
         buf = self.buffer(slot, plan.nbytes)
@@ -133,41 +150,65 @@ class CollectiveSender(SenderTransport):
             torch.cuda.current_stream(self.device).wait_event(self._sent[slot])
         buf = self._slots[slot]
         if buf is None or buf.numel() < nbytes:
-            buf = self._slots[slot] = torch.empty(max(nbytes, 1), dtype=torch.uint8,
-                                                  device=self.device)
+            buf = self._slots[slot] = torch.empty(
+                max(nbytes, 1), dtype=torch.uint8, device=self.device
+            )
         return buf[:nbytes]
 
     def handle(self, slot: int) -> dict[str, Any]:
-        return {"kind": self.kind, "backend": self.backend, "host": self.host,
-                "port": self.port, "world_size": self.world_size,
-                "timeout_s": self.timeout.total_seconds(), "slot": slot}
+        return {
+            "kind": self.kind,
+            "backend": self.backend,
+            "host": self.host,
+            "port": self.port,
+            "world_size": self.world_size,
+            "timeout_s": self.timeout.total_seconds(),
+            "slot": slot,
+        }
 
     def send(self, slot: int, nbytes: int) -> None:
-        peers = (f"{self.world_size - 1} engine process(es) of the {self.backend} group at "
-                 f"{self.host}:{self.port}")
-        fix = (f"Is every engine alive, and does {self.host}:{self.port} reach this process "
-               f"from theirs (SyncOptions.collective_host)? A slow engine needs a larger "
-               f"SyncOptions.timeout_s (now {self.timeout.total_seconds():g} s).")
+        peers = (
+            f"{self.world_size - 1} engine process(es) of the {self.backend} group at "
+            f"{self.host}:{self.port}"
+        )
+        fix = (
+            f"Is every engine alive, and does {self.host}:{self.port} reach this process "
+            f"from theirs (SyncOptions.collective_host)? A slow engine needs a larger "
+            f"SyncOptions.timeout_s (now {self.timeout.total_seconds():g} s)."
+        )
         if self.group is None:
-            logger.info("forming %s group of %d on %s:%d", self.backend, self.world_size,
-                        self.host, self.port)
-            with _failing_as(f"{self.backend} sender: the {peers} did not all join within "
-                             f"{self.timeout.total_seconds():g} s", fix):
-                self.group = _make_group(self.backend, self.store, 0, self.world_size,
-                                         self.timeout, self.host)
+            logger.info(
+                "forming %s group of %d on %s:%d",
+                self.backend,
+                self.world_size,
+                self.host,
+                self.port,
+            )
+            with _failing_as(
+                f"{self.backend} sender: the {peers} did not all join within "
+                f"{self.timeout.total_seconds():g} s",
+                fix,
+            ):
+                self.group = _make_group(
+                    self.backend, self.store, 0, self.world_size, self.timeout, self.host
+                )
         one_copy = self._one_copy[slot]
         if one_copy is not None:
             data = one_copy.reshape(-1).view(torch.uint8)[:nbytes]
         else:
             buf = self._slots[slot]
             if buf is None:
-                raise RuntimeError(f"{self.backend}: send({slot}) before buffer({slot}, nbytes) "
-                                   f"or attach({slot}, ...); the slot holds nothing to send")
+                raise RuntimeError(
+                    f"{self.backend}: send({slot}) before buffer({slot}, nbytes) "
+                    f"or attach({slot}, ...); the slot holds nothing to send"
+                )
             data = buf[:nbytes]
         if self.backend != "nccl":
-            with _failing_as(f"{self.backend} sender: bucket slot {slot} ({nbytes} bytes) did "
-                             f"not reach all {peers} within {self.timeout.total_seconds():g} s",
-                             fix):
+            with _failing_as(
+                f"{self.backend} sender: bucket slot {slot} ({nbytes} bytes) did "
+                f"not reach all {peers} within {self.timeout.total_seconds():g} s",
+                fix,
+            ):
                 _broadcast(self.group, data, self.timeout)
             return
         main = torch.cuda.current_stream(self.device)
@@ -211,37 +252,47 @@ class CollectiveReceiver(ReceiverTransport):
         group = self._groups.get(key)
         if group is None:
             timeout = datetime.timedelta(seconds=float(handle.get("timeout_s", 60)))
-            store = dist.TCPStore(key[0], key[1], int(handle["world_size"]), is_master=False,
-                                  timeout=timeout)
+            store = dist.TCPStore(
+                key[0], key[1], int(handle["world_size"]), is_master=False, timeout=timeout
+            )
             rank = int(store.add("weightsync/next_rank", 1))
             if rank >= int(handle["world_size"]):
-                raise RuntimeError(f"collective group at {key[0]}:{key[1]} is full "
-                                   f"(world size {handle['world_size']})")
-            group = _make_group(handle["backend"], store, rank, int(handle["world_size"]),
-                                timeout, key[0])
+                raise RuntimeError(
+                    f"collective group at {key[0]}:{key[1]} is full "
+                    f"(world size {handle['world_size']})"
+                )
+            group = _make_group(
+                handle["backend"], store, rank, int(handle["world_size"]), timeout, key[0]
+            )
             self._stores[key] = store
             self._groups[key] = group
         return group
 
     def receive(self, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
         timeout_s = float(handle.get("timeout_s", 60))
-        where = f"the trainer's {handle['backend']} sender (rank 0) at {handle['host']}:" \
-                f"{handle['port']}"
-        fix = (f"Is the trainer's rank 0 alive, and does {handle['host']} reach it from this "
-               f"process (SyncOptions.collective_host)? A slow trainer needs a larger "
-               f"SyncOptions.timeout_s (now {timeout_s:g} s).")
+        where = (
+            f"the trainer's {handle['backend']} sender (rank 0) at {handle['host']}:"
+            f"{handle['port']}"
+        )
+        fix = (
+            f"Is the trainer's rank 0 alive, and does {handle['host']} reach it from this "
+            f"process (SyncOptions.collective_host)? A slow trainer needs a larger "
+            f"SyncOptions.timeout_s (now {timeout_s:g} s)."
+        )
         with _failing_as(f"engine receive: no group with {where} within {timeout_s:g} s", fix):
             group = self._group(handle)
-        with _failing_as(f"engine receive: bucket slot {handle.get('slot', 0)} ({nbytes} bytes) "
-                         f"did not come from {where} within {timeout_s:g} s", fix):
+        with _failing_as(
+            f"engine receive: bucket slot {handle.get('slot', 0)} ({nbytes} bytes) "
+            f"did not come from {where} within {timeout_s:g} s",
+            fix,
+        ):
             return self._receive(group, handle, nbytes)
 
     def _receive(self, group: Any, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
         if handle["backend"] == "nccl":
             return self._receive_nccl(group, handle, nbytes)
         device = torch.device("cpu")
-        if self._buffer is None or self._buffer.numel() < nbytes or \
-                self._buffer.device != device:
+        if self._buffer is None or self._buffer.numel() < nbytes or self._buffer.device != device:
             self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         data = self._buffer[:nbytes]
         _broadcast(group, data, datetime.timedelta(seconds=float(handle.get("timeout_s", 60))))
@@ -252,8 +303,9 @@ class CollectiveReceiver(ReceiverTransport):
         slot = int(handle.get("slot", 0))
         buf = self._buffers.get(slot)
         if buf is None or buf.numel() < nbytes or buf.device != device:
-            buf = self._buffers[slot] = torch.empty(max(nbytes, 1), dtype=torch.uint8,
-                                                    device=device)
+            buf = self._buffers[slot] = torch.empty(
+                max(nbytes, 1), dtype=torch.uint8, device=device
+            )
         if self._stream is None or self._stream.device != device:
             self._stream = torch.cuda.Stream(device)
         data = buf[:nbytes]
@@ -264,8 +316,9 @@ class CollectiveReceiver(ReceiverTransport):
             self._stream.wait_stream(torch.cuda.current_stream(device))
         self._unreleased.add(slot)
         with torch.cuda.stream(self._stream):
-            work = _start_broadcast(group, data,
-                                    datetime.timedelta(seconds=float(handle.get("timeout_s", 60))))
+            work = _start_broadcast(
+                group, data, datetime.timedelta(seconds=float(handle.get("timeout_s", 60)))
+            )
         work.wait()  # the loader's (current) stream waits for the bytes
         return data
 

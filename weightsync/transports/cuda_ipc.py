@@ -49,20 +49,39 @@ _stride = torch.Tensor.stride
 
 
 def _export(storage: torch.UntypedStorage) -> dict[str, Any]:
-    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
-     event_sync_required) = storage._share_cuda_()
-    return {"device": int(device), "handle": base64.b64encode(handle).decode(),
-            "size_bytes": int(size_bytes), "offset_bytes": int(offset_bytes),
-            "ref_handle": base64.b64encode(ref_handle).decode(), "ref_offset": int(ref_offset),
-            "event_handle": base64.b64encode(event_handle or b"").decode(),
-            "event_sync_required": bool(event_sync_required)}
+    (
+        device,
+        handle,
+        size_bytes,
+        offset_bytes,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync_required,
+    ) = storage._share_cuda_()
+    return {
+        "device": int(device),
+        "handle": base64.b64encode(handle).decode(),
+        "size_bytes": int(size_bytes),
+        "offset_bytes": int(offset_bytes),
+        "ref_handle": base64.b64encode(ref_handle).decode(),
+        "ref_offset": int(ref_offset),
+        "event_handle": base64.b64encode(event_handle or b"").decode(),
+        "event_sync_required": bool(event_sync_required),
+    }
 
 
 def _open(h: dict[str, Any], device: int) -> torch.UntypedStorage:
     return torch.UntypedStorage._new_shared_cuda(
-        device, base64.b64decode(h["handle"]), h["size_bytes"], h["offset_bytes"],
-        base64.b64decode(h["ref_handle"]), h["ref_offset"],
-        base64.b64decode(h["event_handle"]) or None, h["event_sync_required"])
+        device,
+        base64.b64decode(h["handle"]),
+        h["size_bytes"],
+        h["offset_bytes"],
+        base64.b64decode(h["ref_handle"]),
+        h["ref_offset"],
+        base64.b64decode(h["event_handle"]) or None,
+        h["event_sync_required"],
+    )
 
 
 def export_storage(storage: torch.UntypedStorage) -> dict[str, Any]:
@@ -73,16 +92,21 @@ def export_storage(storage: torch.UntypedStorage) -> dict[str, Any]:
 def open_storage(export: dict[str, Any], device: int | None = None) -> torch.Tensor:
     """The storage `export_storage` described, opened here, as a flat uint8 tensor."""
     device = int(export["device"]) if device is None else device
-    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(
-        _open(export, device))
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(_open(export, device))
 
 
 class CudaIpcSender(SenderTransport):
     kind = "cuda_ipc"
     takes_tensors = True
 
-    def __init__(self, *, num_slots: int = 2, device: int | None = None,
-                 zero_copy: bool = True, replay: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        num_slots: int = 2,
+        device: int | None = None,
+        zero_copy: bool = True,
+        replay: bool = True,
+    ) -> None:
         self.device = torch.cuda.current_device() if device is None else device
         self.zero_copy = zero_copy
         self.replay = replay
@@ -119,8 +143,10 @@ class CudaIpcSender(SenderTransport):
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
             self._generation += 1
             self._slots[slot] = buf
-            self._handles[slot] = {**_export(buf.untyped_storage()),
-                                   "key": f"{self._uid}-{slot}-{self._generation}"}
+            self._handles[slot] = {
+                **_export(buf.untyped_storage()),
+                "key": f"{self._uid}-{slot}-{self._generation}",
+            }
         return buf[:nbytes]
 
     # ---- zero-copy -----------------------------------------------------------------------
@@ -144,8 +170,13 @@ class CudaIpcSender(SenderTransport):
         return export
 
     def _in_place(self, tensor: torch.Tensor) -> bool:
-        return (self.zero_copy and tensor.is_cuda and tensor.device.index == self.device
-                and tensor.numel() > 0 and all(s >= 0 for s in tensor.stride()))
+        return (
+            self.zero_copy
+            and tensor.is_cuda
+            and tensor.device.index == self.device
+            and tensor.numel() > 0
+            and all(s >= 0 for s in tensor.stride())
+        )
 
     def attach(self, slot: int, plan: BucketPlan, tensors: list[torch.Tensor]) -> None:
         """Pass `plan`'s tensors in place where they can be, pack the rest into the slot's
@@ -154,8 +185,9 @@ class CudaIpcSender(SenderTransport):
             self._sync += 1
         self._held[slot] = None  # the slot's previous tensors may go (and their exports die)
         self._same[slot] = False
-        signature = (list(map(_data_ptr, tensors)), list(map(_stride, tensors))) \
-            if self.replay else None
+        signature = (
+            (list(map(_data_ptr, tensors)), list(map(_stride, tensors))) if self.replay else None
+        )
         last = self._last.get(plan.index)
         if last is not None and last[0] == signature and last[1] == self._deaths:
             self._held[slot], self._views[slot], self._slot_exports[slot] = tensors, last[2], {}
@@ -191,14 +223,22 @@ class CudaIpcSender(SenderTransport):
         if views is None:
             handle = self._handles[slot]
             if handle is None:
-                raise RuntimeError(f"cuda_ipc: handle({slot}) before buffer({slot}, nbytes) or "
-                                   f"attach({slot}, ...); the slot holds nothing yet")
+                raise RuntimeError(
+                    f"cuda_ipc: handle({slot}) before buffer({slot}, nbytes) or "
+                    f"attach({slot}, ...); the slot holds nothing yet"
+                )
             out = {"kind": self.kind, **handle}
         elif self._same[slot]:
             out = {"kind": self.kind, "device": self.device, "sync": self._sync, "same": True}
         else:
-            out = {"kind": self.kind, "device": self.device, "sync": self._sync,
-                   "views": views, "storages": self._slot_exports[slot], "drop": self._dead[:]}
+            out = {
+                "kind": self.kind,
+                "device": self.device,
+                "sync": self._sync,
+                "views": views,
+                "storages": self._slot_exports[slot],
+                "drop": self._dead[:],
+            }
             self._dead.clear()
             if self._packed[slot]:
                 out["buffer"] = self._handles[slot]
@@ -216,8 +256,9 @@ class CudaIpcSender(SenderTransport):
 
 
 class CudaIpcReceiver(ReceiverTransport):
-    def __init__(self, *, device: int | None = None, max_open: int = 4,
-                 max_storages: int = 1 << 16) -> None:
+    def __init__(
+        self, *, device: int | None = None, max_open: int = 4, max_storages: int = 1 << 16
+    ) -> None:
         self.device = device
         self.max_open = max_open
         self.max_storages = max_storages
@@ -237,8 +278,9 @@ class CudaIpcReceiver(ReceiverTransport):
         if data is None:
             data = open_storage(handle, self._device(handle))
         if data.numel() < nbytes:
-            raise BucketRejected(f"CUDA IPC buffer {key!r} holds {data.numel()} bytes, fewer "
-                                 f"than {nbytes}")
+            raise BucketRejected(
+                f"CUDA IPC buffer {key!r} holds {data.numel()} bytes, fewer than {nbytes}"
+            )
         self._open[key] = data
         while len(self._open) > self.max_open:
             self._open.pop(next(iter(self._open)))
@@ -253,31 +295,49 @@ class CudaIpcReceiver(ReceiverTransport):
             return entry[0].nbytes()
         export = handle["storages"].get(key)
         if export is None:
-            raise BucketRejected(f"CUDA IPC storage {key!r} is neither open here nor "
-                                 f"exported in this bucket's handle")
+            raise BucketRejected(
+                f"CUDA IPC storage {key!r} is neither open here nor "
+                f"exported in this bucket's handle"
+            )
         return int(export["size_bytes"])
 
     def _storage(self, key: str, handle: dict[str, Any]) -> list[Any]:
         """The open storage's entry [storage, last sync used, {view signature: view}]."""
         entry = self._storages.get(key)
         if entry is None:
-            entry = self._storages[key] = [_open(handle["storages"][key], self._device(handle)),
-                                           self._sync, {}]
+            entry = self._storages[key] = [
+                _open(handle["storages"][key], self._device(handle)),
+                self._sync,
+                {},
+            ]
         entry[1] = self._sync
         return entry
 
-    def _check_view(self, index: int, meta: Any, key: str, offset: int, stride: list[int],
-                    handle: dict[str, Any]) -> None:
+    def _check_view(
+        self,
+        index: int,
+        meta: Any,
+        key: str,
+        offset: int,
+        stride: list[int],
+        handle: dict[str, Any],
+    ) -> None:
         if len(stride) != len(meta.shape) or offset < 0 or any(s < 0 for s in stride):
-            raise BucketRejected(f"bucket {index}: tensor {meta.name!r}: bad offset {offset} / "
-                                 f"strides {stride} for shape {meta.shape}")
-        span = 0 if math.prod(meta.shape) == 0 else \
-            1 + sum((n - 1) * s for n, s in zip(meta.shape, stride))
+            raise BucketRejected(
+                f"bucket {index}: tensor {meta.name!r}: bad offset {offset} / "
+                f"strides {stride} for shape {meta.shape}"
+            )
+        span = (
+            0
+            if math.prod(meta.shape) == 0
+            else 1 + sum((n - 1) * s for n, s in zip(meta.shape, stride))
+        )
         nbytes = self._storage_nbytes(key, handle)
         if (offset + span) * element_size(meta.dtype) > nbytes:
             raise BucketRejected(
                 f"bucket {index}: tensor {meta.name!r} spans elements [{offset}, "
-                f"{offset + span}) of {meta.dtype}, beyond its storage's {nbytes} bytes")
+                f"{offset + span}) of {meta.dtype}, beyond its storage's {nbytes} bytes"
+            )
 
     def receive_tensors(self, descriptor: BucketDescriptor) -> list[tuple[str, torch.Tensor]]:
         """The bucket's tensors: views of the trainer's storages where it passed them in place,
@@ -294,8 +354,10 @@ class CudaIpcReceiver(ReceiverTransport):
             descriptor.validate(data.numel())
             return [(m.name, tensor_view(data, m)) for m in descriptor.tensors]
         if len(views) != len(descriptor.tensors):
-            raise BucketRejected(f"bucket {descriptor.index}: {len(views)} views for "
-                                 f"{len(descriptor.tensors)} tensors")
+            raise BucketRejected(
+                f"bucket {descriptor.index}: {len(views)} views for "
+                f"{len(descriptor.tensors)} tensors"
+            )
         for key in handle.get("drop", ()):
             self._storages.pop(key, None)
         sync = int(handle.get("sync", 0))
@@ -333,8 +395,8 @@ class CudaIpcReceiver(ReceiverTransport):
                 storage, _, made_here = self._storage(key, handle)
                 offset, stride, shape, dtype = signature
                 made = made_here[signature] = torch.empty(
-                    0, dtype=dtype_from_str(dtype), device=storage.device).set_(
-                        storage, offset, shape, stride)
+                    0, dtype=dtype_from_str(dtype), device=storage.device
+                ).set_(storage, offset, shape, stride)
             out.append((meta.name, made))
         while len(self._storages) > self.max_storages:
             self._storages.pop(next(iter(self._storages)))
@@ -347,8 +409,10 @@ class CudaIpcReceiver(ReceiverTransport):
         """The views made for this bucket the last time it was described in full."""
         cached = self._replays.get(descriptor.index)
         if cached is None or cached[0] != descriptor.nbytes:
-            raise BucketRejected(f"bucket {descriptor.index}: the sender said 'same as last "
-                                 f"time' but this receiver holds no views for it")
+            raise BucketRejected(
+                f"bucket {descriptor.index}: the sender said 'same as last "
+                f"time' but this receiver holds no views for it"
+            )
         sync = int(descriptor.handle.get("sync", 0))
         if sync != self._sync:
             self._storages = {k: e for k, e in self._storages.items() if e[1] >= self._sync}

@@ -40,17 +40,28 @@ def listening_socket(host: str, port: int = 0) -> socket.socket:
     return sock
 
 
-def host_store(host: str = "127.0.0.1", *, port: int = 0, timeout_s: float = 300.0,
-               world_size: int | None = None) -> dist.TCPStore:
+def host_store(
+    host: str = "127.0.0.1",
+    *,
+    port: int = 0,
+    timeout_s: float = 300.0,
+    world_size: int | None = None,
+) -> dist.TCPStore:
     """A TCPStore master listening on `host` only, at `port` (0: a free port, read back from
     `store.port`). Clients join with `dist.TCPStore(host, store.port, is_master=False)`."""
     import torch.distributed as dist
 
     sock = listening_socket(host, port)
     bound_port = sock.getsockname()[1]
-    return dist.TCPStore(host, bound_port, world_size, is_master=True,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-                         master_listen_fd=sock.detach())
+    return dist.TCPStore(
+        host,
+        bound_port,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
 
 
 def local_address(host: str) -> str:

@@ -55,7 +55,7 @@ def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
         if not name.startswith(PREFIX):
             continue
         try:
-            pid = int(name[len(PREFIX):].split("-", 1)[0])
+            pid = int(name[len(PREFIX) :].split("-", 1)[0])
         except ValueError:
             continue
         if pid != os.getpid() and not _pid_alive(pid):
@@ -86,8 +86,10 @@ def _free_bytes(shm_dir: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-_ROOM_FIX = ("give the shared-memory filesystem more room (Docker: --shm-size, e.g. "
-             "--shm-size=16g) or sync in smaller buckets (a smaller bucket_bytes)")
+_ROOM_FIX = (
+    "give the shared-memory filesystem more room (Docker: --shm-size, e.g. "
+    "--shm-size=16g) or sync in smaller buckets (a smaller bucket_bytes)"
+)
 
 
 def _describe_mode(st: os.stat_result) -> str:
@@ -100,7 +102,8 @@ def _create(path: str, nbytes: int, shm_dir: str) -> int:
     if nbytes > free_bytes:
         raise RuntimeError(
             f"shared-memory segment {path!r} needs {nbytes} bytes but {shm_dir} has "
-            f"{free_bytes} free; {_ROOM_FIX}")
+            f"{free_bytes} free; {_ROOM_FIX}"
+        )
     try:
         # O_EXCL: a file already at this name (planted, or a stale one) is never reused; names
         # carry 32 random bits, so a clash is not chance. It does not follow a symlink either.
@@ -113,7 +116,8 @@ def _create(path: str, nbytes: int, shm_dir: str) -> int:
         raise RuntimeError(
             f"shared-memory segment {path!r} exists already ({found}); weightsync creates each "
             f"segment new and never reuses a file; remove it if no weightsync process of yours "
-            f"made it") from None
+            f"made it"
+        ) from None
     try:
         # Allocated now, not on first touch: a segment /dev/shm cannot hold fails here instead
         # of killing the process with SIGBUS when a page is first written.
@@ -123,7 +127,8 @@ def _create(path: str, nbytes: int, shm_dir: str) -> int:
         os.unlink(path)
         raise RuntimeError(
             f"shared-memory segment {path!r}: allocating {nbytes} bytes failed "
-            f"({exc.strerror}; {shm_dir} had {free_bytes} free); {_ROOM_FIX}") from None
+            f"({exc.strerror}; {shm_dir} had {free_bytes} free); {_ROOM_FIX}"
+        ) from None
     return fd
 
 
@@ -134,28 +139,35 @@ def _open_own(path: str, name: str, nbytes: int) -> tuple[int, int]:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise RuntimeError(
-            f"shared-memory segment {name!r} is gone; the sender closed it or died") from None
+            f"shared-memory segment {name!r} is gone; the sender closed it or died"
+        ) from None
     except OSError:
         if not os.path.islink(path):
             raise
         raise RuntimeError(
             f"shared-memory segment {path!r} is a symbolic link; weightsync maps only regular "
-            f"files its own processes created; remove it") from None
+            f"files its own processes created; remove it"
+        ) from None
     st = os.fstat(fd)
-    if (st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077
-            or not stat.S_ISREG(st.st_mode)):
+    if (
+        st.st_uid != os.geteuid()
+        or stat.S_IMODE(st.st_mode) & 0o077
+        or not stat.S_ISREG(st.st_mode)
+    ):
         os.close(fd)
         raise RuntimeError(
             f"shared-memory segment {path!r} has {_describe_mode(st)}; weightsync maps only "
             f"regular files owned by its own uid ({os.geteuid()}) with no group or other "
             f"permission bits (its senders create them 0o600): run the trainer and the engines "
             f"as the same user, and remove the file if no weightsync process of that user "
-            f"made it")
+            f"made it"
+        )
     if st.st_size < nbytes:
         os.close(fd)
         raise ValueError(
             f"shared-memory segment {name!r} holds {st.st_size} bytes, fewer than the "
-            f"{nbytes} the descriptor names")
+            f"{nbytes} the descriptor names"
+        )
     return fd, st.st_size
 
 
@@ -226,8 +238,9 @@ class ShmSender(SenderTransport):
                 self._drop(slot)
             self._generation += 1
             name = f"{self._token}-{slot}-{self._generation}"
-            segment = _Segment(name, max(align(nbytes), ALIGNMENT_BYTES), create=True,
-                               shm_dir=self._shm_dir)
+            segment = _Segment(
+                name, max(align(nbytes), ALIGNMENT_BYTES), create=True, shm_dir=self._shm_dir
+            )
             self._names.append(name)
             self._slots[slot] = segment
         return segment.tensor[:nbytes]
@@ -235,8 +248,10 @@ class ShmSender(SenderTransport):
     def handle(self, slot: int) -> dict[str, Any]:
         segment = self._slots[slot]
         if segment is None:
-            raise RuntimeError(f"shm: handle({slot}) before buffer({slot}, nbytes); a slot has "
-                               f"bytes only once the sender asked for its buffer")
+            raise RuntimeError(
+                f"shm: handle({slot}) before buffer({slot}, nbytes); a slot has "
+                f"bytes only once the sender asked for its buffer"
+            )
         return {"kind": self.kind, "name": segment.name, "nbytes": segment.nbytes}
 
     def _drop(self, slot: int) -> None:

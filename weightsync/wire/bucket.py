@@ -38,8 +38,12 @@ class BucketPlan:
     _expected: tuple[list, list, list] | None = field(default=None, repr=False, compare=False)
 
     def descriptor(self, handle: dict | None = None) -> BucketDescriptor:
-        return BucketDescriptor(index=self.index, nbytes=self.nbytes, tensors=list(self.tensors),
-                                handle=dict(handle or {}))
+        return BucketDescriptor(
+            index=self.index,
+            nbytes=self.nbytes,
+            tensors=list(self.tensors),
+            handle=dict(handle or {}),
+        )
 
 
 def plan_buckets(specs: Iterable[TensorSpec], *, capacity_bytes: int) -> list[BucketPlan]:
@@ -107,8 +111,9 @@ def tensor_view(buffer: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 def unpack(buffer: torch.Tensor, descriptor: BucketDescriptor) -> list[tuple[str, torch.Tensor]]:
     """The tensors of one bucket as (name, view) pairs sharing `buffer`'s memory."""
     if buffer.dtype != torch.uint8 or buffer.dim() != 1:
-        raise TypeError(f"bucket buffer must be a 1-D uint8 tensor, got {buffer.dtype} "
-                        f"{tuple(buffer.shape)}")
+        raise TypeError(
+            f"bucket buffer must be a 1-D uint8 tensor, got {buffer.dtype} {tuple(buffer.shape)}"
+        )
     descriptor.validate(buffer.numel())
     return [(meta.name, tensor_view(buffer, meta)) for meta in descriptor.tensors]
 
@@ -132,8 +137,9 @@ def fill_buckets(
     check_stream_end(tensors)
 
 
-def _next_tensor(plan: BucketPlan, meta: TensorMeta,
-                 tensors: Iterator[tuple[str, torch.Tensor]]) -> torch.Tensor:
+def _next_tensor(
+    plan: BucketPlan, meta: TensorMeta, tensors: Iterator[tuple[str, torch.Tensor]]
+) -> torch.Tensor:
     """The stream's next tensor, which must be the one `meta` plans."""
     try:
         name, tensor = next(tensors)
@@ -165,8 +171,9 @@ def check_tensor(meta: TensorMeta, tensor: torch.Tensor) -> None:
         )
 
 
-def take_bucket(plan: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]]
-                ) -> list[torch.Tensor]:
+def take_bucket(
+    plan: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]]
+) -> list[torch.Tensor]:
     """The next tensors of the stream `tensors` that make up `plan`, checked against it, for
     transports that pass tensors in place instead of copying them into a bucket (same errors
     as `fill_buckets`). Names, shapes and dtypes are compared in bulk (no Python per tensor);
@@ -174,12 +181,17 @@ def take_bucket(plan: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]]
     expected = plan._expected
     if expected is None:
         expected = plan._expected = (
-            [m.name for m in plan.tensors], [torch.Size(m.shape) for m in plan.tensors],
-            [dtype_from_str(m.dtype) for m in plan.tensors])
+            [m.name for m in plan.tensors],
+            [torch.Size(m.shape) for m in plan.tensors],
+            [dtype_from_str(m.dtype) for m in plan.tensors],
+        )
     items = list(itertools.islice(tensors, len(expected[0])))
     taken = [t for _, t in items]
-    if [n for n, _ in items] == expected[0] and list(map(_size, taken)) == expected[1] \
-            and list(map(_dtype, taken)) == expected[2]:
+    if (
+        [n for n, _ in items] == expected[0]
+        and list(map(_size, taken)) == expected[1]
+        and list(map(_dtype, taken)) == expected[2]
+    ):
         return taken
     stream = iter(items)
     for meta in plan.tensors:  # raises naming the first mismatch

@@ -70,8 +70,11 @@ def error_to_wire(exc: BaseException) -> dict[str, Any]:
     """`exc` as plain data: {"type": the class it crosses as (its own name when it crosses as
     RuntimeError), "error": its message, "traceback"}."""
     cls = wire_class(exc)
-    return {"type": cls.__name__ if cls is not None else type(exc).__name__,
-            "error": str(exc), "traceback": traceback.format_exc(limit=8)}
+    return {
+        "type": cls.__name__ if cls is not None else type(exc).__name__,
+        "error": str(exc),
+        "traceback": traceback.format_exc(limit=8),
+    }
 
 
 def error_from_wire(error: dict[str, Any], *, peer: str | None = None) -> Exception:

@@ -84,9 +84,10 @@ def _powers(start: int, step: int, count: int, device: torch.device) -> torch.Te
     n = 1
     while n < count:  # doubling: rows [n, 2n) are rows [0, n) times r**(n * step)
         m = min(n, count - n)
-        mult = torch.tensor([pow(r, n * step, p) for p, r in zip(PRIMES, ROOTS)],
-                            dtype=torch.int64, device=device)
-        out[n:n + m] = out[:m] * mult % primes
+        mult = torch.tensor(
+            [pow(r, n * step, p) for p, r in zip(PRIMES, ROOTS)], dtype=torch.int64, device=device
+        )
+        out[n : n + m] = out[:m] * mult % primes
         n += m
     return out
 
@@ -117,7 +118,7 @@ def _whole_sums(words: list[torch.Tensor], out: torch.Tensor) -> None:
         width = _ROW if rows > 1 else n  # a short tensor is one row of its own length
         at_once = max(1, per_block * _ROW // (rows * width))
         for g in range(0, len(words), at_once):
-            part = words[g:g + at_once]
+            part = words[g : g + at_once]
             wide = _scratch(device, len(part) * rows * width).view(len(part), rows * width)
             if rows * width != n:
                 wide[:, n:].zero_()  # zero words hash to nothing
@@ -125,17 +126,17 @@ def _whole_sums(words: list[torch.Tensor], out: torch.Tensor) -> None:
                 wide[0, :n].copy_(part[0])
             else:
                 torch._foreach_copy_([wide[i, :n] for i in range(len(part))], part)
-            _reduce(wide.view(len(part), rows, width), 0, out[g:g + len(part)])
+            _reduce(wide.view(len(part), rows, width), 0, out[g : g + len(part)])
         return
     for i, tensor_words in enumerate(words):  # a large tensor: blocks of rows
         for r in range(0, rows, per_block):
-            chunk = tensor_words[r * _ROW:(r + per_block) * _ROW]
+            chunk = tensor_words[r * _ROW : (r + per_block) * _ROW]
             count = -(-chunk.numel() // _ROW)
             wide = _scratch(device, count * _ROW)
             if count * _ROW != chunk.numel():
-                wide[chunk.numel():].zero_()
-            wide[:chunk.numel()].copy_(chunk)
-            _reduce(wide.view(1, count, _ROW), r, out[i:i + 1])
+                wide[chunk.numel() :].zero_()
+            wide[: chunk.numel()].copy_(chunk)
+            _reduce(wide.view(1, count, _ROW), r, out[i : i + 1])
 
 
 def _reduce(wide: torch.Tensor, first_row: int, out: torch.Tensor) -> None:
@@ -147,7 +148,8 @@ def _reduce(wide: torch.Tensor, first_row: int, out: torch.Tensor) -> None:
     sums = torch.mm(wide.view(-1, width), _table(device)[:, :width].t()).to(torch.int64)
     sums = sums.view(groups, count, 3)
     sums[:, :, 1:] = sums[:, :, 1:].remainder(
-        torch.tensor(PRIMES, dtype=torch.int64, device=device))
+        torch.tensor(PRIMES, dtype=torch.int64, device=device)
+    )
     sums *= _row_weights(first_row + count, device)[first_row:]
     out += sums.sum(1)
 
@@ -251,36 +253,46 @@ def placed(runs: torch.Tensor, dst: int, dst_stride: int) -> Fingerprint:
     if runs.stride(-1) != 1:
         runs = runs.contiguous()
     words = runs.view(torch.uint8) if runs.element_size() == 1 else runs.view(torch.int16)
-    parts = [_placed_rows(words[:, c:c + _ROW], dst * per + c, dst_stride * per)
-             for c in range(0, words.shape[1], _ROW)]
+    parts = [
+        _placed_rows(words[:, c : c + _ROW], dst * per + c, dst_stride * per)
+        for c in range(0, words.shape[1], _ROW)
+    ]
     return combine([tuple(p) for p in parts])
 
 
 def shift(fp: Fingerprint, words: int) -> Fingerprint:
     """The contribution of a piece with fingerprint `fp` whose first word is word `words` of
     the parameter."""
-    return (fp[0], fp[1] * pow(ROOTS[0], words, PRIMES[0]) % PRIMES[0],
-            fp[2] * pow(ROOTS[1], words, PRIMES[1]) % PRIMES[1])
+    return (
+        fp[0],
+        fp[1] * pow(ROOTS[0], words, PRIMES[0]) % PRIMES[0],
+        fp[2] * pow(ROOTS[1], words, PRIMES[1]) % PRIMES[1],
+    )
 
 
 def combine(prints: list[Fingerprint]) -> Fingerprint:
     """A parameter's fingerprint from its pieces' contributions (each already `shift`ed or
     `placed` where it sits)."""
-    return (sum(p[0] for p in prints) & MASK, sum(p[1] for p in prints) % PRIMES[0],
-            sum(p[2] for p in prints) % PRIMES[1])
+    return (
+        sum(p[0] for p in prints) & MASK,
+        sum(p[1] for p in prints) % PRIMES[0],
+        sum(p[2] for p in prints) % PRIMES[1],
+    )
 
 
 def diff(expected: dict[str, Fingerprint], actual: dict[str, Fingerprint]) -> list[str]:
     """Names whose fingerprints differ or are missing on one side, sorted."""
     names = set(expected) | set(actual)
     return sorted(
-        n for n in names
+        n
+        for n in names
         if n not in expected or n not in actual or tuple(expected[n]) != tuple(actual[n])
     )
 
 
-def expected_fingerprints(param_of: dict[str, list[str]],
-                          sent: dict[str, Fingerprint]) -> dict[str, Fingerprint]:
+def expected_fingerprints(
+    param_of: dict[str, list[str]], sent: dict[str, Fingerprint]
+) -> dict[str, Fingerprint]:
     """What each engine parameter's fingerprint must be, for a receiver that reports no
     placements: a parameter exactly one trainer tensor lands in holds it from its first word
     (the reference receiver's and a padded vocabulary's layout). Parameters made of several
@@ -290,12 +302,14 @@ def expected_fingerprints(param_of: dict[str, list[str]],
     for name, targets in param_of.items():
         for target in targets:
             holders.setdefault(target, []).append(name)
-    return {p: tuple(sent[names[0]]) for p, names in holders.items()
-            if len(names) == 1 and len(param_of[names[0]]) == 1}
+    return {
+        p: tuple(sent[names[0]])
+        for p, names in holders.items()
+        if len(names) == 1 and len(param_of[names[0]]) == 1
+    }
 
 
-def model_fingerprints(model: nn.Module,
-                       param_of: dict[str, list[str]]) -> dict[str, list[int]]:
+def model_fingerprints(model: nn.Module, param_of: dict[str, list[str]]) -> dict[str, list[int]]:
     """Engine side: {parameter name: [s, h1, h2]} of every parameter some trainer tensor lands
     in (`param_of`: trainer tensor -> engine parameters), as plain data."""
     covered = {p for targets in param_of.values() for p in targets}

@@ -42,8 +42,12 @@ def _passes(numel: int, bits: int) -> int:
     return max(1, math.ceil(math.log2(max(numel, 2)) / bits))
 
 
-def learn_placement(param: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...],
-                    load_one: Callable[[torch.Tensor], Any]) -> list[Pattern] | None:
+def learn_placement(
+    param: torch.Tensor,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    load_one: Callable[[torch.Tensor], Any],
+) -> list[Pattern] | None:
     """The patterns by which `load_one(tensor)` (the engine's loader for one trainer tensor of
     `dtype` and `shape`) places elements into `param`, or None when it does not copy them
     verbatim into that one parameter. `param.data` is a zeroed scratch copy meanwhile and is
@@ -84,9 +88,14 @@ def learn_placement(param: torch.Tensor, dtype: torch.dtype, shape: tuple[int, .
             if where is None or where.numel() == 0 or int(found.max()) >= numel:
                 return None
             # Verbatim? Random bits through the loader must sit exactly where the map says.
-            raw = torch.randint(-(1 << 7), 1 << 7, (numel * size,), dtype=torch.int8,
-                                device=device,
-                                generator=torch.Generator(device=device).manual_seed(1))
+            raw = torch.randint(
+                -(1 << 7),
+                1 << 7,
+                (numel * size,),
+                dtype=torch.int8,
+                device=device,
+                generator=torch.Generator(device=device).manual_seed(1),
+            )
             scratch.zero_()
             load_one(raw.view(dtype).view(shape))
             source = raw.view(signed)
@@ -126,8 +135,7 @@ def pattern_view(flat: torch.Tensor, pattern: Pattern, *, dst: bool = False) -> 
     """The elements of a pattern in a flat contiguous tensor, as a (count, length) view: the
     destination side with `dst`, else the source side."""
     start, stride = (pattern[0], pattern[4]) if dst else (pattern[1], pattern[5])
-    return flat.as_strided((pattern[3], pattern[2]), (stride, 1),
-                           flat.storage_offset() + start)
+    return flat.as_strided((pattern[3], pattern[2]), (stride, 1), flat.storage_offset() + start)
 
 
 class WorkerPrints:
@@ -146,7 +154,8 @@ class WorkerPrints:
             if name in placements:
                 pname, pats = placements[name]
                 parts.setdefault(pname, []).extend(
-                    placed(pattern_view(flat, p), p[0], p[4]) for p in pats)
+                    placed(pattern_view(flat, p), p[0], p[4]) for p in pats
+                )
 
     def result(self) -> list[dict[str, Fingerprint]]:
         return [{p: combine(prints) for p, prints in parts.items()} for parts in self._parts]
@@ -166,12 +175,15 @@ def whole_offset(patterns: list[Pattern], numel: int) -> int | None:
 def sliced(placements: dict[str, Any], specs: dict[str, Any]) -> bool:
     """Whether some tensor of one worker's placements is not placed whole (`whole_offset`):
     its expected fingerprints then need the tensor's elements (`WorkerPrints`)."""
-    return any(pats and (name not in specs or whole_offset(pats, specs[name].numel) is None)
-               for name, (_, pats) in placements.items())
+    return any(
+        pats and (name not in specs or whole_offset(pats, specs[name].numel) is None)
+        for name, (_, pats) in placements.items()
+    )
 
 
-def prints_from_sent(placements: dict[str, Any], sent: dict[str, Fingerprint],
-                     specs: dict[str, Any]) -> dict[str, Fingerprint] | None:
+def prints_from_sent(
+    placements: dict[str, Any], sent: dict[str, Fingerprint], specs: dict[str, Any]
+) -> dict[str, Fingerprint] | None:
     """`WorkerPrints` for one worker from the sent tensors' fingerprints alone (`specs`: name
     -> its TensorSpec), where every placed tensor lies whole in its parameter; None when some
     does not (its expected fingerprint needs the tensor's elements)."""
@@ -184,12 +196,14 @@ def prints_from_sent(placements: dict[str, Any], sent: dict[str, Fingerprint],
         if at is None:
             return None
         parts.setdefault(pname, []).append(
-            shift(tuple(sent[name]), at * words_per_element(dtype_from_str(spec.dtype))))
+            shift(tuple(sent[name]), at * words_per_element(dtype_from_str(spec.dtype)))
+        )
     return {p: combine(prints) for p, prints in parts.items()}
 
 
-def expected_worker_fingerprints(tensors: dict[str, torch.Tensor],
-                                 placements: dict[str, Any]) -> dict[str, Fingerprint]:
+def expected_worker_fingerprints(
+    tensors: dict[str, torch.Tensor], placements: dict[str, Any]
+) -> dict[str, Fingerprint]:
     """`WorkerPrints` for one worker and tensors at hand."""
     prints = WorkerPrints([placements])
     for name, tensor in tensors.items():
@@ -199,6 +213,5 @@ def expected_worker_fingerprints(tensors: dict[str, torch.Tensor],
 
 def placed_params(param_of: dict[str, list[str]], placements: dict[str, Any]) -> set[str]:
     """Parameters every tensor of which has a placement: those a worker can be checked on."""
-    unplaced = {p for name, targets in param_of.items() if name not in placements
-                for p in targets}
+    unplaced = {p for name, targets in param_of.items() if name not in placements for p in targets}
     return {pname for pname, _ in placements.values()} - unplaced

@@ -28,8 +28,10 @@ def _get(d: Mapping[str, Any], cls: type, name: str, default: Any = _MISSING) ->
     if name in d:
         return d[name]
     if default is _MISSING:
-        raise ValueError(f"{cls.__name__}: required field {name!r} missing from the answer "
-                         f"(keys: {sorted(d)}); do both sides run the same weightsync?")
+        raise ValueError(
+            f"{cls.__name__}: required field {name!r} missing from the answer "
+            f"(keys: {sorted(d)}); do both sides run the same weightsync?"
+        )
     return default
 
 
@@ -55,15 +57,21 @@ class RefitAnswer:
     """The engine's tensor-parallel size."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"param_of": _param_of(self.param_of), "num_params": self.num_params,
-                "num_receivers": self.num_receivers, "tp_size": self.tp_size}
+        return {
+            "param_of": _param_of(self.param_of),
+            "num_params": self.num_params,
+            "num_receivers": self.num_receivers,
+            "tp_size": self.tp_size,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RefitAnswer:
-        return cls(param_of=_param_of(_get(d, cls, "param_of")),
-                   num_params=int(_get(d, cls, "num_params")),
-                   num_receivers=int(_get(d, cls, "num_receivers", 1)),
-                   tp_size=int(_get(d, cls, "tp_size", 1)))
+        return cls(
+            param_of=_param_of(_get(d, cls, "param_of")),
+            num_params=int(_get(d, cls, "num_params")),
+            num_receivers=int(_get(d, cls, "num_receivers", 1)),
+            tp_size=int(_get(d, cls, "tp_size", 1)),
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -99,8 +107,11 @@ class ShareAnswer:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ShareAnswer:
-        return cls(shared=_get(d, cls, "shared"), why=_get(d, cls, "why", None),
-                   retry=bool(_get(d, cls, "retry", False)))
+        return cls(
+            shared=_get(d, cls, "shared"),
+            why=_get(d, cls, "why", None),
+            retry=bool(_get(d, cls, "retry", False)),
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -119,8 +130,11 @@ class LoadReport:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LoadReport:
-        return cls(num_tensors=int(_get(d, cls, "num_tensors")),
-                   nbytes=int(_get(d, cls, "nbytes")), seconds=float(_get(d, cls, "seconds")))
+        return cls(
+            num_tensors=int(_get(d, cls, "num_tensors")),
+            nbytes=int(_get(d, cls, "nbytes")),
+            seconds=float(_get(d, cls, "seconds")),
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -142,20 +156,28 @@ class EndReport:
     (weightsync/wire/placement.py); None where every worker holds all."""
 
     def to_dict(self) -> dict[str, Any]:
-        return _without_none({
-            "weight_version": self.weight_version, "end_s": self.end_s,
-            "session_s": self.session_s, "cache_flushed": self.cache_flushed,
-            "param_of": None if self.param_of is None else _param_of(self.param_of),
-            "placements": self.placements})
+        return _without_none(
+            {
+                "weight_version": self.weight_version,
+                "end_s": self.end_s,
+                "session_s": self.session_s,
+                "cache_flushed": self.cache_flushed,
+                "param_of": None if self.param_of is None else _param_of(self.param_of),
+                "placements": self.placements,
+            }
+        )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> EndReport:
         param_of = _get(d, cls, "param_of", None)
-        return cls(weight_version=_get(d, cls, "weight_version"),
-                   end_s=_get(d, cls, "end_s", None), session_s=_get(d, cls, "session_s", None),
-                   cache_flushed=_get(d, cls, "cache_flushed", None),
-                   param_of=None if param_of is None else _param_of(param_of),
-                   placements=_get(d, cls, "placements", None))
+        return cls(
+            weight_version=_get(d, cls, "weight_version"),
+            end_s=_get(d, cls, "end_s", None),
+            session_s=_get(d, cls, "session_s", None),
+            cache_flushed=_get(d, cls, "cache_flushed", None),
+            param_of=None if param_of is None else _param_of(param_of),
+            placements=_get(d, cls, "placements", None),
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -173,16 +195,22 @@ class StageReport:
     """Trainer tensor -> engine parameters, from an engine that learns it while loading."""
 
     def to_dict(self) -> dict[str, Any]:
-        return _without_none({
-            "fingerprints": self.fingerprints, "placements": self.placements,
-            "param_of": None if self.param_of is None else _param_of(self.param_of)})
+        return _without_none(
+            {
+                "fingerprints": self.fingerprints,
+                "placements": self.placements,
+                "param_of": None if self.param_of is None else _param_of(self.param_of),
+            }
+        )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StageReport:
         param_of = _get(d, cls, "param_of", None)
-        return cls(fingerprints=list(_get(d, cls, "fingerprints")),
-                   placements=_get(d, cls, "placements", None),
-                   param_of=None if param_of is None else _param_of(param_of))
+        return cls(
+            fingerprints=list(_get(d, cls, "fingerprints")),
+            placements=_get(d, cls, "placements", None),
+            param_of=None if param_of is None else _param_of(param_of),
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -201,8 +229,13 @@ class SettleReport:
 
 
 ANSWERS: dict[str, type] = {
-    "check_refit": RefitAnswer, "begin": BeginAnswer, "share_params": ShareAnswer,
-    "load_bucket": LoadReport, "end": EndReport, "settle": SettleReport, "stage": StageReport,
+    "check_refit": RefitAnswer,
+    "begin": BeginAnswer,
+    "share_params": ShareAnswer,
+    "load_bucket": LoadReport,
+    "end": EndReport,
+    "settle": SettleReport,
+    "stage": StageReport,
 }
 """`WeightReceiver` method -> the class of its answer (the other methods answer plain data)."""
 
@@ -237,21 +270,48 @@ class EngineSyncReport:
 
     @classmethod
     def of(cls, end: EndReport, *, path: str, load_s: float | None = None) -> EngineSyncReport:
-        return cls(path=path, weight_version=end.weight_version, load_s=load_s,
-                   end_s=end.end_s, session_s=end.session_s, cache_flushed=end.cache_flushed)
+        return cls(
+            path=path,
+            weight_version=end.weight_version,
+            load_s=load_s,
+            end_s=end.end_s,
+            session_s=end.session_s,
+            cache_flushed=end.cache_flushed,
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "path": self.path, **_without_none({
-            "weight_version": self.weight_version, "load_s": self.load_s, "end_s": self.end_s,
-            "session_s": self.session_s, "cache_flushed": self.cache_flushed,
-            "share_s": self.share_s})}
+        return {
+            "status": self.status,
+            "path": self.path,
+            **_without_none(
+                {
+                    "weight_version": self.weight_version,
+                    "load_s": self.load_s,
+                    "end_s": self.end_s,
+                    "session_s": self.session_s,
+                    "cache_flushed": self.cache_flushed,
+                    "share_s": self.share_s,
+                }
+            ),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> EngineSyncReport:
-        return cls(path=_get(d, cls, "path"), status=_get(d, cls, "status", "ok"),
-                   **{name: _get(d, cls, name, None) for name in (
-                       "weight_version", "load_s", "end_s", "session_s", "cache_flushed",
-                       "share_s")})
+        return cls(
+            path=_get(d, cls, "path"),
+            status=_get(d, cls, "status", "ok"),
+            **{
+                name: _get(d, cls, name, None)
+                for name in (
+                    "weight_version",
+                    "load_s",
+                    "end_s",
+                    "session_s",
+                    "cache_flushed",
+                    "share_s",
+                )
+            },
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -284,19 +344,34 @@ class SyncReport:
         return self.nbytes / self.sync_s / 1e9 if self.sync_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "path": self.path, "nbytes": self.nbytes,
-                "num_buckets": self.num_buckets, "sync_s": self.sync_s, "gbps": self.gbps,
-                "engines": {n: e.to_dict() for n, e in self.engines.items()},
-                **_without_none({"phases_s": self.phases_s, "bytes_written": self.bytes_written,
-                                 "verify": self.verify})}
+        return {
+            "version": self.version,
+            "path": self.path,
+            "nbytes": self.nbytes,
+            "num_buckets": self.num_buckets,
+            "sync_s": self.sync_s,
+            "gbps": self.gbps,
+            "engines": {n: e.to_dict() for n, e in self.engines.items()},
+            **_without_none(
+                {
+                    "phases_s": self.phases_s,
+                    "bytes_written": self.bytes_written,
+                    "verify": self.verify,
+                }
+            ),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SyncReport:
         engines = _get(d, cls, "engines", {})
-        return cls(version=_get(d, cls, "version"), path=_get(d, cls, "path"),
-                   nbytes=int(_get(d, cls, "nbytes")), num_buckets=int(_get(d, cls, "num_buckets")),
-                   sync_s=float(_get(d, cls, "sync_s")),
-                   engines={n: EngineSyncReport.from_dict(e) for n, e in engines.items()},
-                   phases_s=_get(d, cls, "phases_s", None),
-                   bytes_written=_get(d, cls, "bytes_written", None),
-                   verify=_get(d, cls, "verify", None))
+        return cls(
+            version=_get(d, cls, "version"),
+            path=_get(d, cls, "path"),
+            nbytes=int(_get(d, cls, "nbytes")),
+            num_buckets=int(_get(d, cls, "num_buckets")),
+            sync_s=float(_get(d, cls, "sync_s")),
+            engines={n: EngineSyncReport.from_dict(e) for n, e in engines.items()},
+            phases_s=_get(d, cls, "phases_s", None),
+            bytes_written=_get(d, cls, "bytes_written", None),
+            verify=_get(d, cls, "verify", None),
+        )

@@ -47,9 +47,7 @@ def dtype_from_str(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}"
-        ) from None
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
 def dtype_to_str(dtype: torch.dtype) -> str:
@@ -57,9 +55,7 @@ def dtype_to_str(dtype: torch.dtype) -> str:
     try:
         return _NAMES[dtype]
     except KeyError:
-        raise ValueError(
-            f"dtype {dtype} cannot travel; supported: {sorted(_DTYPES)}"
-        ) from None
+        raise ValueError(f"dtype {dtype} cannot travel; supported: {sorted(_DTYPES)}") from None
 
 
 def element_size(dtype: str) -> int:
@@ -91,8 +87,12 @@ class TensorSpec:
         object.__setattr__(self, "nbytes", self.numel * element_size(self.dtype))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-                "nbytes": self.nbytes}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
@@ -117,8 +117,12 @@ class TensorMeta:
         object.__setattr__(self, "nbytes", math.prod(self.shape) * element_size(self.dtype))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
-                "offset": self.offset}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "offset": self.offset,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorMeta:
@@ -161,13 +165,21 @@ class BucketDescriptor:
                 )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "nbytes": self.nbytes, "handle": dict(self.handle),
-                "tensors": [m.to_dict() for m in self.tensors]}
+        return {
+            "index": self.index,
+            "nbytes": self.nbytes,
+            "handle": dict(self.handle),
+            "tensors": [m.to_dict() for m in self.tensors],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BucketDescriptor:
-        return cls(index=d["index"], nbytes=d["nbytes"], handle=dict(d.get("handle", {})),
-                   tensors=[TensorMeta.from_dict(m) for m in d["tensors"]])
+        return cls(
+            index=d["index"],
+            nbytes=d["nbytes"],
+            handle=dict(d.get("handle", {})),
+            tensors=[TensorMeta.from_dict(m) for m in d["tensors"]],
+        )
 
 
 def specs_to_dicts(specs: list[TensorSpec]) -> list[dict[str, Any]]:

@@ -39,9 +39,13 @@ class CudaParameters:
     """Engine parameters on one GPU, exported for the trainer's writes. Same interface as
     `SharedParameters` (weightsync/trainer/one_copy/targets.py)."""
 
-    def __init__(self, params: dict[str, torch.Tensor],
-                 destinations: dict[str, tuple[str, int]], *,
-                 placements: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        destinations: dict[str, tuple[str, int]],
+        *,
+        placements: dict[str, Any] | None = None,
+    ) -> None:
         names = sorted({pname for pname, _ in destinations.values()})
         self.params = {pname: params[pname] for pname in names}
         devices = {p.device for p in self.params.values()}
@@ -59,22 +63,31 @@ class CudaParameters:
                 index = storages[storage.data_ptr()] = len(self.exports)
                 self.exports.append(export_storage(storage))
             where[pname] = (index, param.data_ptr() - storage.data_ptr())
-        self.tensor_where = {t: [where[p][0], where[p][1] + off]
-                             for t, (p, off) in destinations.items()}
-        self.placed = {t: [params[p].element_size(), pats]
-                       for t, (p, pats) in (placements or {}).items()}
+        self.tensor_where = {
+            t: [where[p][0], where[p][1] + off] for t, (p, off) in destinations.items()
+        }
+        self.placed = {
+            t: [params[p].element_size(), pats] for t, (p, pats) in (placements or {}).items()
+        }
         # Names this sharing (a new one after the parameters moved and were shared again).
         self.owner = self.token = f"pid {os.getpid()} share {secrets.token_hex(4)}"
-        self.label = (f"{len(self.exports)} CUDA storage(s) on {self.device} "
-                      f"({sum(p.nbytes for p in self.params.values())} bytes of parameters)")
+        self.label = (
+            f"{len(self.exports)} CUDA storage(s) on {self.device} "
+            f"({sum(p.nbytes for p in self.params.values())} bytes of parameters)"
+        )
 
     def describe(self) -> dict[str, Any]:
         """What a trainer rank needs to write here (plain data); `token` names this sharing
         (a trainer names the sharings it holds mapped when it begins a one-copy update)."""
-        out: dict[str, Any] = {"token": self.token,
-                               "cuda": {"owner": self.owner, "storages": self.exports,
-                                        "uuid": device_uuid(self.device)},
-                               "offsets": dict(self.tensor_where)}
+        out: dict[str, Any] = {
+            "token": self.token,
+            "cuda": {
+                "owner": self.owner,
+                "storages": self.exports,
+                "uuid": device_uuid(self.device),
+            },
+            "offsets": dict(self.tensor_where),
+        }
         if self.placed:
             out["placed"] = self.placed
         return out
@@ -94,9 +107,11 @@ class CudaParameters:
         torch.cuda.synchronize(self.device)
         moved = self.moved(current)
         if moved:
-            raise NotShared(f"{len(moved)} parameter(s) no longer live in their exported CUDA "
-                            f"storage, e.g. {moved[:3]} (reloaded by the engine?); the trainer "
-                            f"syncs by buckets and shares them again")
+            raise NotShared(
+                f"{len(moved)} parameter(s) no longer live in their exported CUDA "
+                f"storage, e.g. {moved[:3]} (reloaded by the engine?); the trainer "
+                f"syncs by buckets and shares them again"
+            )
 
     def close(self) -> None:
         """Forget the exports (the trainer's mappings close with its targets)."""

@@ -46,17 +46,21 @@ def _where(flat: torch.Tensor, saved: torch.Tensor, raw: torch.Tensor) -> int | 
     # [hi - n - word, lo + word].
     found = None
     for start in range(max(0, hi - n - word), min(lo + word, flat.numel() - n) + 1):
-        if torch.equal(flat[start:start + 8], raw[:8]) and torch.equal(
-                flat[start:start + n], raw):
+        if torch.equal(flat[start : start + 8], raw[:8]) and torch.equal(
+            flat[start : start + n], raw
+        ):
             found = start
             break
     flat[lo:hi].copy_(saved[lo:hi])
     return found
 
 
-def probe_destinations(params: dict[str, torch.Tensor], param_of: dict[str, list[str]],
-                       specs: dict[str, TensorSpec], load_one: LoadOne,
-                       ) -> dict[str, tuple[str, int]]:
+def probe_destinations(
+    params: dict[str, torch.Tensor],
+    param_of: dict[str, list[str]],
+    specs: dict[str, TensorSpec],
+    load_one: LoadOne,
+) -> dict[str, tuple[str, int]]:
     """{trainer tensor: (parameter name, byte offset)} for the tensors the engine's loader
     (`load_one(name, tensor)`) copies verbatim into one parameter. Each parameter probed is put
     back as it was, byte for byte, whatever happens."""
@@ -66,8 +70,9 @@ def probe_destinations(params: dict[str, torch.Tensor], param_of: dict[str, list
             by_param.setdefault(targets[0], []).append(name)
     largest = max((specs[n].nbytes for names in by_param.values() for n in names), default=0)
     # Random bytes: a verbatim copy of them is found at exactly one offset.
-    pool = torch.randint(0, 256, (largest,), dtype=torch.uint8,
-                         generator=torch.Generator().manual_seed(0))
+    pool = torch.randint(
+        0, 256, (largest,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
     found: dict[str, tuple[str, int]] = {}
     pools = {pool.device: pool}  # the random bytes on each parameter's device
     with torch.no_grad():
@@ -83,7 +88,7 @@ def probe_destinations(params: dict[str, torch.Tensor], param_of: dict[str, list
             try:
                 for name in names:
                     spec = specs[name]
-                    raw = here[:spec.nbytes]
+                    raw = here[: spec.nbytes]
                     load_one(name, raw.view(dtype_from_str(spec.dtype)).view(spec.shape))
                     start = _where(flat, saved, raw)
                     if start is not None:
@@ -110,8 +115,11 @@ def moved_from(names: Iterable[str], current: list[Any], ptrs: list[int]) -> lis
             return []
     except TypeError:  # one is no longer registered
         pass
-    return sorted(n for n, param, ptr in zip(names, current, ptrs)
-                  if param is None or param.data_ptr() != ptr or not param.is_contiguous())
+    return sorted(
+        n
+        for n, param, ptr in zip(names, current, ptrs)
+        if param is None or param.data_ptr() != ptr or not param.is_contiguous()
+    )
 
 
 class SharedParameters:
@@ -120,9 +128,14 @@ class SharedParameters:
 
     device = None  # on the CPU (CudaParameters: its GPU)
 
-    def __init__(self, params: dict[str, torch.Tensor],
-                 destinations: dict[str, tuple[str, int]], *,
-                 placements: dict[str, Any] | None = None, shm_dir: str = SHM_DIR) -> None:
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        destinations: dict[str, tuple[str, int]],
+        *,
+        placements: dict[str, Any] | None = None,
+        shm_dir: str = SHM_DIR,
+    ) -> None:
         names = sorted({pname for pname, _ in destinations.values()})
         offsets: dict[str, int] = {}
         total = 0
@@ -140,7 +153,7 @@ class SharedParameters:
             for pname in names:
                 param = params[pname]
                 start = offsets[pname]
-                view = self.segment.tensor[start:start + param.data.nbytes]
+                view = self.segment.tensor[start : start + param.data.nbytes]
                 view = view.view(param.dtype).view(param.shape)
                 view.copy_(param.data)
                 param.data = view
@@ -148,14 +161,19 @@ class SharedParameters:
         self.tensor_offsets = {t: offsets[p] + off for t, (p, off) in destinations.items()}
         self.tensor_params = {t: p for t, (p, _) in destinations.items()}
         # A tensor-parallel worker's tensors: element size and patterns inside the parameter.
-        self.placed = {t: [params[p].element_size(), pats]
-                       for t, (p, pats) in (placements or {}).items()}
+        self.placed = {
+            t: [params[p].element_size(), pats] for t, (p, pats) in (placements or {}).items()
+        }
 
     def describe(self) -> dict[str, Any]:
         """What a trainer rank needs to write here (plain data); `token` names this sharing
         (a trainer names the sharings it holds mapped when it begins a one-copy update)."""
-        out = {"token": self.token, "segment": self.segment.name,
-               "nbytes": self.segment.nbytes, "offsets": dict(self.tensor_offsets)}
+        out = {
+            "token": self.token,
+            "segment": self.segment.name,
+            "nbytes": self.segment.nbytes,
+            "offsets": dict(self.tensor_offsets),
+        }
         if self.placed:
             out["placed"] = self.placed
         return out
@@ -172,9 +190,11 @@ class SharedParameters:
         (see `moved`)."""
         moved = self.moved(current)
         if moved:
-            raise NotShared(f"{len(moved)} parameter(s) no longer live in shared segment "
-                            f"{self.segment.name!r}, e.g. {moved[:3]} (reloaded by the engine?); "
-                            f"the trainer syncs by buckets and shares them again")
+            raise NotShared(
+                f"{len(moved)} parameter(s) no longer live in shared segment "
+                f"{self.segment.name!r}, e.g. {moved[:3]} (reloaded by the engine?); "
+                f"the trainer syncs by buckets and shares them again"
+            )
 
     def close(self) -> None:
         """Unlink the segment; the parameters keep their pages until they are freed."""

@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 class ParameterSharing:
     """Whether one model replica's parameters are shared with the trainer, and where."""
 
-    def __init__(self, model: nn.Module, refit: RefitCheck, *, load_fn: LoadFn,
-                 name: str = "engine") -> None:
+    def __init__(
+        self, model: nn.Module, refit: RefitCheck, *, load_fn: LoadFn, name: str = "engine"
+    ) -> None:
         self.model = model
         self.refit = refit
         self.load_fn = load_fn
@@ -53,21 +54,29 @@ class ParameterSharing:
         accepted, param_of = self.refit.accepted, self.refit.param_of
         unknown = sorted(set(accepted) - set(param_of))
         if not accepted or unknown:
-            return ShareAnswer(shared=None, retry=True,
-                               why=f"{self.name}: where {len(unknown)} tensor(s) land is not "
-                                   f"known yet (sync by buckets first)")
+            return ShareAnswer(
+                shared=None,
+                retry=True,
+                why=f"{self.name}: where {len(unknown)} tensor(s) land is not "
+                f"known yet (sync by buckets first)",
+            )
         params = dict(self.model.named_parameters())
         if placements is None:
             destinations = probe_destinations(
-                params, param_of, accepted,
-                lambda name, tensor: self.load_fn(iter([(name, tensor)])))
+                params,
+                param_of,
+                accepted,
+                lambda name, tensor: self.load_fn(iter([(name, tensor)])),
+            )
         else:
             destinations = {name: (pname, 0) for name, (pname, _) in placements.items()}
         indirect = sorted(set(accepted) - set(destinations))
         if indirect:
-            return ShareAnswer(shared=None,
-                               why=f"{self.name}: the loader does not copy {len(indirect)} "
-                                   f"tensor(s) verbatim into one parameter, e.g. {indirect[:3]}")
+            return ShareAnswer(
+                shared=None,
+                why=f"{self.name}: the loader does not copy {len(indirect)} "
+                f"tensor(s) verbatim into one parameter, e.g. {indirect[:3]}",
+            )
         devices = {params[p].device.type for p, _ in destinations.values()}
         if devices == {"cuda"}:
             from weightsync.engine.one_copy.cuda_exports import CudaParameters
@@ -76,13 +85,17 @@ class ParameterSharing:
         elif devices == {"cpu"}:
             self.shared = SharedParameters(params, destinations, placements=placements)
         else:
-            return ShareAnswer(shared=None, why=f"{self.name}: parameters on {sorted(devices)}; "
-                                                f"the one-copy path needs all on the CPU or all "
-                                                f"on GPUs")
+            return ShareAnswer(
+                shared=None,
+                why=f"{self.name}: parameters on {sorted(devices)}; "
+                f"the one-copy path needs all on the CPU or all "
+                f"on GPUs",
+            )
         homes = [self._home(n) for n in self.shared.params]
         self._homes = ([h[0] for h in homes], [h[1] for h in homes])
-        logger.info("%s: %d parameters shared: %s", self.name, len(self.shared.params),
-                    self.shared.label)
+        logger.info(
+            "%s: %d parameters shared: %s", self.name, len(self.shared.params), self.shared.label
+        )
         return ShareAnswer(shared=self.shared.describe())
 
     def _home(self, pname: str) -> tuple[dict, str]:
@@ -107,10 +120,12 @@ class ParameterSharing:
         if self.shared is None:
             return f"{self.name}: parameters are not shared"
         if sharing is not None and self.shared.token not in sharing:
-            return (f"{self.name}: the trainer writes into {sharing} but the parameters are now "
-                    f"shared as {self.shared.token!r} (shared again since they moved or were "
-                    f"fenced off); this update takes "
-                    f"buckets, then the trainer maps the new sharing")
+            return (
+                f"{self.name}: the trainer writes into {sharing} but the parameters are now "
+                f"shared as {self.shared.token!r} (shared again since they moved or were "
+                f"fenced off); this update takes "
+                f"buckets, then the trainer maps the new sharing"
+            )
         try:
             self._check()
         except NotShared as exc:
@@ -149,6 +164,5 @@ def combine_worker_shares(answers: list[ShareAnswer]) -> ShareAnswer:
         return answers[0]
     missing = [a for a in answers if not a.shared]
     if missing:
-        return ShareAnswer(shared=None, why=missing[0].why,
-                           retry=any(a.retry for a in missing))
+        return ShareAnswer(shared=None, why=missing[0].why, retry=any(a.retry for a in missing))
     return ShareAnswer(shared=[a.shared for a in answers])

@@ -24,24 +24,31 @@ if TYPE_CHECKING:
     from weightsync.trainer.sender import WeightSender
 
 
-def unreachable(shared: dict[str, Any] | list, transport: str,
-                rank_gpus: list[str | None]) -> str | None:
+def unreachable(
+    shared: dict[str, Any] | list, transport: str, rank_gpus: list[str | None]
+) -> str | None:
     """Why trainer ranks on `rank_gpus` (each rank's GPU UUID, None: on the CPU) syncing over
     `transport` cannot write into what an engine shared (None: they can)."""
     for worker in worker_shares(shared):
         if "cuda" not in worker:
             if transport != "shm":
-                return (f"the engine shares CPU parameters; with transport {transport!r} the "
-                        f"one-copy path takes GPU engines only")
+                return (
+                    f"the engine shares CPU parameters; with transport {transport!r} the "
+                    f"one-copy path takes GPU engines only"
+                )
             continue
         if transport != "cuda_ipc":
-            return (f"the engine's parameters are on a GPU; with transport {transport!r} the "
-                    f"one-copy path takes CPU engines only")
+            return (
+                f"the engine's parameters are on a GPU; with transport {transport!r} the "
+                f"one-copy path takes CPU engines only"
+            )
         gpu = worker["cuda"].get("uuid")
         if not rank_gpus or any(g != gpu for g in rank_gpus):
-            return (f"the engine's parameters are on GPU {gpu}, the trainer ranks' shards on "
-                    f"{sorted(set(map(str, rank_gpus)))}: the GPU one-copy path writes within "
-                    f"one GPU only")
+            return (
+                f"the engine's parameters are on GPU {gpu}, the trainer ranks' shards on "
+                f"{sorted(set(map(str, rank_gpus)))}: the GPU one-copy path writes within "
+                f"one GPU only"
+            )
     return None
 
 
@@ -49,9 +56,16 @@ class OneCopyPath:
     """Which engines share their parameters (rank 0 knows), and each sync into them. Every
     method but `share` and `takes` is called on every rank at once."""
 
-    def __init__(self, source: DTensorV2Source, group: SyncGroup, *,
-                 log: logging.LoggerAdapter, before_write: BeforeWrite | None = None,
-                 transport: str = "shm", rank_gpus: list[str | None] | None = None) -> None:
+    def __init__(
+        self,
+        source: DTensorV2Source,
+        group: SyncGroup,
+        *,
+        log: logging.LoggerAdapter,
+        before_write: BeforeWrite | None = None,
+        transport: str = "shm",
+        rank_gpus: list[str | None] | None = None,
+    ) -> None:
         """`transport`: "shm" takes engines sharing a shared-memory segment (CPU parameters),
         "cuda_ipc" engines exporting CUDA storages on the GPU every rank's shards are on
         (`rank_gpus`: each rank's GPU UUID, None for a rank on the CPU; rank 0)."""
@@ -80,22 +94,28 @@ class OneCopyPath:
                 answer: ShareAnswer = sender.call(name, "share_params")
             except Exception as exc:  # an engine without the path, or one that failed
                 answer = ShareAnswer(shared=None, why=f"{type(exc).__name__}: {exc}")
-            if answer.shared and (why := unreachable(answer.shared, self.transport,
-                                                          self.rank_gpus)):
+            if answer.shared and (
+                why := unreachable(answer.shared, self.transport, self.rank_gpus)
+            ):
                 answer = ShareAnswer(shared=None, why=why)
             if answer.shared:
                 self._shared[name] = answer.shared
                 engines[name] = replace(engines[name], share_s=time.perf_counter() - start)
-                self.log.info("engine %r shares its parameters (%.2f s): the next syncs write "
-                              "into them", name, engines[name].share_s)
+                self.log.info(
+                    "engine %r shares its parameters (%.2f s): the next syncs write into them",
+                    name,
+                    engines[name].share_s,
+                )
             elif not answer.retry:
                 self._no_share[name] = answer.why or "unknown"
-                self.log.info("one_copy off for engine %r, it keeps taking buckets: %s", name,
-                              answer.why)
+                self.log.info(
+                    "one_copy off for engine %r, it keeps taking buckets: %s", name, answer.why
+                )
         return replace(report, engines=engines)
 
-    def sync(self, sender: WeightSender | None, version: str, names: list[str], *,
-             verify: bool) -> tuple[SyncReport | None, list[str]]:
+    def sync(
+        self, sender: WeightSender | None, version: str, names: list[str], *, verify: bool
+    ) -> tuple[SyncReport | None, list[str]]:
         """Every rank writes its own shards into the engines' shared parameters (`sender`:
         rank 0's). Returns rank 0's report and the engines to sync by buckets instead."""
         if self.group.rank != 0:
@@ -114,18 +134,24 @@ class OneCopyPath:
             for n in fallback:  # its parameters moved: buckets now, then share again
                 self._shared.pop(n, None)
                 self._sent.pop(n, None)
-            return self.writer.write({"one_copy": one_copy, "new": new, "fallback": fallback},
-                                     verify=verify)
+            return self.writer.write(
+                {"one_copy": one_copy, "new": new, "fallback": fallback}, verify=verify
+            )
 
         # Each engine is asked to confirm the sharing the ranks map (or map in this sync's
         # write): one shared again since (its parameters moved or were fenced off, e.g. by
         # another trainer's update) goes by buckets, then its new sharing is mapped.
         report, fallback = sender.sync_one_copy(
-            write, version=version, engines=names, verify=verify,
-            sharing={n: sharings(n) for n in names if n in self._shared})
+            write,
+            version=version,
+            engines=names,
+            verify=verify,
+            sharing={n: sharings(n) for n in names if n in self._shared},
+        )
         if report is not None:
-            report = replace(report, phases_s={**report.phases_s,
-                                               "rank_write": self.writer.rank_write_s})
+            report = replace(
+                report, phases_s={**report.phases_s, "rank_write": self.writer.rank_write_s}
+            )
         return report, fallback
 
     def close(self) -> None:

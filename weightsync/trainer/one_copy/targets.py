@@ -58,7 +58,7 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> bool:
         s64, d64 = s[:body].view(np.uint64), d[:body].view(np.uint64)
         step = CHECK_CHUNK_BYTES // 8
         for i in range(0, s64.size, step):
-            a, b = s64[i:i + step], d64[i:i + step]
+            a, b = s64[i : i + step], d64[i : i + step]
             np.copyto(b, a)
             if np.add.reduce(a) != np.add.reduce(b):
                 intact = False
@@ -105,13 +105,16 @@ class OneCopyTarget:
         them back (`copy_checked`) and return whether they arrived intact. A placed tensor
         (a tensor-parallel worker's) gets only the elements the worker holds, where it holds
         them."""
-        raw = src if src.dtype == torch.uint8 and src.dim() == 1 else \
-            src.reshape(-1).view(torch.uint8)
+        raw = (
+            src
+            if src.dtype == torch.uint8 and src.dim() == 1
+            else src.reshape(-1).view(torch.uint8)
+        )
         if name in self.placed:
             return self._write_placed(name, offset, raw, check=check)
         index, base = self.where[name]
         start = base + offset
-        dst = self.memory[index][start:start + raw.numel()]
+        dst = self.memory[index][start : start + raw.numel()]
         self.written += raw.numel()
         if check:
             if dst.device.type == "cpu":
@@ -130,19 +133,27 @@ class OneCopyTarget:
                 intact = intact and torch.equal(d_view, s_view)
         return intact
 
-    def _placed_views(self, name: str, offset: int, raw: torch.Tensor
-                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _placed_views(
+        self, name: str, offset: int, raw: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         size, pats = self.placed[name]
         if offset % size or raw.numel() % size:
-            raise ValueError(f"{name!r}: a piece at byte {offset} of {raw.numel()} bytes is not "
-                             f"whole {size}-byte elements")
+            raise ValueError(
+                f"{name!r}: a piece at byte {offset} of {raw.numel()} bytes is not "
+                f"whole {size}-byte elements"
+            )
         word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
         index, base = self.where[name]
         dst = self.memory[index][base:].view(word)  # the parameter from here on
         return placed_pieces(dst, raw.view(word), offset // size, pats)
 
-    def copies(self, name: str, offset: int, src: torch.Tensor, dtype: torch.dtype,
-               ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def copies(
+        self,
+        name: str,
+        offset: int,
+        src: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """(destination, source) view pairs whose copies write `src`, converted to `dtype`, as
         `write` would: kept by a write plan and copied again every sync. None where that
         needs a converted copy of `src` per sync (a placed tensor changing dtype)."""
@@ -154,7 +165,7 @@ class OneCopyTarget:
         start = base + offset
         if start % dtype.itemsize:
             return None
-        dst = self.memory[index][start:start + src.numel() * dtype.itemsize]
+        dst = self.memory[index][start : start + src.numel() * dtype.itemsize]
         return [(dst.view(dtype).view(src.shape), src)]
 
     def close(self) -> None:
@@ -163,8 +174,9 @@ class OneCopyTarget:
             self.segment.close()
 
 
-def placed_pieces(dst: torch.Tensor, src: torch.Tensor, start: int,
-                  pats: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def placed_pieces(
+    dst: torch.Tensor, src: torch.Tensor, start: int, pats: list[list[int]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination view, source view) pairs that put `src`, elements [start, start + n) of a
     flat tensor, where the patterns (weightsync/wire/placement.py) say, into the flat `dst`."""
     end = start + src.numel()
@@ -176,10 +188,20 @@ def placed_pieces(dst: torch.Tensor, src: torch.Tensor, start: int,
         first = max(0, -(-(start - s) // s_stride))
         last = min(count, (end - s - length) // s_stride + 1) if end - s >= length else 0
         if last > first:
-            out.append((dst.as_strided((last - first, length), (d_stride, 1),
-                                       dst.storage_offset() + d + first * d_stride),
-                        src.as_strided((last - first, length), (s_stride, 1),
-                                       src.storage_offset() + s + first * s_stride - start)))
+            out.append(
+                (
+                    dst.as_strided(
+                        (last - first, length),
+                        (d_stride, 1),
+                        dst.storage_offset() + d + first * d_stride,
+                    ),
+                    src.as_strided(
+                        (last - first, length),
+                        (s_stride, 1),
+                        src.storage_offset() + s + first * s_stride - start,
+                    ),
+                )
+            )
         # Runs cut by either end of the piece.
         for i in {first - 1, max(last, first)}:
             if not 0 <= i < count:
@@ -188,5 +210,5 @@ def placed_pieces(dst: torch.Tensor, src: torch.Tensor, start: int,
             hi = min(end, s + i * s_stride + length)
             if hi > lo and not (first <= i < last):
                 at = d + i * d_stride + lo - (s + i * s_stride)
-                out.append((dst[at:at + hi - lo], src[lo - start:hi - start]))
+                out.append((dst[at : at + hi - lo], src[lo - start : hi - start]))
     return out

@@ -194,8 +194,10 @@ class WritePlan:
                 pairs, names = by_device.setdefault(dst.device, ([], []))
                 pairs.append((dst, src))
                 names.append(name)
-            self._checked = [(kernel.CheckedCopies(pairs, device), names)
-                             for device, (pairs, names) in by_device.items()]
+            self._checked = [
+                (kernel.CheckedCopies(pairs, device), names)
+                for device, (pairs, names) in by_device.items()
+            ]
         return self._checked
 
     def launch(self, *, verify: bool = False) -> list:
@@ -261,8 +263,9 @@ class OneCopyWriter:
     """Every rank writes its own shards into the shared parameters of the engines it is told
     of, reading each chunk back when verifying (weightsync/trainer/one_copy/targets.py)."""
 
-    def __init__(self, source: DTensorV2Source, group: SyncGroup, *,
-                 before_write: BeforeWrite | None = None) -> None:
+    def __init__(
+        self, source: DTensorV2Source, group: SyncGroup, *, before_write: BeforeWrite | None = None
+    ) -> None:
         self.source = source
         self.group = group
         self.before_write = before_write
@@ -293,8 +296,11 @@ class OneCopyWriter:
             if hook is None and targets and self._replays(targets, verify=verify):
                 pieces, mismatched = self._write_then_check(targets, verify=verify)
             else:
-                if hook is None and targets and (
-                        not verify or all(t.device is not None for t in targets)):
+                if (
+                    hook is None
+                    and targets
+                    and (not verify or all(t.device is not None for t in targets))
+                ):
                     plan = self._planned(targets)
                 if plan is None or (verify and not plan.checks):
                     pieces, mismatched = self._write_each(targets, hook, verify=verify)
@@ -308,9 +314,11 @@ class OneCopyWriter:
         if gathered is None:
             return None
         self.rank_write_s = [g[2] for g in gathered]
-        return {"pieces": sum(g[0] for g in gathered),
-                "mismatched": sorted({m for g in gathered for m in g[1]}),
-                "bytes": sum(g[3] for g in gathered)}
+        return {
+            "pieces": sum(g[0] for g in gathered),
+            "mismatched": sorted({m for g in gathered for m in g[1]}),
+            "bytes": sum(g[3] for g in gathered),
+        }
 
     def _replays(self, targets: list[OneCopyTarget], *, verify: bool) -> bool:
         """Whether the last plan copies into `targets` (the same objects), cuts nothing per
@@ -318,11 +326,16 @@ class OneCopyWriter:
         plan) and, with `verify`, verifies its copies itself (GPU targets): then its copies are
         issued before the plan is checked (`_write_then_check`)."""
         plan = self.plan
-        return (isinstance(plan, WritePlan) and not plan.each_sync
-                and (plan.checks or not verify) and same_targets(targets, plan.targets))
+        return (
+            isinstance(plan, WritePlan)
+            and not plan.each_sync
+            and (plan.checks or not verify)
+            and same_targets(targets, plan.targets)
+        )
 
-    def _write_then_check(self, targets: list[OneCopyTarget], *,
-                          verify: bool) -> tuple[int, set[str]]:
+    def _write_then_check(
+        self, targets: list[OneCopyTarget], *, verify: bool
+    ) -> tuple[int, set[str]]:
         """Issue the plan's copies (verified: its copy-and-read-back kernels), then check the
         plan: on a GPU while they run (with thousands of tensors the check takes a good part of
         the copying's time). The copies read only the sources planned, which the plan keeps
@@ -350,12 +363,14 @@ class OneCopyWriter:
             self.plan = WritePlan.build(pieces, targets) or _PieceByPiece(self, targets)
         return self.plan
 
-    def _write_each(self, targets: list[OneCopyTarget], hook: BeforeWrite | None, *,
-                    verify: bool) -> tuple[int, set[str]]:
+    def _write_each(
+        self, targets: list[OneCopyTarget], hook: BeforeWrite | None, *, verify: bool
+    ) -> tuple[int, set[str]]:
         """Cut and write every piece (reading each back with `verify`); (pieces, mismatched)."""
         pieces, mismatched = 0, set()
         for index, (name, data, offset) in enumerate(
-                ShardPieces(self.source, rank=self.group.rank) if targets else ()):
+            ShardPieces(self.source, rank=self.group.rank) if targets else ()
+        ):
             if hook is not None:
                 hook("piece", index)
             if data is None:
