@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Run the test suites, each inside the environment it needs, building environments first.
 #   scripts/test.sh                 every suite
-#   scripts/test.sh core sglang     only these (core, sglang, vllm, e2e, reliability)
+#   scripts/test.sh core sglang     only these (lint, core, envs, sglang, vllm, e2e, reliability)
+# `lint` (scripts/lint.sh: ruff format, ruff check, mypy) runs first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
 
-ALL_SUITES=(core envs sglang vllm e2e reliability)
+ALL_SUITES=(lint core envs sglang vllm e2e reliability)
 suites=("$@")
 [ ${#suites[@]} -eq 0 ] && suites=("${ALL_SUITES[@]}")
 for s in "${suites[@]}"; do
@@ -18,6 +19,11 @@ done
 ensure_root_env
 status=0
 for suite in "${suites[@]}"; do
+  if [ "$suite" = lint ]; then
+    echo "== suite lint"
+    scripts/lint.sh || status=1
+    continue
+  fi
   [ -d "tests/$suite" ] && ls tests/"$suite"/test_*.py >/dev/null 2>&1 || {
     echo "== suite $suite: no tests yet, skipped"; continue; }
   case "$suite" in

@@ -96,7 +96,7 @@ def test_placed_runs_longer_than_a_gemm_row_are_exact():
     assert got == _reference(param)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_gpu_fingerprints_equal_the_cpu_ones_exactly():
     from weightsync.wire.fingerprint import fingerprints
 

@@ -11,7 +11,7 @@ import torch
 
 from weightsync.wire.errors import BucketRejected
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_gpu = pytest.mark.gpu
 
 
 def _bench():

@@ -1,12 +1,92 @@
-"""The core never imports an engine: every core module imports with the engines made unimportable."""
+"""The import rules that keep the layout a map of the architecture.
+
+weightsync/ is foldered by where code runs: wire/ (the contract both sides import) and gpu/ at
+the bottom, transports/ above them, trainer/ and engine/ side by side (they never import each
+other: a trainer rank and an engine worker share only the wire), launch/ for the driver, apps/
+on top. Only backends/ imports an engine, and the command line starts without torch.
+"""
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import weightsync
+
+PACKAGE = Path(weightsync.__file__).resolve().parent
+
+# folder (or top-level module) -> the weightsync folders its code may import, lazily or not
+ALLOWED: dict[str, set[str]] = {
+    "wire": set(),
+    "gpu": set(),
+    "transports": {"wire", "gpu"},
+    "trainer": {"wire", "gpu", "transports"},
+    "engine": {"wire", "gpu", "transports"},
+    "launch": {"wire", "transports"},
+    "apps": {"wire", "gpu", "transports", "trainer", "engine", "launch", "<api>"},
+    "cli": {"launch", "apps", "<api>"},
+    "__main__": {"cli"},
+    "__init__": {"wire", "gpu", "transports", "trainer", "engine", "launch"},
+}
+
+
+def _room(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
+def _imported_rooms(path: Path) -> list[tuple[int, str]]:
+    """(line, weightsync folder) for every import of weightsync code in the file, including
+    imports inside functions ("<api>": the lazy public API, `from weightsync import X`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = node.module.split(".")
+            if names[0] != "weightsync":
+                continue
+            if len(names) > 1:
+                found.append((node.lineno, names[1]))
+            else:  # `from weightsync import x`: a folder, or a name of the public API
+                for alias in node.names:
+                    is_folder = (PACKAGE / alias.name).is_dir()
+                    found.append((node.lineno, alias.name if is_folder else "<api>"))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                names = alias.name.split(".")
+                if names[0] == "weightsync":
+                    found.append((node.lineno, names[1] if len(names) > 1 else "<api>"))
+    return found
+
+
+def test_each_folder_imports_only_the_folders_below_it():
+    broken = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        room = _room(path)
+        if room == "backends":  # a wheel's copy of the top-level backends/
+            continue
+        allowed = ALLOWED.get(room)
+        assert allowed is not None, f"{path}: folder {room!r} has no import rule; add one"
+        for line, target in _imported_rooms(path):
+            if target != room and target not in allowed:
+                broken.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
+    assert not broken, "imports against the layout:\n" + "\n".join(broken)
+
+
+def test_trainer_and_engine_never_import_each_other():
+    for side, other in (("trainer", "engine"), ("engine", "trainer")):
+        for path in sorted((PACKAGE / side).rglob("*.py")):
+            hits = [line for line, target in _imported_rooms(path) if target == other]
+            assert not hits, f"{path}:{hits[0]}: {side}/ imports {other}/"
+
+
+def test_the_rule_sees_imports_inside_functions(tmp_path):
+    # The checker must catch a lazy import, the usual way a rule is broken quietly.
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from weightsync.engine.replica import ModelReceiver\n")
+    assert _imported_rooms(probe) == [(2, "engine")]
 
 
 def test_every_core_module_imports_without_engines():
@@ -31,6 +111,20 @@ def test_every_core_module_imports_without_engines():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ok")
+
+
+def test_the_cli_and_launch_import_without_torch():
+    launch = [m.name for m in pkgutil.iter_modules([str(PACKAGE / "launch")], "weightsync.launch.")]
+    assert "weightsync.launch.launcher" in launch
+    code = (
+        "import importlib, sys\n"
+        f"for name in ['weightsync.cli', *{launch!r}]:\n"
+        "    importlib.import_module(name)\n"
+        "    assert 'torch' not in sys.modules, f'importing {name} pulled in torch'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_public_api_resolves_and_the_package_imports_without_torch():

@@ -113,7 +113,7 @@ class _OneRank:
         return [obj]
 
 
-_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+_CUDA = pytest.mark.gpu
 
 
 @pytest.mark.parametrize(

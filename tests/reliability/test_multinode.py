@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 import ray
 
 from tests.engine_checks import assert_engine_matches_reference
 from weightsync.apps.models import make_tiny_model
 from weightsync.launch import envs, launcher
+
+pytestmark = pytest.mark.slow  # a whole demo or a second Ray node: minutes
 
 NAME = "sglang"
 
