@@ -11,6 +11,7 @@ from weightsync.trainer.endpoint import LocalEndpoint
 from weightsync.trainer.sender import WeightSender
 from weightsync.trainer.source import DTensorV2Source
 from weightsync.transports.shm import ShmSender
+from weightsync.wire.fingerprint import fingerprint
 
 
 def _pair(arch="opt", capacity_bytes=1 << 16):
@@ -44,10 +45,7 @@ def test_verification_catches_an_engine_weight_that_differs():
         sender.sync(source.tensors(), version="v1")
         with torch.no_grad():
             engine_model.model.decoder.layers[1].fc1.weight[3, 3] += 1
-        sent = {
-            n: __import__("weightsync.wire.fingerprint").fingerprint.fingerprint(t)
-            for n, t in source.tensors()
-        }
+        sent = {n: fingerprint(t) for n, t in source.tensors()}
         result = sender.verify(sent, engines=["ref"])
     finally:
         sender.close()

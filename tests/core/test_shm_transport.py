@@ -130,7 +130,7 @@ def test_a_new_sender_sweeps_what_dead_processes_left_reply_folders_included():
 
 def test_a_dead_engines_shared_parameter_segment_is_swept():
     code = (
-        "import os, torch; from weightsync.trainer.one_copy.targets import SharedParameters; "
+        "import os, torch; from weightsync.engine.one_copy.segment import SharedParameters; "
         "p = {'w': torch.nn.Parameter(torch.ones(64, 4), requires_grad=False)}; "
         "s = SharedParameters(p, {'w': ('w', 0)}); "
         "print(s.segment.name, flush=True); os._exit(9)"

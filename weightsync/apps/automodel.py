@@ -42,7 +42,7 @@ def build_automodel(model_path: str, *, dtype: str = "float32", device: str = "c
     nemo-automodel over all ranks of the current process group.
 
     Collective: every rank of an initialised torch.distributed group (gloo on CPU, NCCL on
-    GPU; `weightsync.trainer.source.init_trainer_group`) calls it with the same arguments. Parameters
+    GPU; `weightsync.trainer.process_group.init_trainer_group`) calls it with the same arguments. Parameters
     are stored in `dtype` and computed in `dtype` (FSDP2 mixed precision: same param dtype,
     float32 gradient reduction); they come back as DTensors sharded on dim 0, in eval mode.
     `model(input_ids=..., labels=...)` returns a transformers `CausalLMOutputWithPast` whose
@@ -55,7 +55,7 @@ def build_automodel(model_path: str, *, dtype: str = "float32", device: str = "c
     if not dist.is_initialized():
         raise RuntimeError(
             "build_automodel is collective: initialise the trainer's process "
-            "group first (weightsync.trainer.source.init_trainer_group)"
+            "group first (weightsync.trainer.process_group.init_trainer_group)"
         )
     torch_dtype = dtype_from_str(dtype)
     if device == "cuda":
