@@ -1,0 +1,32 @@
+"""What a pip user gets in the wheel, besides the code: the license and the type marker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import zipfile
+from pathlib import Path
+
+from weightsync.launch import envs
+
+
+def test_the_wheel_carries_the_license_the_type_marker_and_the_backends(tmp_path: Path):
+    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
+    env.pop("VIRTUAL_ENV", None)
+    subprocess.run(
+        [*envs.uv_command(), "build", "--wheel", "-o", str(tmp_path)],
+        cwd=envs.REPO_ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    wheel = next(tmp_path.glob("weightsync-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "weightsync/py.typed" in names  # PEP 561: type checkers read our annotations
+    license_files = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert license_files, names
+    text = zipfile.ZipFile(wheel).read(license_files[0]).decode()
+    assert "Apache License" in text and "Version 2.0" in text
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    assert "License-Expression: Apache-2.0" in zipfile.ZipFile(wheel).read(metadata).decode()
+    assert "weightsync/backends/vllm/extension.py" in names
