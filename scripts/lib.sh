@@ -3,12 +3,15 @@
 
 if command -v uv >/dev/null 2>&1; then
   UV=(uv)
+elif [ -x .uv-bootstrap/bin/uv ]; then
+  UV=(.uv-bootstrap/bin/uv)
 else
-  if ! python3 -m uv --version >/dev/null 2>&1; then
-    echo "uv not found: installing it with 'python3 -m pip install uv'" >&2
-    python3 -m pip install --quiet uv
-  fi
-  UV=(python3 -m uv)
+  # uv into a private venv of the checkout (.uv-bootstrap/, git-ignored), never into the system
+  # Python: systems that protect theirs (PEP 668) refuse a plain `pip install`.
+  echo "uv not found: installing it into .uv-bootstrap/ (python3 -m venv, then pip install uv)" >&2
+  python3 -m venv .uv-bootstrap
+  .uv-bootstrap/bin/python -m pip install --quiet uv
+  UV=(.uv-bootstrap/bin/uv)
 fi
 export UV_PYTHON_DOWNLOADS=never
 ROOT_PY="$PWD/.venv/bin/python"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -30,3 +32,26 @@ def test_the_wheel_carries_the_license_the_type_marker_and_the_backends(tmp_path
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     assert "License-Expression: Apache-2.0" in zipfile.ZipFile(wheel).read(metadata).decode()
     assert "weightsync/backends/vllm/extension.py" in names
+
+
+def test_the_scripts_bootstrap_uv_into_the_checkout_not_the_system_python(tmp_path: Path):
+    """With no uv on PATH, scripts/lib.sh installs uv into .uv-bootstrap/ (a venv of its own)
+    instead of pip-installing into whatever python3 is first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}"
+    (bin_dir / "python3").symlink_to(python)
+    work = tmp_path / "checkout"
+    (work / "scripts").mkdir(parents=True)
+    shutil.copy(envs.REPO_ROOT / "scripts" / "lib.sh", work / "scripts" / "lib.sh")
+    out = subprocess.run(
+        ["bash", "-c", 'source scripts/lib.sh && echo "UV=${UV[*]}" && "${UV[@]}" --version'],
+        cwd=work,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "UV=.uv-bootstrap/bin/uv" in out.stdout
+    assert (work / ".uv-bootstrap" / "bin" / "uv").is_file()
