@@ -83,6 +83,8 @@ def _map_checkout_backends() -> None:
     spec = importlib.util.spec_from_file_location(
         f"{__name__}.backends", folder / "__init__.py", submodule_search_locations=[str(folder)]
     )
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the engine backends from {folder}: no loader for it")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

@@ -142,7 +142,7 @@ class _InProcess:
     def flush_cache(self) -> bool:
         return bool(self.engine.flush_cache().success)
 
-    def generate(self, input_ids: list[list[int]], sampling: dict[str, Any]) -> list[dict]:
+    def generate(self, input_ids: list[list[int]], sampling: list[dict[str, Any]]) -> list[dict]:
         return self.engine.generate(
             input_ids=input_ids, sampling_params=sampling, return_logprob=True
         )
@@ -230,7 +230,7 @@ class _Http:
         if status != 200:
             raise RuntimeError(f"sglang server /continue_generation answered {status}: {out}")
 
-    def generate(self, input_ids: list[list[int]], sampling: dict[str, Any]) -> list[dict]:
+    def generate(self, input_ids: list[list[int]], sampling: list[dict[str, Any]]) -> list[dict]:
         status, out = self._request(
             "POST",
             "/generate",
@@ -277,17 +277,18 @@ class SglEngineActor(EngineSession):
         }
         self.mode = mode
         self.tp_size = int(args.get("tp_size") or 1)
-        # An HTTP server always demands a key: the caller's, or a random one this actor keeps
-        # (`server_api_key`) and sends with its own requests.
-        self._api_key = (api_key or secrets.token_urlsafe(24)) if mode == "http" else None
         # Copy what each update overwrites, so a failed update is rolled back and the engine
         # goes on serving its previous weights (costs a copy of the model, during updates).
         self.keep_previous = keep_previous
-        self.client = (
-            _InProcess(model_path, {**args, "custom_weight_loader": [LOADER]})
-            if mode == "engine"
-            else _Http(model_path, args, api_key=self._api_key)
-        )
+        self._api_key: str | None = None
+        self.client: _InProcess | _Http
+        if mode == "engine":
+            self.client = _InProcess(model_path, {**args, "custom_weight_loader": [LOADER]})
+        else:
+            # An HTTP server always demands a key: the caller's, or a random one this actor
+            # keeps (`server_api_key`) and sends with its own requests.
+            self._api_key = api_key or secrets.token_urlsafe(24)
+            self.client = _Http(model_path, args, api_key=self._api_key)
         self.sessions = self.client.has_session()
         # Named like the shared-memory segments, so a sender sweeps it if this actor dies.
         self.reply_dir = tempfile.mkdtemp(prefix=f"weightsync-{os.getpid()}-reply-", dir="/dev/shm")
@@ -418,13 +419,14 @@ class SglEngineActor(EngineSession):
         return as_plain(combine_worker_shares(answers).to_dict())
 
     def _pause(self) -> bool:
-        if self.mode != "http":
+        if not isinstance(self.client, _Http):
             return False  # in-process, this actor is the only client and refuses during updates
         self.client.pause()
         return True
 
     def _resume(self) -> None:
-        self.client.resume()
+        if isinstance(self.client, _Http):  # only a server pauses (`_pause`)
+            self.client.resume()
 
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], **sampling: Any) -> dict[str, Any]:
@@ -435,7 +437,7 @@ class SglEngineActor(EngineSession):
         self.check_serving()
         # One request per sample (not SGLang's `n`): the order of rows is ours, and each sample
         # has its own seed.
-        params = [
+        params: list[dict[str, Any]] = [
             {
                 "temperature": options.temperature,
                 "top_p": options.top_p,
@@ -459,6 +461,15 @@ class SglEngineActor(EngineSession):
         }
 
     # ---- SGLang's own paths, for benchmarks -------------------------------------------------
+    def _native_engine(self, what: str) -> Any:
+        """The in-process `sglang.Engine`, which SGLang's own update paths (`what`) call."""
+        if not isinstance(self.client, _InProcess):
+            raise ValueError(
+                f"sglang: {what} needs the in-process engine (mode='engine'), not "
+                f"mode={self.mode!r}"
+            )
+        return self.client.engine
+
     def native_update_from_tensor(self, checkpoint_dir: str) -> float:
         """Seconds for update_weights_from_tensor of the checkpoint's tensors (read into memory
         first, untimed), inside SGLang's update session."""
@@ -468,7 +479,7 @@ class SglEngineActor(EngineSession):
         for name in sorted(os.listdir(checkpoint_dir)):
             if name.endswith(".safetensors"):
                 named += list(load_file(os.path.join(checkpoint_dir, name)).items())
-        engine = self.client.engine
+        engine = self._native_engine("native_update_from_tensor")
         start = time.perf_counter()
         self._session("begin")
         ok, text = engine.update_weights_from_tensor(named, flush_cache=False)
@@ -480,7 +491,9 @@ class SglEngineActor(EngineSession):
 
     def native_update_from_disk(self, checkpoint_dir: str) -> float:
         start = time.perf_counter()
-        result = self.client.engine.update_weights_from_disk(checkpoint_dir)
+        result = self._native_engine("native_update_from_disk").update_weights_from_disk(
+            checkpoint_dir
+        )
         seconds = time.perf_counter() - start
         if not result[0]:
             raise RuntimeError(f"sglang update_weights_from_disk failed: {result[1]}")

@@ -213,14 +213,15 @@ class VllmEngineActor(EngineSession):
         # Copy what each update overwrites, so a failed update is rolled back and the engine
         # goes on serving its previous weights (costs a copy of the model, during updates).
         self.keep_previous = keep_previous
-        # An HTTP server always demands a key: the caller's, or a random one this actor keeps
-        # (`server_api_key`) and sends with its own requests.
-        self._api_key = (api_key or secrets.token_urlsafe(24)) if mode == "http" else None
-        self.client = (
-            _InProcess(model_path, args)
-            if mode == "engine"
-            else _Http(model_path, args, api_key=self._api_key)
-        )
+        self._api_key: str | None = None
+        self.client: _InProcess | _Http
+        if mode == "engine":
+            self.client = _InProcess(model_path, args)
+        else:
+            # An HTTP server always demands a key: the caller's, or a random one this actor
+            # keeps (`server_api_key`) and sends with its own requests.
+            self._api_key = api_key or secrets.token_urlsafe(24)
+            self.client = _Http(model_path, args, api_key=self._api_key)
 
     def _rpc_all(self, method: str, *args: Any) -> list[Any]:
         """Every worker's result, in worker (= TP rank) order, as collective_rpc answers."""
@@ -302,13 +303,14 @@ class VllmEngineActor(EngineSession):
         return as_plain(combine_worker_shares(answers).to_dict())
 
     def _pause(self) -> bool:
-        if self.mode != "http":
+        if not isinstance(self.client, _Http):
             return False  # in-process, this actor is the only client and refuses during updates
         self.client.pause()
         return True
 
     def _resume(self) -> None:
-        self.client.resume()
+        if isinstance(self.client, _Http):  # only a server pauses (`_pause`)
+            self.client.resume()
 
     def settle(self, timeout_s: float = 120.0) -> dict:
         """On CPU the packed GEMMs are rebuilt in the background after an update."""
@@ -329,6 +331,11 @@ class VllmEngineActor(EngineSession):
 
     def native_reload(self, checkpoint_dir: str) -> float:
         """Seconds for vLLM's own reload_weights from a checkpoint directory."""
+        if not isinstance(self.client, _InProcess):
+            raise ValueError(
+                f"vllm: native_reload needs the in-process engine (mode='engine'), not "
+                f"mode={self.mode!r}"
+            )
         start = time.perf_counter()
         self.client.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir})
         return time.perf_counter() - start

@@ -39,7 +39,7 @@ class PackedExperts:
             ):
                 continue
             seen.add(id(module.w13_weight))
-            experts = getattr(
+            experts: Any = getattr(
                 getattr(getattr(module, "quant_method", None), "moe_kernel", None),
                 "fused_experts",
                 None,

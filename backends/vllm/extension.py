@@ -21,7 +21,7 @@ exception into a bare Exception and loses its type.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Imported with the extension, before vLLM loads the model: it keeps CPU Linear weights.
 from weightsync.backends.vllm.gemms import CpuGemms
@@ -42,6 +42,10 @@ def _guard(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 class WeightsyncWorkerExtension:
     """Mixed into vLLM's worker class; method names carry a prefix to avoid vLLM's own."""
+
+    if TYPE_CHECKING:  # vLLM's worker, which this class is mixed into, sets them
+        model_runner: Any
+        vllm_config: Any
 
     def _ws_state(self) -> dict[str, Any]:
         state = getattr(self, "_weightsync", None)

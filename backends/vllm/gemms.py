@@ -31,7 +31,8 @@ def _keep_cpu_linear_weights() -> None:
     def dispatch(layer: Any, remove_weight: bool) -> None:
         original(layer, remove_weight=False)
 
-    dispatch._weightsync = True
+    # A marker on the function (mypy does not model function attributes).
+    dispatch._weightsync = True  # type: ignore[attr-defined]
     linear.dispatch_cpu_unquantized_gemm = dispatch
     utils.dispatch_cpu_unquantized_gemm = dispatch
 

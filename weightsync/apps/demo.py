@@ -155,12 +155,13 @@ def _run_sft(args: argparse.Namespace) -> int:
     if not args.json:
         live.stop()
         console.line()
-    summary = {"ok": ok, "steps": steps, "reference": _continuation(want)}
+    reference = _continuation(want)
+    summary = {"ok": ok, "steps": steps, "reference": reference}
     if args.json:
         json.dump(summary, sys.stdout, indent=1)
         print()
     else:
-        print(f"reference continuation: {summary['reference'][:60]!r}")
+        print(f"reference continuation: {reference[:60]!r}")
         print(
             "every sync verified and every engine matched the trainer"
             if ok

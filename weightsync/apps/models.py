@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from torch import nn
+    from transformers import PreTrainedModel
 
 ARCHITECTURES = ("opt", "gpt2", "qwen2", "qwen3_moe")
 NUM_EXPERTS = 8
@@ -59,8 +59,8 @@ def make_config(arch: str = "opt", size: str = "tiny"):
     from transformers import GPT2Config, OPTConfig, Qwen2Config, Qwen3MoeConfig
 
     s = _check(arch, size)
-    ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
-    rope = {
+    ids: dict[str, Any] = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+    rope: dict[str, Any] = {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": s.hidden,
         "num_attention_heads": s.heads,
@@ -114,7 +114,7 @@ def make_config(arch: str = "opt", size: str = "tiny"):
 
 def build_model(
     arch: str = "opt", size: str = "tiny", *, seed: int = 0, dtype: torch.dtype = torch.float32
-) -> nn.Module:
+) -> PreTrainedModel:
     """A randomly initialised causal LM, the same for the same (arch, size, seed)."""
     from transformers import AutoModelForCausalLM
 
@@ -146,11 +146,12 @@ def make_tokenizer():
     )
 
 
-def save_model(model: nn.Module, path: str, *, dtype: torch.dtype | None = None) -> str:
+def save_model(model: PreTrainedModel, path: str, *, dtype: torch.dtype | None = None) -> str:
     """Write `model` and the byte-level tokenizer as a HF checkpoint directory at `path`."""
     os.makedirs(path, exist_ok=True)
     if dtype is not None:
-        model = model.to(dtype)
+        # transformers wraps `to` in functools.wraps, which types it as taking the model twice
+        model = model.to(dtype)  # type: ignore[arg-type]
     model.save_pretrained(path, safe_serialization=True)
     make_tokenizer().save_pretrained(path)
     return path

@@ -77,7 +77,8 @@ def _from_checkpoint_state(model_path: str, state: dict[str, torch.Tensor]) -> t
         )
         shutil.copy(Path(model_path) / "config.json", Path(tmp) / "config.json")
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(
+            # (model, info): transformers' types leave out what output_loading_info returns
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
                 tmp, dtype=torch.float32, output_loading_info=True
             )
         except RuntimeError as exc:  # transformers' conversion found pieces that do not fit
@@ -85,4 +86,5 @@ def _from_checkpoint_state(model_path: str, state: dict[str, torch.Tensor]) -> t
                 f"the trainer's state does not load as a checkpoint of the "
                 f"architecture at {model_path}: {str(exc).splitlines()[0]}"
             ) from exc
+        model, info = loaded
         return model, list(info["missing_keys"])

@@ -152,8 +152,9 @@ class BucketLoader:
         """The parameter `tensor` is copied into whole by a plain loader, or None. Which
         parameter and loader is decided once per name, after the refit check (or the first
         load) mapped it; shape, dtype and device are checked on every call."""
-        param = self._plain.get(name, False)
-        if param is False:
+        if name in self._plain:
+            param = self._plain[name]
+        else:
             targets = self.refit.param_of.get(name)
             if targets is None:  # not mapped yet (an engine that learns it while loading)
                 return None

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from weightsync.engine.refit import copy_loader
 from weightsync.engine.replica import ModelReceiver, sharing_of
@@ -55,14 +55,17 @@ class ModuleWeightReceiver(WeightReceiver):
         self.sliced = sliced
         params = dict(model.named_parameters())
         fused = fused or {}
-        for into, _ in fused.values():  # as an engine's fused parameters carry their loader
-            params[into].weight_loader = _fused_loader
+        # As an engine's fused parameters carry their loader (an attribute torch's Parameter
+        # type does not declare; the refit check wraps it).
+        for into, _ in fused.values():
+            params[into].weight_loader = _fused_loader  # type: ignore[attr-defined]
 
         def load_fn(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
             for pname, tensor in weights:
                 if pname in fused:
                     into, start = fused[pname]
-                    params[into].weight_loader(params[into], tensor, start)
+                    target = params[into]
+                    target.weight_loader(target, tensor, start)  # type: ignore[attr-defined]
                     continue
                 param = params.get(pname)
                 if param is not None:
@@ -106,7 +109,9 @@ class ModuleWeightReceiver(WeightReceiver):
             self.receiver.end_one_copy()
         self._session = None
         self._version = version
-        placements = [self.receiver.placements] if self.sliced else None
+        placements: list[dict[str, Any]] | None = (
+            [self.receiver.placements] if self.sliced else None
+        )
         return EndReport(weight_version=version, placements=placements).to_dict()
 
     def abort(self, reason: str) -> None:

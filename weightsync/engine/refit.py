@@ -95,15 +95,16 @@ class RefitCheck:
                 has = "weight_loader" in vars(param)
                 original = vars(param).get("weight_loader", self.default_loader)
                 saved[pname] = (has, vars(param).get("weight_loader"))
-                param.weight_loader = make(pname, original)
+                # An engine's attribute, not torch's (vLLM's parameters make it a property).
+                param.weight_loader = make(pname, original)  # type: ignore[attr-defined]
             yield state
         finally:
             for pname, (has, original) in saved.items():
                 param = params[pname]
                 if has:
-                    param.weight_loader = original
+                    param.weight_loader = original  # type: ignore[attr-defined]
                 else:
-                    del param.weight_loader
+                    del param.weight_loader  # type: ignore[attr-defined]
 
     def _feed(
         self, state: dict[str, Any], tensors: Iterable[tuple[str, torch.Tensor]]

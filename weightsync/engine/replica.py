@@ -169,12 +169,11 @@ class ModelReceiver:
             if name in self.placements or name in self._unplaced or len(targets) != 1:
                 continue
             params = params or dict(self.model.named_parameters())
-            pats = learn_placement(
-                params[targets[0]],
-                tensor.dtype,
-                tuple(tensor.shape),
-                lambda t, name=name: self.buckets.load([(name, t)]),
-            )
+
+            def load_one(t: torch.Tensor, name: str = name) -> None:
+                self.buckets.load([(name, t)])
+
+            pats = learn_placement(params[targets[0]], tensor.dtype, tuple(tensor.shape), load_one)
             if pats is None:
                 self._unplaced.add(name)
             else:

@@ -119,7 +119,8 @@ def coalesce(plain: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list, list
         d_alloc, s_alloc = _allocation(d), _allocation(s)
         ok = d_alloc is not None and s_alloc is not None
         runs.append([dst, src, d, s, nbytes, d_alloc if ok else None, s_alloc, 1])
-    big, small = [], {}
+    big: list[tuple[torch.Tensor, torch.Tensor]] = []
+    small: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for dst, src, d, s, nbytes, alloc, _, count in runs:
         if count > 1:
             dst, src = _span(d, nbytes, dst.device), _span(s, nbytes, dst.device)

@@ -135,7 +135,9 @@ def read_elf(path: Path, *, only_if_needs: Container[str] | None = None) -> ElfS
         needed: tuple[str, ...] = ()
         if isinstance(dynamic, DynamicSection):
             needed = tuple(
-                tag.needed for tag in dynamic.iter_tags() if tag.entry.d_tag == "DT_NEEDED"
+                tag.needed  # type: ignore[attr-defined]  # pyelftools sets it per DT_NEEDED tag
+                for tag in dynamic.iter_tags()
+                if tag.entry.d_tag == "DT_NEEDED"
             )
         if only_if_needs is not None and not any(name in only_if_needs for name in needed):
             return None

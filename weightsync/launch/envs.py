@@ -29,6 +29,7 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +308,18 @@ print("WEIGHTSYNC-SMOKE " + json.dumps(out))
 """
 
 
-def smoke(name: str) -> dict[str, object]:
+class SmokeReport(TypedDict, total=False):
+    """What `smoke` found inside an env: every key but "error", or only "error"."""
+
+    python: str
+    torch: str
+    ray: str
+    engine: str
+    compiled: dict[str, str]  # {module: "ok", "needs GPU", or what went wrong importing it}
+    error: str
+
+
+def smoke(name: str) -> SmokeReport:
     """Import torch, ray, the engine's compiled parts inside the env; plain data back."""
     spec = get(name)
     result = subprocess.run(

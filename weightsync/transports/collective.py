@@ -46,7 +46,8 @@ def _make_group(
     """`host`: the store's; a gloo device listens on the local address that reaches it."""
     prefixed = dist.PrefixStore(f"weightsync/{backend}", store)
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        # torch's stubs declare `Options` (at run time Backend.Options, with no `_devices`).
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
         options._devices = [gloo_device(host)]
         return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
@@ -115,7 +116,7 @@ class CollectiveSender(SenderTransport):
         self.host = host
         self.world_size = 1 + num_receivers
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = host_store(
+        self.store: dist.TCPStore | None = host_store(
             host, port=port or 0, timeout_s=timeout_s, world_size=self.world_size
         )
         self.port = self.store.port

@@ -46,6 +46,7 @@ from weightsync.wire.specs import BucketDescriptor, dtype_from_str, element_size
 _uids = itertools.count()
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
+_Signature = tuple[list[int], list[tuple[int, ...]]]  # a bucket's tensors: data_ptrs, strides
 
 
 def _export(storage: torch.UntypedStorage) -> dict[str, Any]:
@@ -111,7 +112,7 @@ class CudaIpcSender(SenderTransport):
         self.zero_copy = zero_copy
         self.replay = replay
         # plan index -> (([data_ptr], [strides]) of its tensors, deaths seen, views, exports)
-        self._last: dict[int, tuple[list, int, list, dict]] = {}
+        self._last: dict[int, tuple[_Signature, int, list[Any], dict[str, Any]]] = {}
         self._same: list[bool] = [False] * num_slots
         self._deaths = 0
         self._uid = f"{os.getpid()}.{next(_uids)}"
@@ -195,9 +196,10 @@ class CudaIpcSender(SenderTransport):
             return
         views: list[Any] = []
         packed = [(meta, t) for meta, t in zip(plan.tensors, tensors) if not self._in_place(t)]
-        buf = self._buffer(slot, plan.nbytes) if packed else None
-        for meta, tensor in packed:
-            write_tensor(buf, meta, tensor)
+        if packed:
+            buf = self._buffer(slot, plan.nbytes)
+            for meta, tensor in packed:
+                write_tensor(buf, meta, tensor)
         exports: dict[str, Any] = {}
         for tensor in tensors:
             if self._in_place(tensor):
@@ -350,9 +352,9 @@ class CudaIpcReceiver(ReceiverTransport):
         views = handle.get("views")
         self._replays.pop(descriptor.index, None)
         if views is None:
-            data = self._buffer(handle, descriptor.nbytes)
-            descriptor.validate(data.numel())
-            return [(m.name, tensor_view(data, m)) for m in descriptor.tensors]
+            whole = self._buffer(handle, descriptor.nbytes)
+            descriptor.validate(whole.numel())
+            return [(m.name, tensor_view(whole, m)) for m in descriptor.tensors]
         if len(views) != len(descriptor.tensors):
             raise BucketRejected(
                 f"bucket {descriptor.index}: {len(views)} views for "
@@ -364,7 +366,7 @@ class CudaIpcReceiver(ReceiverTransport):
         if sync != self._sync:  # a new sync: unmap what the last one did not use
             self._storages = {k: e for k, e in self._storages.items() if e[1] >= self._sync}
             self._sync = sync
-        data = None
+        data: torch.Tensor | None = None  # the buffer of the packed tensors, if any
         if any(v is None for v in views):
             if "buffer" not in handle:
                 raise BucketRejected(f"bucket {descriptor.index}: packed tensors but no buffer")
@@ -379,15 +381,20 @@ class CudaIpcReceiver(ReceiverTransport):
             signature = (offset, tuple(stride), meta.shape, meta.dtype)
             entry = self._storages.get(key)
             made = entry[2].get(signature) if entry is not None else None
-            if made is None:
+            if made is not None and entry is not None:
+                entry[1] = self._sync
+            else:
                 stride = [int(s) for s in stride]
                 self._check_view(descriptor.index, meta, key, offset, stride, handle)
-            else:
-                entry[1] = self._sync
             places.append((key, signature, made))
         out = []
         for meta, place in zip(descriptor.tensors, places):
             if place is None:
+                if data is None:  # not reached: a None view opened the buffer above
+                    raise RuntimeError(
+                        f"bucket {descriptor.index}: tensor {meta.name!r} is packed but no "
+                        f"buffer was opened for it"
+                    )
                 out.append((meta.name, tensor_view(data, meta)))
                 continue
             key, signature, made = place

@@ -46,7 +46,7 @@ def _pid_alive(pid: int) -> bool:
 
 def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink segments whose creating process is gone. Returns the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(shm_dir)
     except FileNotFoundError:
@@ -177,7 +177,7 @@ class _Segment:
     `create=True` makes a new owner-only file (refusing an existing one, and a size its
     directory has no room for); `create=False` opens one only if it is this user's alone."""
 
-    __slots__ = ("name", "nbytes", "_map", "tensor")
+    __slots__ = ("name", "nbytes", "_map", "_tensor")
 
     def __init__(self, name: str, nbytes: int, *, create: bool, shm_dir: str) -> None:
         path = os.path.join(shm_dir, name)
@@ -186,18 +186,28 @@ class _Segment:
         else:
             fd, nbytes = _open_own(path, name, nbytes)
         try:
-            self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapped = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        self._map: mmap.mmap | None = mapped
         self.name = name
         self.nbytes = nbytes
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._tensor: torch.Tensor | None = torch.frombuffer(mapped, dtype=torch.uint8)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The segment's bytes, as uint8."""
+        if self._tensor is None:
+            raise RuntimeError(
+                f"shared-memory segment {self.name!r} was closed; map it again to use its bytes"
+            )
+        return self._tensor
 
     def close(self) -> None:
         """Let go of the mapping: it is unmapped when the last tensor over it goes. Never
         unmapped here: `torch.frombuffer` holds no buffer export, so `mmap.close()` would unmap
         under live views (a later write through one lands in whatever is mapped there next)."""
-        self.tensor = None
+        self._tensor = None
         self._map = None
 
 

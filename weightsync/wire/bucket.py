@@ -82,10 +82,6 @@ def plan_buckets(specs: Iterable[TensorSpec], *, capacity_bytes: int) -> list[Bu
     return plans
 
 
-def max_bucket_bytes(plans: list[BucketPlan]) -> int:
-    return max((p.nbytes for p in plans), default=0)
-
-
 def write_tensor(buffer: torch.Tensor, meta: TensorMeta, tensor: torch.Tensor) -> None:
     """Copy `tensor` into `buffer` (uint8) at the place `meta` gives, after checking it fits."""
     check_tensor(meta, tensor)

@@ -27,6 +27,7 @@ On a GPU the result stays on the device until read (`fingerprints` reads many te
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -229,8 +230,8 @@ def fingerprints(tensors: list[torch.Tensor]) -> list[Fingerprint]:
     return batch.read()
 
 
-def _placed_rows(rows: torch.Tensor, start: int, stride: int) -> list[int]:
-    """[s, h1, h2] of [count, n] words (n <= _ROW) whose row i starts at word
+def _placed_rows(rows: torch.Tensor, start: int, stride: int) -> Fingerprint:
+    """(s, h1, h2) of [count, n] words (n <= _ROW) whose row i starts at word
     `start + i * stride` of a parameter."""
     count, n = rows.shape
     device = rows.device
@@ -239,8 +240,8 @@ def _placed_rows(rows: torch.Tensor, start: int, stride: int) -> list[int]:
     sums = torch.mm(wide, table).to(torch.int64)
     primes = torch.tensor(PRIMES, dtype=torch.int64, device=device)
     hashes = sums[:, 1:].remainder(primes) * _powers(start, stride, count, device) % primes
-    s, h1, h2 = [sums[:, 0].sum().item()] + hashes.sum(0).tolist()
-    return [s, h1 % PRIMES[0], h2 % PRIMES[1]]
+    h1, h2 = hashes.sum(0).tolist()
+    return (int(sums[:, 0].sum().item()), h1 % PRIMES[0], h2 % PRIMES[1])
 
 
 def placed(runs: torch.Tensor, dst: int, dst_stride: int) -> Fingerprint:
@@ -257,7 +258,13 @@ def placed(runs: torch.Tensor, dst: int, dst_stride: int) -> Fingerprint:
         _placed_rows(words[:, c : c + _ROW], dst * per + c, dst_stride * per)
         for c in range(0, words.shape[1], _ROW)
     ]
-    return combine([tuple(p) for p in parts])
+    return combine(parts)
+
+
+def as_fingerprint(values: Sequence[int]) -> Fingerprint:
+    """A fingerprint from plain data (after crossing an environment boundary it is a list)."""
+    s, h1, h2 = values
+    return (s, h1, h2)
 
 
 def shift(fp: Fingerprint, words: int) -> Fingerprint:
@@ -280,16 +287,6 @@ def combine(prints: list[Fingerprint]) -> Fingerprint:
     )
 
 
-def diff(expected: dict[str, Fingerprint], actual: dict[str, Fingerprint]) -> list[str]:
-    """Names whose fingerprints differ or are missing on one side, sorted."""
-    names = set(expected) | set(actual)
-    return sorted(
-        n
-        for n in names
-        if n not in expected or n not in actual or tuple(expected[n]) != tuple(actual[n])
-    )
-
-
 def expected_fingerprints(
     param_of: dict[str, list[str]], sent: dict[str, Fingerprint]
 ) -> dict[str, Fingerprint]:
@@ -303,7 +300,7 @@ def expected_fingerprints(
         for target in targets:
             holders.setdefault(target, []).append(name)
     return {
-        p: tuple(sent[names[0]])
+        p: as_fingerprint(sent[names[0]])
         for p, names in holders.items()
         if len(names) == 1 and len(param_of[names[0]]) == 1
     }

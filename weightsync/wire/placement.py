@@ -29,7 +29,14 @@ from typing import Any
 
 import torch
 
-from weightsync.wire.fingerprint import Fingerprint, combine, placed, shift, words_per_element
+from weightsync.wire.fingerprint import (
+    Fingerprint,
+    as_fingerprint,
+    combine,
+    placed,
+    shift,
+    words_per_element,
+)
 from weightsync.wire.specs import dtype_from_str
 
 Pattern = list[int]  # [dst, src, length, count, dst_stride, src_stride]
@@ -78,14 +85,14 @@ def learn_placement(
                 load_one(code.to(signed).view(dtype).view(shape))
                 marked = flat < 0
                 positions = marked.nonzero().reshape(-1)
-                if where is None:
-                    where = positions
-                    found = torch.zeros_like(positions)
+                part = (flat[positions].to(torch.int64) + (1 << bits)) << (k * bits)
+                if where is None or found is None:
+                    where, found = positions, part
                 elif not torch.equal(where, positions):
                     return None  # the loader wrote different places for different values
-                part = flat[positions].to(torch.int64) + (1 << bits)
-                found |= part << (k * bits)
-            if where is None or where.numel() == 0 or int(found.max()) >= numel:
+                else:
+                    found |= part
+            if where is None or found is None or where.numel() == 0 or int(found.max()) >= numel:
                 return None
             # Verbatim? Random bits through the loader must sit exactly where the map says.
             raw = torch.randint(
@@ -192,11 +199,13 @@ def prints_from_sent(
         if not pats:
             continue
         spec = specs.get(name)
-        at = None if spec is None or name not in sent else whole_offset(pats, spec.numel)
+        if spec is None or name not in sent:
+            return None
+        at = whole_offset(pats, spec.numel)
         if at is None:
             return None
         parts.setdefault(pname, []).append(
-            shift(tuple(sent[name]), at * words_per_element(dtype_from_str(spec.dtype)))
+            shift(as_fingerprint(sent[name]), at * words_per_element(dtype_from_str(spec.dtype)))
         )
     return {p: combine(prints) for p, prints in parts.items()}
 

@@ -190,6 +190,9 @@ def specs_from_dicts(dicts: list[dict[str, Any]]) -> list[TensorSpec]:
     return [TensorSpec.from_dict(d) for d in dicts]
 
 
+_PLAIN_TYPES: tuple[type, ...] = (bool, int, float, str, bytes)  # bool first: it is an int
+
+
 def as_plain(obj: Any) -> Any:
     """`obj` reduced to str/int/float/bool/None/bytes, lists and dicts: safe to cross envs."""
     if hasattr(obj, "__dataclass_fields__"):
@@ -199,7 +202,7 @@ def as_plain(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [as_plain(v) for v in obj]
     # Subclasses (torch's TorchVersion is a str) would drag their defining module along.
-    for plain in (bool, int, float, str, bytes):
+    for plain in _PLAIN_TYPES:
         if isinstance(obj, plain):
             return plain(obj)
     if obj is None:

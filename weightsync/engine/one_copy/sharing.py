@@ -15,6 +15,7 @@ from weightsync.wire.errors import NotShared
 from weightsync.wire.protocol import ShareAnswer
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from weightsync.engine.refit import LoadFn, RefitCheck
@@ -60,7 +61,7 @@ class ParameterSharing:
                 why=f"{self.name}: where {len(unknown)} tensor(s) land is not "
                 f"known yet (sync by buckets first)",
             )
-        params = dict(self.model.named_parameters())
+        params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         if placements is None:
             destinations = probe_destinations(
                 params,
@@ -165,4 +166,12 @@ def combine_worker_shares(answers: list[ShareAnswer]) -> ShareAnswer:
     missing = [a for a in answers if not a.shared]
     if missing:
         return ShareAnswer(shared=None, why=missing[0].why, retry=any(a.retry for a in missing))
-    return ShareAnswer(shared=[a.shared for a in answers])
+    shared = []
+    for rank, answer in enumerate(answers):
+        if not isinstance(answer.shared, dict):
+            raise RuntimeError(
+                f"worker {rank}'s share answer holds a {type(answer.shared).__name__}, not the "
+                f"dict describing its own shared parameters; each worker answers for itself"
+            )
+        shared.append(answer.shared)
+    return ShareAnswer(shared=shared)
