@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.engine.refit import copy_loader
 from weightsync.engine.replica import ModelReceiver, sharing_of
-from weightsync.engine.session import WeightReceiver
+from weightsync.engine.session import EngineSession
 from weightsync.wire.protocol import (
-    BeginAnswer,
     EndReport,
+    LoadReport,
     StageReport,
 )
 from weightsync.wire.specs import BucketDescriptor, specs_from_dicts
@@ -32,11 +32,12 @@ def _fused_loader(param: torch.Tensor, loaded: torch.Tensor, start: int) -> None
     param.data.view(-1)[start : start + loaded.numel()].copy_(loaded.reshape(-1))
 
 
-class ModuleWeightReceiver(WeightReceiver):
+class ModuleWeightReceiver(EngineSession):
     """A `WeightReceiver` for a plain torch module whose parameters carry the senders' names.
 
     The reference receiver: what an engine's loader does, with nothing engine-specific (used by
-    the core tests and the GPU transport benchmarks).
+    the core tests and the GPU transport benchmarks). It follows the update-session rules of
+    every engine actor (`EngineSession`) and receives through the same `ModelReceiver`.
     """
 
     def __init__(
@@ -46,12 +47,16 @@ class ModuleWeightReceiver(WeightReceiver):
         name: str = "module",
         sliced: bool = False,
         fused: dict[str, tuple[str, int]] | None = None,
+        idle_timeout_s: float = 60.0,
     ) -> None:
         """`sliced`: the parameters' loaders keep a slice of each tensor (a tensor-parallel
         worker's): the receiver learns its placements and reports them at `end`. `fused`:
         where the loader puts tensors, as engines fuse q/k/v or experts into one parameter
-        ({tensor: (parameter, first element)}, weightsync/apps/layouts.py `fused`, which lists every
-        tensor, an unfused one at element 0 of its own parameter)."""
+        ({tensor: (parameter, first element)}, weightsync/apps/layouts.py `fused`, which lists
+        every tensor, an unfused one at element 0 of its own parameter). `idle_timeout_s`: as
+        `EngineSession`'s."""
+        super().__init__(idle_timeout_s=idle_timeout_s)
+        self.engine_name = name
         self.sliced = sliced
         params = dict(model.named_parameters())
         fused = fused or {}
@@ -75,61 +80,44 @@ class ModuleWeightReceiver(WeightReceiver):
         # load_fn hands each unfused tensor to the parameter of its name: plain copies may be
         # batched.
         self.receiver.buckets.plain_copies = not fused
-        self._version: str | None = None
-        self._session: str | None = None
-        self._one_copy = False
 
     def check_refit(self, specs: list[dict]) -> dict:
         return self.receiver.check_refit(specs_from_dicts(specs)).to_dict()
 
-    def begin(self, version: str, one_copy: bool | list[str] = False) -> dict:
-        if self._session is not None:
-            raise RuntimeError(f"update session {self._session!r} is still open")
-        if one_copy:
-            why = self.receiver.begin_one_copy(keep_previous=False, sharing=sharing_of(one_copy))
-            if why is not None:
-                return BeginAnswer(one_copy=False, why=why).to_dict()
-        self._session, self._one_copy = version, bool(one_copy)
-        return BeginAnswer(one_copy=bool(one_copy)).to_dict()
+    def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
+        self.receiver.open_update()
+        if not one_copy:
+            return None
+        return self.receiver.begin_one_copy(keep_previous=False, sharing=sharing_of(one_copy))
 
-    def share_params(self) -> dict:
+    def _engine_share(self) -> dict:
         return self.receiver.share().to_dict()
 
-    def load_bucket(self, descriptor: dict) -> dict:
+    def _engine_load(self, descriptor: dict) -> LoadReport:
         bucket = BucketDescriptor.from_dict(descriptor)
-        if self._session is None:
-            raise RuntimeError("load_bucket outside an update session; call begin first")
         report, _ = self.receiver.load_bucket(bucket, learn_placements=self.sliced)
-        return report.to_dict()
+        return report
 
-    def end(self, version: str) -> dict:
-        if self._session != version:
-            raise RuntimeError(f"end({version!r}) but the open session is {self._session!r}")
+    def _placements(self) -> list[dict[str, Any]] | None:
+        return [self.receiver.placements] if self.sliced else None
+
+    def _engine_end(self, version: str) -> EndReport:
         if self._one_copy:
             self.receiver.end_one_copy()
-        self._session = None
-        self._version = version
-        placements: list[dict[str, Any]] | None = (
-            [self.receiver.placements] if self.sliced else None
-        )
-        return EndReport(weight_version=version, placements=placements).to_dict()
+        return EndReport(weight_version=version, placements=self._placements())
 
-    def abort(self, reason: str) -> None:
-        self._session = None
+    def _engine_abort(self, reason: str) -> bool:
+        # No previous weights are kept: once a bucket landed (or the trainer began writing
+        # into the shared parameters) the module may hold two versions.
+        return self._loaded > 0
 
-    def stage(self, version: str) -> dict:
-        if self._session != version:
-            raise RuntimeError(f"stage({version!r}) but the open session is {self._session!r}")
-        placements = [self.receiver.placements] if self.sliced else None
+    def _engine_stage(self) -> StageReport:
         return StageReport(
-            fingerprints=[self.receiver.fingerprints()], placements=placements
-        ).to_dict()
+            fingerprints=[self.receiver.fingerprints()], placements=self._placements()
+        )
 
     def fingerprints(self) -> dict[str, list[int]]:
         return self.receiver.fingerprints()
 
     def worker_fingerprints(self) -> list[dict[str, list[int]]]:
         return [self.receiver.fingerprints()]
-
-    def weight_version(self) -> str | None:
-        return self._version
