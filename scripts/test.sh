@@ -32,7 +32,7 @@ for suite in "${suites[@]}"; do
     *) env= ;;
   esac
   if [ -n "$env" ]; then
-    "$ROOT_PY" -m weightsync env build "$env"
+    "$ROOT_PY" -m weightsync env build "$env" --with trainer,test
     py=$("$ROOT_PY" -m weightsync env path "$env")
   else
     py=$ROOT_PY

@@ -1,18 +1,22 @@
 """The `weightsync` command: environments (list, build, path, check), and the entry points.
 
-Exit codes: 0 ok, 1 failure, 2 usage (an unknown env or command).
+Exit codes: 0 ok, 1 failure, 2 usage (an unknown env, group or command).
+Tables are plain text, never cut to the terminal's width (so they read the same piped);
+`env list --json` and `env check --json` print one JSON object on stdout instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import subprocess
 import sys
 import time
 from itertools import combinations
-from typing import Any
+from typing import Any, TextIO
 
+from weightsync import __version__
 from weightsync.launch import abi, envs
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -35,41 +39,77 @@ def _names(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def _print_json(obj: object) -> None:
+    json.dump(obj, sys.stdout, indent=1)
+    print()
+
+
 def cmd_list(args: argparse.Namespace) -> int:
-    rows = []
+    listed: dict[str, dict[str, Any]] = {}
     for name, spec in envs.ENVS.items():
         pins = envs.pins(name)
-        rows.append(
-            [
-                name,
-                f"{spec.engine}=={pins.get(spec.engine, '?')}",
-                pins.get("torch", "?"),
-                pins.get("ray", "?"),
-                pins["python"],
-                envs.state(name),
-                str(envs.python_path(name)),
-            ]
-        )
-    print(_table(rows, ["env", "engine", "torch", "ray", "python", "state", "interpreter"]))
+        listed[name] = {
+            "engine": spec.engine,
+            "engine_version": pins.get(spec.engine),
+            "torch": pins.get("torch"),
+            "ray": pins.get("ray"),
+            "python": pins["python"],
+            "state": envs.state(name),
+            "groups": list(envs.built_groups(name)),
+            "available_groups": list(envs.available_groups(name)),
+            "interpreter": str(envs.python_path(name)),
+        }
+    if args.json:
+        _print_json({"envs": listed})
+        return EXIT_OK
+    rows = [
+        [
+            name,
+            f"{e['engine']}=={e['engine_version'] or '?'}",
+            e["torch"] or "?",
+            e["ray"] or "?",
+            e["python"],
+            e["state"],
+            ",".join(e["groups"]) or "-",
+            e["interpreter"],
+        ]
+        for name, e in listed.items()
+    ]
+    header = ["env", "engine", "torch", "ray", "python", "state", "groups", "interpreter"]
+    print(_table(rows, header))
     return EXIT_OK
 
 
+def _groups(value: str) -> list[str]:
+    return [g.strip() for g in value.split(",") if g.strip()]
+
+
 def cmd_build(args: argparse.Namespace) -> int:
+    names = _names(args)
+    for name in names:  # an unknown group refuses before anything is built
+        envs.check_groups(name, args.groups)
     status = EXIT_OK
-    for name in _names(args):
-        print(f"== env {name}: {envs.state(name)}", flush=True)
+    for name in names:
+        print(f"== env {name}: {_described_state(name)}", flush=True)
         try:
-            result = envs.build(name, quiet=args.quiet)
+            result = envs.build(name, groups=args.groups, quiet=args.quiet)
         except RuntimeError as exc:
             print(f"env {name}: build failed: {exc}", file=sys.stderr)
             status = EXIT_FAIL
             continue
-        print(
-            f"== env {name}: {result['action'] if result['action'] != 'none' else 'up to date'}"
-            f" in {result['seconds']:.2f} s",
-            flush=True,
-        )
+        print(f"== env {name}: {_described_build(result)}", flush=True)
     return status
+
+
+def _described_state(name: str) -> str:
+    groups = envs.built_groups(name) if envs.state(name) in ("built", "stale") else ()
+    return envs.state(name) + (f" (groups: {', '.join(groups)})" if groups else "")
+
+
+def _described_build(result: dict[str, Any]) -> str:
+    action = "up to date" if result["action"] == "none" else result["action"]
+    groups = f" (groups: {', '.join(result['groups'])})" if result["groups"] else ""
+    return f"{action} in {result['seconds']:.2f} s{groups}"
 
 
 def cmd_path(args: argparse.Namespace) -> int:
@@ -156,9 +196,65 @@ def cmd_check_abi(args: argparse.Namespace) -> int:
         name: abi.check(envs.site_packages(name), torch_site_packages=torch_site_packages)
         for name in names
     }
-    print(f"compiled extensions against the torch in {torch_site_packages}:")
-    print("\n".join(_abi_lines(reports, verbose=args.verbose)))
-    return EXIT_OK if all(r.ok for r in reports.values()) else EXIT_FAIL
+    ok = all(r.ok for r in reports.values())
+    if args.json:
+        _print_json(
+            {
+                "ok": ok,
+                "torch_site_packages": str(torch_site_packages),
+                "abi": {name: r.to_dict() for name, r in reports.items()},
+            }
+        )
+    else:
+        print(f"compiled extensions against the torch in {torch_site_packages}:")
+        print("\n".join(_abi_lines(reports, verbose=args.verbose)))
+    return EXIT_OK if ok else EXIT_FAIL
+
+
+def _build_for_check(name: str, progress: TextIO) -> None:
+    """Build the env if it needs it, with a line before and after (the build takes minutes)."""
+    before = envs.state(name)
+    if before == "built":
+        return
+    print(f"== env {name}: {before}; building", file=progress, flush=True)
+    result = envs.build(name, quiet=True)
+    print(f"== env {name}: {_described_build(result)}", file=progress, flush=True)
+
+
+_NEEDS_GPU = "needs GPU to import (ABI checked below)"
+
+
+def _check_env(name: str, progress: TextIO) -> tuple[dict[str, Any], abi.AbiReport | None]:
+    """One env's lock, build, import check and ABI check, as plain data (and the ABI report)."""
+    start = time.perf_counter()
+    checked: dict[str, Any] = {"ok": False, "engine": envs.get(name).engine}
+    lock_ok, lock_msg = envs.check_lock(name)
+    checked["lock"] = "current" if lock_ok else "stale"
+    if not lock_ok:
+        return {**checked, "venv": "-", "error": lock_msg}, None
+    try:
+        _build_for_check(name, progress)
+    except RuntimeError as exc:
+        return {**checked, "venv": "failed", "error": str(exc)}, None
+    checked["venv"] = "built"
+    report = abi.check(envs.site_packages(name))
+    info = envs.smoke(name)
+    if "error" in info:
+        return {**checked, "error": info["error"]}, report
+    compiled = {
+        mod: _NEEDS_GPU if verdict == "needs GPU" and not envs.has_gpu() else verdict
+        for mod, verdict in info["compiled"].items()
+    }
+    checked |= {
+        "ok": report.ok and all(v in ("ok", _NEEDS_GPU) for v in compiled.values()),
+        "engine_version": info["engine"],
+        "torch": info["torch"],
+        "python": info["python"],
+        "ray": info["ray"],
+        "compiled": compiled,
+        "seconds": time.perf_counter() - start,
+    }
+    return checked, report
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -166,61 +262,83 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.torch_from:
         return cmd_check_abi(args)
     names = _names(args) if (args.names or args.all) else list(envs.ENVS)
-    failed = False
-    rows = []
-    abi_reports = {}
-    seen_py, seen_ray = {}, {}
+    progress = sys.stderr if args.json else sys.stdout
+    checked: dict[str, dict[str, Any]] = {}
+    abi_reports: dict[str, abi.AbiReport] = {}
     for name in names:
-        start = time.perf_counter()
-        lock_ok, lock_msg = envs.check_lock(name)
-        if not lock_ok:
-            failed = True
-            rows.append([name, "STALE", "-", "-", "-", "-", lock_msg])
+        checked[name], report = _check_env(name, progress)
+        if report is not None:
+            abi_reports[name] = report
+    failed = not all(c["ok"] for c in checked.values())
+    same: dict[str, str | None] = {}
+    mismatches = []
+    for label in ("python", "ray"):
+        seen = {n: c[label] for n, c in checked.items() if label in c}
+        same[label] = next(iter(seen.values())) if len(set(seen.values())) == 1 else None
+        if len(set(seen.values())) > 1:
+            mismatches.append(
+                f"MISMATCH: envs pin different {label}: "
+                + ", ".join(f"{n}={v}" for n, v in seen.items())
+            )
+    failed |= bool(mismatches)
+    pairs: list[dict[str, Any]] = []
+    if not args.skip_pairs:
+        engine_envs = [n for n in names if n in envs.ENVS]
+        for a, b in combinations(engine_envs, 2):
+            if envs.get(a).engine_module == envs.get(b).engine_module:
+                continue  # two builds of one engine are alternatives, not neighbours
+            verdict = _pair_evidence(a, b)
+            pairs.append(
+                {"envs": [a, b], "can_share": verdict.startswith("WARNING"), "evidence": verdict}
+            )
+    failed |= any(p["can_share"] for p in pairs)
+    if args.json:
+        _print_json(
+            {
+                "ok": not failed,
+                "envs": checked,
+                "same_python": same["python"],
+                "same_ray": same["ray"],
+                "mismatches": mismatches,
+                "abi": {name: r.to_dict() for name, r in abi_reports.items()},
+                "pairs": pairs,
+            }
+        )
+        return EXIT_FAIL if failed else EXIT_OK
+    rows = []
+    for name, c in checked.items():
+        if "compiled" not in c:
+            lock = "STALE" if c["lock"] == "stale" else "current"
+            rows.append(
+                [
+                    name,
+                    lock,
+                    c["venv"].upper() if c["venv"] == "failed" else c["venv"],
+                    "-",
+                    "-",
+                    "-",
+                    c["error"],
+                ]
+            )
             continue
-        try:
-            envs.build(name, quiet=True)
-        except RuntimeError as exc:
-            failed = True
-            rows.append([name, "current", "FAILED", "-", "-", "-", str(exc)])
-            continue
-        abi_reports[name] = abi.check(envs.site_packages(name))
-        failed |= not abi_reports[name].ok
-        info = envs.smoke(name)
-        if "error" in info:
-            failed = True
-            rows.append([name, "current", "built", "-", "-", "-", info["error"]])
-            continue
-        seen_py[name], seen_ray[name] = info["python"], info["ray"]
-        verdicts = []
-        for mod, verdict in info["compiled"].items():
-            if verdict == "needs GPU" and not envs.has_gpu():
-                verdicts.append(f"{mod}: needs GPU to import (ABI checked below)")
-            elif verdict != "ok":
-                failed = True
-                verdicts.append(f"{mod}: {verdict}")
-            else:
-                verdicts.append(f"{mod}: ok")
+        verdicts = "; ".join(f"{mod}: {v}" for mod, v in c["compiled"].items())
         rows.append(
             [
                 name,
                 "current",
                 "built",
-                f"{envs.get(name).engine} {info['engine']}",
-                info["torch"],
-                f"py {info['python']} / ray {info['ray']}",
-                "; ".join(verdicts) + f" ({time.perf_counter() - start:.0f} s)",
+                f"{c['engine']} {c['engine_version']}",
+                c["torch"],
+                f"py {c['python']} / ray {c['ray']}",
+                f"{verdicts} ({c['seconds']:.0f} s)",
             ]
         )
     print(_table(rows, ["env", "lock", "venv", "engine", "torch", "python/ray", "import check"]))
-    for label, seen in (("python", seen_py), ("ray", seen_ray)):
-        if len(set(seen.values())) > 1:
-            failed = True
-            print(
-                f"MISMATCH: envs pin different {label}: "
-                + ", ".join(f"{n}={v}" for n, v in seen.items())
-            )
-        elif seen:
-            print(f"same {label} everywhere: {next(iter(seen.values()))}")
+    for line in mismatches:
+        print(line)
+    for label in ("python", "ray"):
+        if same[label]:
+            print(f"same {label} everywhere: {same[label]}")
     if abi_reports:
         print(
             "\nABI: the torch symbols (count, missing) that each compiled extension needs, looked "
@@ -229,14 +347,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print("\n".join(_abi_lines(abi_reports, verbose=args.verbose)))
     if not args.skip_pairs:
         print()
-        pair_rows = []
-        engine_envs = [n for n in names if n in envs.ENVS]
-        for a, b in combinations(engine_envs, 2):
-            if envs.get(a).engine_module == envs.get(b).engine_module:
-                continue  # two builds of one engine are alternatives, not neighbours
-            verdict = _pair_evidence(a, b)
-            failed |= verdict.startswith("WARNING")
-            pair_rows.append([f"{a} + {b}", verdict])
+        pair_rows = [[" + ".join(p["envs"]), p["evidence"]] for p in pairs]
         print(_table(pair_rows, ["pair", "one shared environment?"]))
     return EXIT_FAIL if failed else EXIT_OK
 
@@ -251,14 +362,26 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="weightsync", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="per-backend environments")
     env_sub = env.add_subparsers(dest="env_command", required=True)
-    env_sub.add_parser("list", help="each env: engine, torch, ray, python, state, path")
+    p = env_sub.add_parser("list", help="each env: engine, torch, ray, python, state, groups, path")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p = env_sub.add_parser("build", help="uv sync --locked into envs/NAME/.venv")
     p.add_argument("names", nargs="*")
     p.add_argument("--all", action="store_true")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument(
+        "--with",
+        dest="groups",
+        metavar="GROUP[,GROUP]",
+        type=_groups,
+        action="extend",
+        default=[],
+        help="dependency groups to install besides the runtime set: trainer (nemo-automodel), "
+        "test (pytest); installed groups stay until the venv is removed",
+    )
     p = env_sub.add_parser("path", help="the env's python interpreter")
     p.add_argument("name")
     p = env_sub.add_parser("check", help="the dependency-conflict matrix")
@@ -273,6 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--verbose", action="store_true", help="list every extension checked and every one skipped"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (build progress goes to stderr)",
     )
     for extra in _extra_commands():
         extra(sub)
@@ -303,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "env":
             return handlers[args.env_command](args)
         return args.run(args)
-    except envs.UnknownEnvError as exc:
+    except (envs.UnknownEnvError, envs.UnknownGroupError) as exc:
         print(f"weightsync: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (ValueError, RuntimeError) as exc:

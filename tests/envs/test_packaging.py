@@ -55,3 +55,25 @@ def test_the_scripts_bootstrap_uv_into_the_checkout_not_the_system_python(tmp_pa
     assert out.returncode == 0, out.stderr[-2000:]
     assert "UV=.uv-bootstrap/bin/uv" in out.stdout
     assert (work / ".uv-bootstrap" / "bin" / "uv").is_file()
+
+
+def test_the_wheel_requires_uv_and_offers_matplotlib_as_the_plot_extra(tmp_path: Path):
+    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
+    env.pop("VIRTUAL_ENV", None)
+    subprocess.run(
+        [*envs.uv_command(), "build", "--wheel", "-o", str(tmp_path)],
+        cwd=envs.REPO_ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    wheel = zipfile.ZipFile(next(tmp_path.glob("weightsync-*.whl")))
+    metadata = wheel.read(next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")))
+    requires = [
+        line.removeprefix("Requires-Dist: ")
+        for line in metadata.decode().splitlines()
+        if line.startswith("Requires-Dist: ")
+    ]
+    assert any(r.startswith("uv>=") for r in requires), requires
+    assert "matplotlib; extra == 'plot'" in requires, requires
+    assert "Provides-Extra: plot" in metadata.decode()

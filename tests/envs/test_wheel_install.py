@@ -28,7 +28,7 @@ from weightsync.apps.models import make_tiny_model
 
 model = make_tiny_model(sys.argv[1], arch="opt", seed=0)
 launcher.init_ray(num_cpus=2)
-engine = weightsync.launch("weightsync.backends.vllm.engine.VllmEngineActor", model)
+engine = launcher.launch("weightsync.backends.vllm.engine.VllmEngineActor", model)
 import ray
 tokens = ray.get(engine.generate.remote([[2, 100, 200]], max_new_tokens=4))["tokens"]
 where = ray.get(engine.handle.where.remote())
@@ -110,6 +110,16 @@ def test_wheel_builds_an_env_and_launches_an_engine_outside_the_checkout(tmp_pat
     assert env_python.exists()
     path = _run([venv / "bin" / "weightsync", "env", "path", "vllm-cpu"], cwd=work, env=user_env)
     assert path.stdout.strip().startswith(str(home))
+    # The runtime set, then the test group asked for from the shipped definition.
+    probe = "import importlib.util as u; print([m for m in sys.argv[1:] if u.find_spec(m)])"
+    found = [env_python, "-c", f"import sys; {probe}", "vllm", "pytest", "nemo_automodel"]
+    assert _run(found, cwd=work).stdout.strip() == "['vllm']"
+    _run(
+        [venv / "bin" / "weightsync", "env", "build", "vllm-cpu", "--with", "test"],
+        cwd=work,
+        env=user_env,
+    )
+    assert _run(found, cwd=work).stdout.strip() == "['vllm', 'pytest']"
 
     result = _run(
         [venv / "bin" / "python", "-c", _DRIVER, work / "model"],

@@ -10,15 +10,18 @@ Qwen3-MoE model class (its rope cache). What does run on a CPU over gloo is the 
 `nemo_automodel.components.models.<arch>.model`, loaded here from the checkpoint's safetensors,
 and then sharded by nemo-automodel's `parallelize_model` on the meshes it makes itself.
 
-nemo_automodel is imported inside the functions: it is installed only in the engine envs, and
-importing it takes seconds.
+nemo_automodel is imported inside the functions: it is installed only in engine envs built with
+their `trainer` group (`weightsync env build NAME --with trainer`), and importing it takes
+seconds.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +55,12 @@ def build_automodel(model_path: str, *, dtype: str = "float32", device: str = "c
 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
+    if importlib.util.find_spec("nemo_automodel") is None:
+        raise ModuleNotFoundError(
+            f"model_builder='nemo_automodel' needs nemo-automodel, which {sys.executable} lacks: "
+            f"build the engine env with its trainer group (weightsync env build NAME --with "
+            f"trainer), or use model_builder='transformers'"
+        )
     if not dist.is_initialized():
         raise RuntimeError(
             "build_automodel is collective: initialise the trainer's process "

@@ -281,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     if args.tp < 1 or args.replicas < 1:
         raise SystemExit(f"--tp {args.tp} --replicas {args.replicas}: both must be >= 1")
+    if args.plot:
+        check_plot(args)
     if args.tp > 1 or args.replicas > 1:
         return _run_topology(args, sizes)
     for env in ["sglang"] + (["vllm"] if "vllm" in engines else []):
@@ -378,6 +380,30 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(results, args.plot)
     return 0
+
+
+def check_plot(args: argparse.Namespace) -> None:
+    """Refuse `--plot` before the run (engines take minutes to start), not after it."""
+    if args.tp > 1 or args.replicas > 1:
+        raise ValueError(
+            f"--plot {args.plot}: a topology run (--tp {args.tp} --replicas {args.replicas}) "
+            "draws no plot; drop --plot, or run without --tp/--replicas"
+        )
+    require_plot(args.plot)
+
+
+def require_plot(path: str) -> None:
+    """ValueError unless a plot can be saved at `path`: its folder exists, matplotlib imports."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--plot {path}: folder {folder} does not exist")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            f"--plot {path} needs matplotlib, which this environment ({sys.executable}) "
+            "lacks; install it with `pip install 'weightsync[plot]'`"
+        ) from None
 
 
 def _plot(results: list[dict[str, Any]], path: str) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import cxxfilt  # libstdc++'s __cxa_demangle through ctypes: no binutils needed
 from elftools.elf.dynamic import DynamicSection
@@ -109,6 +110,28 @@ class AbiReport:
     @property
     def ok(self) -> bool:
         return not self.broken
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for `weightsync env check --json`: missing symbols mangled and demangled."""
+        return {
+            "ok": self.ok,
+            "site_packages": str(self.site_packages),
+            "torch_version": self.torch.version,
+            "torch_site_packages": str(self.torch.site_packages),
+            "num_torch_symbols": self.num_torch_symbols,
+            "num_missing": self.num_missing,
+            "seconds": self.seconds,
+            "extensions": [
+                {
+                    "path": e.path,
+                    "num_torch_symbols": e.num_torch_symbols,
+                    "missing": [{"symbol": m, "demangled": demangle(m)} for m in e.missing],
+                    "missing_libraries": list(e.missing_libraries),
+                }
+                for e in self.extensions
+            ],
+            "skipped": dict(self.skipped),
+        }
 
     def summary(self) -> str:
         line = (

@@ -2,9 +2,11 @@
 
 Each environment has its own pyproject.toml and committed uv.lock (envs/<name>/ in the
 repository), so an engine's pins (torch, transformers, its compiled kernels) never leak into
-another environment. A stamp inside each venv records the lock it was built from, which makes a
-rebuild of an up-to-date env a no-op, and a marker left while building exposes an interrupted
-build.
+another environment. A build installs the env's runtime dependencies, plus the dependency groups
+asked for (`trainer`: nemo-automodel; `test`: pytest); groups once installed stay installed until
+the venv is removed. A stamp inside each venv records the lock it was built from and its groups,
+which makes a rebuild of an up-to-date env a no-op, and a marker left while building exposes an
+interrupted build.
 
 Where envs live:
 - source checkout: the venv is envs/<name>/.venv, beside its definition; the env installs this
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
@@ -71,6 +74,10 @@ ENVS: dict[str, EnvSpec] = {
 
 
 class UnknownEnvError(ValueError):
+    pass
+
+
+class UnknownGroupError(ValueError):
     pass
 
 
@@ -149,15 +156,47 @@ def building_marker(name: str) -> Path:
     return env_dir(name) / _BUILDING
 
 
+def available_groups(name: str) -> tuple[str, ...]:
+    """The env's dependency groups ([dependency-groups] in its pyproject.toml)."""
+    project = tomllib.loads((definition_dir(name) / "pyproject.toml").read_text())
+    return tuple(project.get("dependency-groups", {}))
+
+
+def check_groups(name: str, groups: Iterable[str]) -> tuple[str, ...]:
+    """`groups`, sorted and without repeats; UnknownGroupError naming the env's groups."""
+    wanted = tuple(sorted(set(groups)))
+    unknown = [g for g in wanted if g not in available_groups(name)]
+    if unknown:
+        raise UnknownGroupError(
+            f"env {name!r} has no dependency group {', '.join(map(repr, unknown))}; "
+            f"its groups: {', '.join(available_groups(name)) or 'none'}"
+        )
+    return wanted
+
+
+def _read_stamp(name: str) -> dict[str, object]:
+    """{"lock": lock_hash at the last build, "groups": [...]}; {} when absent or unreadable
+    (a stamp written before groups existed held the bare hash: such an env reads as stale)."""
+    try:
+        stamp = json.loads((venv_dir(name) / _STAMP).read_text())
+    except (OSError, ValueError):
+        return {}
+    return stamp if isinstance(stamp, dict) else {}
+
+
+def built_groups(name: str) -> tuple[str, ...]:
+    """The dependency groups the env's venv was last synced with."""
+    groups = _read_stamp(name).get("groups", [])
+    return tuple(str(g) for g in groups) if isinstance(groups, list) else ()
+
+
 def state(name: str) -> str:
     """ "built", "stale" (lock changed), "partial" (interrupted build) or "absent"."""
-    venv = venv_dir(name)
     if building_marker(name).exists():
         return "partial"
     if not python_path(name).exists():
         return "absent"
-    stamp = venv / _STAMP
-    if not stamp.exists() or stamp.read_text().strip() != lock_hash(name):
+    if _read_stamp(name).get("lock") != lock_hash(name):
         return "stale"
     return "built"
 
@@ -172,22 +211,26 @@ def pins(name: str) -> dict[str, str]:
 
 
 def uv_command() -> list[str]:
-    """How to run uv: on PATH, beside this interpreter, as a module, or bootstrapped by pip."""
-    found = shutil.which("uv") or shutil.which("uv", path=str(Path(sys.executable).parent))
+    """How to run uv: the binary of the `uv` package (a dependency of weightsync), else uv on
+    PATH. Never installs anything."""
+    try:
+        from uv import find_uv_bin
+    except ImportError:
+        pass
+    else:
+        try:
+            return [find_uv_bin()]
+        except FileNotFoundError:  # the package without its binary (a broken install)
+            pass
+    found = shutil.which("uv")
     if found:
         return [found]
-    for python in (sys.executable, "python3"):
-        probe = subprocess.run([python, "-m", "uv", "--version"], capture_output=True)
-        if probe.returncode == 0:
-            return [python, "-m", "uv"]
-    logger.info("uv not found: installing it with 'python3 -m pip install uv'")
-    result = subprocess.run(["python3", "-m", "pip", "install", "--quiet", "uv"])
-    if result.returncode != 0:
-        raise RuntimeError(
-            "uv is missing and 'python3 -m pip install uv' failed; install uv "
-            "(https://docs.astral.sh/uv/) and retry"
-        )
-    return ["python3", "-m", "uv"]
+    raise RuntimeError(
+        "uv not found: weightsync builds its envs with uv, which neither this interpreter "
+        f"({sys.executable}) has as a package nor PATH has as a program; install it with "
+        f"`{sys.executable} -m pip install uv` (weightsync depends on it) or put uv on PATH "
+        "(https://docs.astral.sh/uv/)"
+    )
 
 
 def _uv_env() -> dict[str, str]:
@@ -217,15 +260,20 @@ def check_lock(name: str) -> tuple[bool, str]:
     )
 
 
-def build(name: str, *, quiet: bool = False) -> dict[str, object]:
-    """Make envs/<name>/.venv match its lock (`uv sync --locked`). A no-op when it already does.
+def build(name: str, *, groups: Iterable[str] = (), quiet: bool = False) -> dict[str, object]:
+    """Make the env's venv match its lock (`uv sync --locked`), with its runtime dependencies and
+    the dependency `groups` named (plus those it already has). A no-op when it already does.
 
-    Returns {"env", "action": "none"|"built"|"rebuilt", "seconds"}.
+    Returns {"env", "action": "none"|"built"|"rebuilt"|"updated", "groups", "seconds"}:
+    "updated" is an up-to-date env given more groups; "groups" is what the venv now has.
     """
     start = time.perf_counter()
+    wanted = check_groups(name, groups)
     current = state(name)
-    if current == "built":
-        return {"env": name, "action": "none", "seconds": time.perf_counter() - start}
+    have = built_groups(name) if current != "partial" else ()
+    if current == "built" and set(wanted) <= set(have):
+        seconds = time.perf_counter() - start
+        return {"env": name, "action": "none", "groups": list(have), "seconds": seconds}
     ok, message = check_lock(name)
     if not ok:
         raise RuntimeError(message)
@@ -233,6 +281,7 @@ def build(name: str, *, quiet: bool = False) -> dict[str, object]:
     if current == "partial":
         logger.warning("env %s: an earlier build was interrupted; rebuilding from scratch", name)
         shutil.rmtree(venv, ignore_errors=True)
+    synced = sorted(set(wanted) | set(have))
     env_dir(name).mkdir(parents=True, exist_ok=True)
     building_marker(name).write_text(str(os.getpid()))
     cmd = [*uv_command(), "sync", "--locked", "--no-install-project"]
@@ -249,6 +298,8 @@ def build(name: str, *, quiet: bool = False) -> dict[str, object]:
             "--no-install-package",
             "weightsync",
         ]
+    for group in synced:
+        cmd += ["--group", group]
     if quiet:
         cmd.append("--quiet")
     logger.info("env %s: %s", name, " ".join(cmd))
@@ -262,10 +313,15 @@ def build(name: str, *, quiet: bool = False) -> dict[str, object]:
         )
     if INSTALLED:
         _link_package(name)
-    (venv / _STAMP).write_text(lock_hash(name))
+    (venv / _STAMP).write_text(json.dumps({"lock": lock_hash(name), "groups": synced}))
     building_marker(name).unlink()
-    action = "rebuilt" if current in ("partial", "stale") else "built"
-    return {"env": name, "action": action, "seconds": time.perf_counter() - start}
+    action = {"built": "updated", "absent": "built"}.get(current, "rebuilt")
+    return {
+        "env": name,
+        "action": action,
+        "groups": synced,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def _link_package(name: str) -> None:

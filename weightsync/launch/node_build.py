@@ -5,7 +5,7 @@ this module's function, in a Ray task to the node. This module uses the standard
 and travels by value (cloudpickle), so the node needs nothing of ours installed: the task
 unpacks the archive into a node-local folder named by its content hash ($WEIGHTSYNC_NODE_DIR,
 default ~/.cache/weightsync/nodes/<hash>) and runs the project's own `envs.build` there (uv sync
---locked, bootstrapping uv if needed) in a fresh interpreter. The env's venv then lives on that
+--locked, with uv from the `uv` package or PATH) in a fresh interpreter. The env's venv then lives on that
 node, and actors start from its python.
 """
 
