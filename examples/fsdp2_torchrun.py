@@ -66,12 +66,12 @@ def main() -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         report = sync.sync(f"step-{step}")  # every rank: each writes its own shards
-        if rank == 0:
-            verified = report["verify"]["vllm"]["verified"]
+        if report is not None:  # rank 0's SyncReport
+            verified = report.verify is not None and bool(report.verify["vllm"].verified)
             all_verified &= verified
             print(
-                f"step {step}  loss {loss.item():.3f}  sync {report['sync_s'] * 1e3:.1f} ms "
-                f"({report['path']})  verified {verified}",
+                f"step {step}  loss {loss.item():.3f}  sync {report.sync_s * 1e3:.1f} ms "
+                f"({report.path})  verified {verified}",
                 flush=True,
             )
 

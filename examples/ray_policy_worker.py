@@ -24,6 +24,7 @@ from weightsync.apps.models import (  # a tiny checkpoint, no downloads
     make_tiny_model,
     make_tokenizer,
 )
+from weightsync.wire.protocol import SyncReport
 
 
 class PolicyWorker:
@@ -49,8 +50,8 @@ class PolicyWorker:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.weights = weightsync.TrainerSync(self.model, options=weightsync.SyncOptions())
 
-    def connect(self, engines: dict[str, Any]) -> dict[str, Any]:
-        return self.weights.connect(engines)
+    def connect(self, engines: dict[str, Any]) -> None:
+        self.weights.connect(engines)
 
     def train_step(self, token_ids: list[list[int]]) -> float:
         batch = torch.tensor(token_ids)
@@ -60,8 +61,11 @@ class PolicyWorker:
         self.optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
-    def sync_weights(self, version: str) -> dict[str, Any]:
-        return self.weights.sync(version, verify=True)
+    def sync_weights(self, version: str) -> dict[str, Any] | None:
+        # Rank 0's report, as plain data: what a Ray call should carry (the driver may run in
+        # another env); the other ranks return None.
+        report = self.weights.sync(version, verify=True)
+        return None if report is None else report.to_dict()
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -97,12 +101,12 @@ def main() -> int:
     all_verified = True
     for step in range(1, args.steps + 1):
         loss = on_all("train_step", batch)
-        report = on_all("sync_weights", f"step-{step}")
-        verified = report["verify"]["vllm"]["verified"]
+        report = SyncReport.from_dict(on_all("sync_weights", f"step-{step}"))
+        verified = report.verify is not None and bool(report.verify["vllm"].verified)
         all_verified &= verified
         print(
-            f"step {step}  loss {loss:.3f}  sync {report['sync_s'] * 1e3:.1f} ms "
-            f"({report['path']})  verified {verified}",
+            f"step {step}  loss {loss:.3f}  sync {report.sync_s * 1e3:.1f} ms "
+            f"({report.path})  verified {verified}",
             flush=True,
         )
     served = ray.get(engine.generate.remote([batch[0][:4]]))["weight_version"]

@@ -272,30 +272,30 @@ def _bench_path(
         start = time.perf_counter()
         report = sync.sync(f"verified-{i}", verify=True)
         verified_times.append(time.perf_counter() - start)
-        if rank == 0 and not report["verify"]["receiver"]["verified"]:
-            raise RuntimeError(f"{path}: verified sync {i} failed: {report['verify']}")
+        if report is not None and not report.verify["receiver"].verified:  # rank 0
+            raise RuntimeError(f"{path}: verified sync {i} failed: {report.verify}")
     plan = sync.one_copy_path.writer.plan
     plan_verifies = bool(path == "one_copy" and getattr(plan, "dsts", None) and plan.checks)
     sync.close()
     if rank != 0:
         return None
     stop_receiver(engines["receiver"], child)
-    paths = sorted({r["path"] for r in reports})
+    paths = sorted({r.path for r in reports})
     if paths != [expected]:
         raise RuntimeError(f"{path}: the timed syncs took {paths}, expected [{expected!r}]")
     best = min(range(len(times)), key=times.__getitem__)
     return {
         "sync_s": times[best],
-        "report_sync_s": reports[best]["sync_s"],
-        "phases_s": reports[best].get("phases_s"),
+        "report_sync_s": reports[best].sync_s,
+        "phases_s": reports[best].phases_s,
         "times_s": times,
         "rank_cpu_s": rank_cpu_s,
-        "verified": checked["verify"]["receiver"]["verified"],
+        "verified": checked.verify["receiver"].verified,
         "verified_sync_s": min(verified_times),
         "verify_added": min(verified_times) / times[best] - 1,
         "verified_through_plan": plan_verifies,
-        "unverified_sync_checked": after_timed["receiver"]["verified"],
-        "share_s": warm[0]["engines"]["receiver"].get("share_s"),
+        "unverified_sync_checked": after_timed["receiver"].verified,
+        "share_s": warm[0].engines["receiver"].share_s,
         "peak_rss_growth_bytes": {
             name: p - r
             for name, p, r in zip(

@@ -197,9 +197,11 @@ def run(
             report = sender.sync(source.tensors(), version=f"v{i}")
             times.append(report.sync_s)
             load_s.append(report.engines[endpoint.name].load_s)
-        verified = sender.sync(source.tensors(), version="verify", verify=True).verify[
-            endpoint.name
-        ]["verified"]
+        verified = (
+            sender.sync(source.tensors(), version="verify", verify=True)
+            .verify[endpoint.name]
+            .verified
+        )
         results.append(
             {
                 "kind": kind,
@@ -341,8 +343,8 @@ def run_tp(size_gb: float, repeats: int, bucket_bytes: int) -> dict:
         # the workers copy at once, each on its own GPU: the slower copy is the floor
         "ratio_to_slower_copy": max(local_s, peer_s) / sync_s,
         "ratio_to_both_copies_in_turn": (local_s + peer_s) / sync_s,
-        "verified": all(checked[n]["verified"] for n in names),
-        "num_checked": {n: checked[n]["num_checked"] for n in names},
+        "verified": all(checked[n].verified for n in names),
+        "num_checked": {n: checked[n].num_checked for n in names},
         "verify_s": verify_s,
     }
 

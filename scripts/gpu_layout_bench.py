@@ -178,7 +178,7 @@ def run(
         report = sender.sync(source.tensors(), version=f"verified-{i}", verify=True)
         verified_times.append(time.perf_counter() - start)
     verify_sync_s = min(verified_times)
-    verified = report.verify[endpoint.name]["verified"]
+    verified = report.verify[endpoint.name].verified
     stop_receiver(endpoint, child)
     sender.close()
     best = min(times)

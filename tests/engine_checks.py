@@ -7,6 +7,7 @@ import math
 import ray
 
 from weightsync.apps.models import make_tokenizer
+from weightsync.wire.protocol import SyncReport
 
 PROMPTS = ["The quick brown fox", "weightsync keeps engines", "Once upon a time"]
 MAX_NEW_TOKENS = 8
@@ -34,13 +35,15 @@ def training_batch(step: int) -> list[list[int]]:
     return [tok(text).input_ids[:48]] * 2
 
 
-def check_sync_after_training(engine, trainer, name: str, version: str, *, steps: int) -> dict:
+def check_sync_after_training(
+    engine, trainer, name: str, version: str, *, steps: int
+) -> SyncReport:
     """Train, sync with verification, then the engine serves exactly the trainer's weights."""
     for step in range(steps):
         trainer.call("train_step", training_batch(step))
-    report = trainer.call("sync", version, verify=True)
-    assert report["verify"][name]["verified"], report["verify"]
-    assert report["verify"][name]["num_checked"] > 10
+    report = trainer.sync(version, verify=True)
+    assert report.verify is not None and report.verify[name].verified, report.verify
+    assert report.verify[name].num_checked > 10
     assert ray.get(engine.weight_version.remote()) == version
     # Compared once the engine's background work is done: vLLM on CPU re-packs its GEMM weights
     # after `end`, and a generation during the re-pack mixes two GEMM implementations (same
@@ -59,9 +62,9 @@ def check_repeated_syncs(
     before = ray.get(engine.generate.remote(prompt_ids()))
     for round_ in range(rounds):
         trainer.call("set_weights_from", 100 + round_)
-        report = trainer.call("sync", f"{prefix}-{round_}", verify=True)
-        assert report["engines"][name]["path"] == path, report
-        assert report["verify"][name]["verified"]
+        report = trainer.sync(f"{prefix}-{round_}", verify=True)
+        assert report.engines[name].path == path, report
+        assert report.verify is not None and report.verify[name].verified
         out = ray.get(engine.generate.remote(prompt_ids()))
         assert out["weight_version"] == f"{prefix}-{round_}"
         assert_engine_matches_reference(engine, trainer)

@@ -68,7 +68,7 @@ def _named(tensors):
 
 
 def _verified(report):
-    return report.verify["receiver"]["verified"]
+    return report.verify["receiver"].verified
 
 
 @needs_gpu
@@ -205,7 +205,7 @@ def test_zero_copy_hooks_pass_tensors_in_place_on_cpu():
         sender = WeightSender(specs, transport=InPlaceSender(), capacity_bytes=256)
         sender.add_engine(LocalEndpoint(ModuleWeightReceiver(target), name="local"))
         report = sender.sync(iter(source.items()), version="v1", verify=True)
-        assert report.verify["local"]["verified"]
+        assert report.verify["local"].verified
         assert all(torch.equal(getattr(target, n), t) for n, t in source.items())
         with pytest.raises(ValueError, match="beyond its refit info"):
             sender.sync(iter([*source.items(), ("extra", torch.zeros(1))]), version="v2")

@@ -143,9 +143,7 @@ def test_one_copy_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_a
     sender.add_engine(LocalEndpoint(receiver, name="mod"))
     targets: dict[str, OneCopyTarget] = {}
     try:
-        assert sender.sync(iter(trainer.items()), version="v1", verify=True).verify["mod"][
-            "verified"
-        ]
+        assert sender.sync(iter(trainer.items()), version="v1", verify=True).verify["mod"].verified
         shared = receiver.share_params()["shared"]
         targets["mod"] = OneCopyTarget(shared)
         for t in trainer.values():
@@ -167,7 +165,7 @@ def test_one_copy_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_a
 
         report, fallback = sender.sync_one_copy(write, version="v2", engines=["mod"], verify=True)
         assert fallback == [] and report.engines["mod"].path == "one_copy"
-        assert report.verify["mod"]["verified"], report.verify
+        assert report.verify["mod"].verified, report.verify
         got = dict(receiver.receiver.model.named_parameters())
         assert all(torch.equal(got[n], t) for n, t in trainer.items())
         assert receiver.weight_version() == "v2"
@@ -213,7 +211,7 @@ def test_one_copy_sync_after_a_sync_by_buckets_is_verified_and_a_bad_read_back_a
         report, fallback = sender.sync_one_copy(
             write, version="v6", engines=["mod"], sharing={"mod": [again["segment"]]}, verify=True
         )
-        assert fallback == [] and report.verify["mod"]["verified"]
+        assert fallback == [] and report.verify["mod"].verified
         assert receiver.weight_version() == "v6"
     finally:
         for target in targets.values():

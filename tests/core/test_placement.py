@@ -167,7 +167,7 @@ def test_two_sliced_workers_are_each_verified_against_what_they_hold():
         for r, worker in enumerate(workers):
             sender.add_engine(LocalEndpoint(worker, name=f"tp{r}"))
         report = sender.sync(source.tensors(), version="v1", verify=True)
-        assert report.verify["tp0"]["pending"]  # needs the tensors again, with placements
+        assert report.verify["tp0"].pending  # needs the tensors again, with placements
 
         def check():
             expected = {n: WorkerPrints(sender.engines[n].placements) for n in ("tp0", "tp1")}
@@ -183,17 +183,17 @@ def test_two_sliced_workers_are_each_verified_against_what_they_hold():
             )
 
         checked = check()
-        assert checked["tp0"]["verified"] and checked["tp1"]["verified"], checked
-        assert checked["tp0"]["num_checked"] == checked["tp1"]["num_checked"] == 4
+        assert checked["tp0"].verified and checked["tp1"].verified, checked
+        assert checked["tp0"].num_checked == checked["tp1"].num_checked == 4
         assert torch.equal(workers[1].receiver.model.w1, full.w1.detach()[:, 3:])
         # Placements known: the next sync checks each worker's slices before adopting them.
         staged = sender.sync(source.tensors(), version="v2", verify=True).verify
-        assert staged["tp0"]["verified"] and staged["tp1"]["verified"], staged
-        assert staged["tp1"]["num_checked"] == 4 and not staged["tp1"].get("pending")
+        assert staged["tp0"].verified and staged["tp1"].verified, staged
+        assert staged["tp1"].num_checked == 4 and not staged["tp1"].pending
         with torch.no_grad():
             workers[1].receiver.model.w2.add_(1)
         checked = check()
-        assert checked["tp0"]["verified"] and not checked["tp1"]["verified"]
-        assert checked["tp1"]["mismatched"] == ["worker 0: w2"]
+        assert checked["tp0"].verified and not checked["tp1"].verified
+        assert checked["tp1"].mismatched == ["worker 0: w2"]
     finally:
         sender.close()

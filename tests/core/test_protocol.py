@@ -10,11 +10,13 @@ from weightsync.wire.protocol import (
     BeginAnswer,
     EndReport,
     EngineSyncReport,
+    EngineVerification,
     LoadReport,
     RefitAnswer,
     SettleReport,
     ShareAnswer,
     SyncReport,
+    VerifyReport,
     from_wire,
 )
 
@@ -34,7 +36,7 @@ ANSWERS = [
         session_s=0.5,
         cache_flushed=True,
         param_of={"w": ["w"]},
-        placements=[{"w": ["w", [[0, 4, 1]]]}, None],
+        placements=[{"w": ["w", [[0, 4, 1]]]}, {}],
     ),
     SettleReport(),
     SettleReport(background_s=1.5),
@@ -58,7 +60,18 @@ ANSWERS = [
         },
         phases_s={"begin": 0.1, "rank_write": [0.1, 0.2]},
         bytes_written=2 * 10**9,
-        verify={"a": {"verified": True, "mismatched": [], "num_checked": 3}, "verify_s": 0.05},
+        verify=VerifyReport(
+            engines={"a": EngineVerification(verified=True, num_checked=3)}, verify_s=0.05
+        ),
+    ),
+    EngineVerification(verified=False, mismatched=["worker 1: w"], num_checked=4, num_workers=2),
+    EngineVerification(verified=None, pending=True),
+    VerifyReport(
+        engines={
+            "a": EngineVerification(verified=True, num_checked=3),
+            "b": EngineVerification(verified=None, pending=True),
+        },
+        verify_s=0.25,
     ),
     SyncReport(version="v1", path="buckets", nbytes=64, num_buckets=1, sync_s=0.0),
 ]
@@ -112,6 +125,51 @@ def test_sync_report_as_plain_data_has_the_keys_users_index():
     }
 
 
+def test_verify_report_as_plain_data_has_the_keys_users_index():
+    report = VerifyReport(
+        engines={
+            "a": EngineVerification(verified=True, num_checked=3),
+            "tp": EngineVerification(
+                verified=False, mismatched=["worker 1: w"], num_checked=4, num_workers=2
+            ),
+            "p": EngineVerification(verified=None, pending=True),
+        },
+        verify_s=0.05,
+    )
+    assert report.to_dict() == {
+        "a": {"verified": True, "mismatched": [], "num_checked": 3},
+        "tp": {
+            "verified": False,
+            "mismatched": ["worker 1: w"],
+            "num_checked": 4,
+            "num_workers": 2,
+        },
+        "p": {"verified": None, "mismatched": [], "num_checked": 0, "pending": True},
+        "verify_s": 0.05,
+    }
+    wired = SyncReport(
+        version="v", path="buckets", nbytes=1, num_buckets=1, sync_s=1.0, verify=report
+    ).to_dict()
+    assert wired["verify"]["tp"]["mismatched"] == ["worker 1: w"]
+
+
+def test_verify_report_reads_each_engine_by_name_and_says_which_were_verified():
+    report = VerifyReport(
+        engines={
+            "a": EngineVerification(verified=True, num_checked=3),
+            "p": EngineVerification(verified=None, pending=True),
+        },
+        verify_s=0.5,
+    )
+    assert report["a"].verified and "a" in report and "x" not in report
+    assert report.pending == ["p"] and not report.verified
+    with pytest.raises(KeyError, match=r"engine 'x' was not verified; verified: \['a', 'p'\]"):
+        report["x"]
+    again = VerifyReport(engines={"p": EngineVerification(verified=True, num_checked=2)})
+    merged = report.merged(again)
+    assert merged.verified and merged.pending == [] and merged.verify_s == 0.5
+
+
 def test_from_dict_fills_absent_optional_fields_and_ignores_unknown_keys():
     answer = RefitAnswer.from_dict({"param_of": {"w": ["w"]}, "num_params": 1, "tp_rank": 0})
     assert (answer.num_receivers, answer.tp_size) == (1, 1)
@@ -129,6 +187,8 @@ def test_from_dict_fills_absent_optional_fields_and_ignores_unknown_keys():
         (EndReport, {"end_s": 0.1}, "weight_version"),
         (EngineSyncReport, {"status": "ok"}, "path"),
         (SyncReport, {"version": "v", "path": "buckets", "nbytes": 1, "num_buckets": 1}, "sync_s"),
+        (EngineVerification, {"mismatched": [], "num_checked": 1}, "verified"),
+        (VerifyReport, {"a": {"verified": True, "mismatched": [], "num_checked": 1}}, "verify_s"),
     ],
 )
 def test_from_dict_without_a_required_field_names_it(cls, d, missing):

@@ -31,7 +31,7 @@ def test_sync_makes_engine_weights_equal_and_verifies():
     finally:
         sender.close()
     assert report.num_buckets > 3
-    assert report.verify["ref"]["verified"], report.verify
+    assert report.verify["ref"].verified, report.verify
     assert receiver.weight_version() == "v1"
     want = trainer.state_dict()
     for name, tensor in engine_model.state_dict().items():
@@ -49,8 +49,8 @@ def test_verification_catches_an_engine_weight_that_differs():
         result = sender.verify(sent, engines=["ref"])
     finally:
         sender.close()
-    assert not result["ref"]["verified"]
-    assert result["ref"]["mismatched"] == ["model.decoder.layers.1.fc1.weight"]
+    assert not result["ref"].verified
+    assert result["ref"].mismatched == ["model.decoder.layers.1.fc1.weight"]
 
 
 def test_shape_mismatch_is_rejected_before_any_weight_changes():

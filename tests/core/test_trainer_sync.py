@@ -121,23 +121,23 @@ def _run_two_ranks(**options) -> dict:
 
 def test_trainer_sync_takes_buckets_then_the_one_copy_path_and_verifies():
     out = _run_two_ranks()
-    assert out["connect"]["ref"]["num_params"] > 0
+    assert out["connect"]["ref"].num_params > 0
     assert "unknown engine(s) ['nope']" in out["unknown_engine_error"]
     first, second, third, fourth = out["reports"]
-    assert first["path"] == "buckets" and first["verify"]["ref"]["verified"]
-    assert second["path"] == "one_copy" and second["verify"]["ref"]["verified"]
-    assert third["path"] == fourth["path"] == "one_copy"
+    assert first.path == "buckets" and first.verify["ref"].verified
+    assert second.path == "one_copy" and second.verify["ref"].verified
+    assert third.path == fourth.path == "one_copy"
     # verify() compares the engine with the model as it is now: stale before the sync.
-    assert not out["stale"]["ref"]["verified"] and out["stale"]["ref"]["mismatched"]
+    assert not out["stale"]["ref"].verified and out["stale"]["ref"].mismatched
     for fresh in (out["fresh"], out["fresh_again"]):
-        assert fresh["ref"]["verified"] and not fresh["ref"]["mismatched"]
+        assert fresh["ref"].verified and not fresh["ref"].mismatched
     assert out["equal"]
 
 
 def test_trainer_sync_without_one_copy_keeps_buckets_and_says_why_for_a_transport():
     out = _run_two_ranks(one_copy=False)
-    assert [r["path"] for r in out["reports"]] == ["buckets"] * 4
-    assert out["fresh"]["ref"]["verified"] and out["equal"]
+    assert [r.path for r in out["reports"]] == ["buckets"] * 4
+    assert out["fresh"]["ref"].verified and out["equal"]
 
 
 def _construct_only(rank: int, port: int, results, options: dict) -> None:
@@ -187,7 +187,7 @@ def _fail_then_sync_again(rank: int, port: int, results, options: dict) -> None:
 
         def load_bucket(self, descriptor: dict) -> dict:
             self.loads += 1
-            if self._session == "v2" and self.loads > 1:
+            if self._open == "v2" and self.loads > 1:
                 raise RuntimeError("engine failed mid-sync (test)")
             return super().load_bucket(descriptor)
 
@@ -203,7 +203,8 @@ def _fail_then_sync_again(rank: int, port: int, results, options: dict) -> None:
     out: dict = {"rank": rank}
     flaky = LocalEndpoint(FailsMidSync(build_model("opt", "tiny", seed=99)), name="flaky")
     sync.connect({"flaky": flaky} if rank == 0 else {})
-    out["v1"] = sync.sync("v1", verify=True).get("verify", {}).get("flaky", {}).get("verified")
+    report = sync.sync("v1", verify=True)  # rank 0's report; None on rank 1
+    out["v1"] = None if report is None else report.verify["flaky"].verified
     start = time.perf_counter()
     try:
         sync.sync("v2")
@@ -218,12 +219,13 @@ def _fail_then_sync_again(rank: int, port: int, results, options: dict) -> None:
         for param in model.parameters():
             param.to_local().mul_(1.5).add_(0.01)
     report = sync.sync("v3", verify=True, engines=["fresh"])
-    out["v3"] = report.get("verify", {}).get("fresh", {}).get("verified")
+    out["v3"] = None if report is None else report.verify["fresh"].verified
     full = dict(sync.source.tensors())
     if rank == 0:
         params = dict(fresh_model.named_parameters())
         out["equal"] = all(torch.equal(params[n], t) for n, t in full.items())
-    out["v4"] = sync.sync("v4", engines=["fresh"]).get("version", "ok")
+    report = sync.sync("v4", engines=["fresh"])
+    out["v4"] = "ok" if report is None else report.version
     results.put(out)
     sync.close()
     close_trainer_group()

@@ -97,8 +97,8 @@ def test_a_loader_that_misplaces_elements_fails_verification(fault, param):
         report = sender.sync(source.tensors(), version="v1", verify=True)
         first = report.verify["engine"]
         # Placed whole (TP=1): checked from the sent fingerprints, no second pass.
-        assert first["verified"] and not first.get("pending"), first
-        assert first["num_checked"] == 3  # qkv, w, e
+        assert first.verified and not first.pending, first
+        assert first.num_checked == 3  # qkv, w, e
         assert sender.engines["engine"].placements[0]["k"][1] == [[HEAD * 8, 0, HEAD * 8, 1, 0, 0]]
 
         held = dict(receiver.receiver.model.named_parameters())[param].detach().clone()
@@ -116,6 +116,6 @@ def test_a_loader_that_misplaces_elements_fails_verification(fault, param):
         again = sender.verify({n: fingerprint(t) for n, t in source.tensors()}, engines=["engine"])[
             "engine"
         ]
-        assert again["mismatched"] == [f"worker 0: {param}"] and again["num_checked"] == 3
+        assert again.mismatched == [f"worker 0: {param}"] and again.num_checked == 3
     finally:
         sender.close()

@@ -64,9 +64,9 @@ def _paused_trainer(
         bucket_bytes=1 << 20,
         seed=7,
         timeout_s=SYNC_TIMEOUT_S,
-        test_pause=pause,
         **options,
     )
+    trainer.call("pause_before_write", *pause)
     trainer.call("connect", {NAME: engine})
     return trainer
 
@@ -179,7 +179,7 @@ def test_non_contiguous_trainer_tensors_arrive_intact(setup):
         sender.add_engine(RayEndpoint(engine, name=NAME))
         for version, tensors in (("contiguous", values), ("strided", strided)):
             report = sender.sync(iter(tensors.items()), version=version, verify=True)
-            assert report.verify[NAME]["verified"], report.verify
+            assert report.verify[NAME].verified, report.verify
             answers.append(ray.get(engine.generate.remote(prompt_ids())))
     finally:
         sender.close()

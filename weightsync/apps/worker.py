@@ -3,15 +3,17 @@
 It builds an FSDP2 (DTensor) model from a HF checkpoint directory (with transformers, or with
 nemo-automodel's model classes and parallelizer where that env has it), trains it with plain
 next-token loss, and keeps engines in step through `TrainerSync`, which does all of the weight
-sync. A training framework with its own model uses `TrainerSync` directly (README, examples/).
-The launcher starts one per rank (`launcher.TrainerGroup`); `backends/*/worker.py` name the
-subclasses that run in each engine's env.
+sync; its weight-sync calls are `WeightSyncWorker`'s (weightsync/trainer/worker.py), answered as
+plain data. A training framework with its own model uses `TrainerSync` directly (README,
+examples/). The launcher starts one per rank (`launcher.TrainerGroup`) in the driver's env;
+`backends/*/worker.py` subclass it to run in an engine's env, and each checks at construction
+that it does (`check_engine_env`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import sys
 import time
 from typing import Any, Literal
 
@@ -24,18 +26,19 @@ from weightsync import (
     init_trainer_group,
     shard_model,
 )
+from weightsync.trainer.shard_writes import BeforeWrite
+from weightsync.trainer.worker import WeightSyncWorker
+from weightsync.wire.specs import as_plain
 
 logger = logging.getLogger(__name__)
 
 
-class DTensorV2WeightSyncWorker:
-    """One trainer rank. The driver calls every method on all ranks at once (`TrainerGroup`).
+class DTensorV2WeightSyncWorker(WeightSyncWorker):
+    """One trainer rank. The driver calls every method on all ranks at once (`TrainerGroup`):
+    the weight-sync calls of `WeightSyncWorker` (whose docstrings say when), and the training
+    and reference calls the tests, the demo and the bench drive the model with.
 
-    `sync_options`: the fields of `SyncOptions` (transport, bucket_bytes, ...). `test_pause`:
-    (what, index, seconds) makes rank 0 sleep before writing bucket or one-copy piece `index`
-    (what = "bucket" | "piece"), so the reliability suite can kill a process mid-sync."""
-
-    engine_env: str | None = None
+    `sync_options`: the fields of `SyncOptions` (transport, bucket_bytes, ...)."""
 
     def __init__(
         self,
@@ -50,7 +53,6 @@ class DTensorV2WeightSyncWorker:
         lr: float = 1e-3,
         seed: int = 0,
         model_builder: Literal["transformers", "nemo_automodel"] = "transformers",
-        test_pause: tuple[str, int, float] | None = None,
         **sync_options: Any,
     ) -> None:
         options = SyncOptions(**sync_options)  # bad options fail before anything starts
@@ -80,16 +82,19 @@ class DTensorV2WeightSyncWorker:
                 f"model_builder={model_builder!r}: expected 'transformers' or 'nemo_automodel'"
             )
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.weights = TrainerSync(
-            self.model, options=options, before_write=_pause_hook(test_pause, rank)
-        )
+        self.weights = TrainerSync(self.model, options=options)
 
-    # ---- weight sync: TrainerSync's -------------------------------------------------------
-    def refit_info(self) -> list[dict]:
+    def refit_info(self) -> list[dict[str, Any]]:
         return self.weights.refit_info()
 
-    def connect(self, engines: dict[str, Any]) -> dict[str, Any]:
-        return self.weights.connect(engines)
+    def connect(self, engines: dict[str, Any]) -> dict[str, Any] | None:
+        answers = self.weights.connect(engines)
+        if answers is None:
+            return None
+        return {
+            name: {"num_params": a.num_params, "num_receivers": a.num_receivers}
+            for name, a in answers.items()
+        }
 
     def sync(
         self,
@@ -97,13 +102,26 @@ class DTensorV2WeightSyncWorker:
         *,
         verify: bool | None = None,
         engines: list[str] | None = None,
-    ) -> dict[str, Any]:
-        return self.weights.sync(version, verify=verify, engines=engines)
+    ) -> dict[str, Any] | None:
+        report = self.weights.sync(version, verify=verify, engines=engines)
+        return None if report is None else as_plain(report.to_dict())
 
-    def verify(self, engines: list[str] | None = None) -> dict[str, Any]:
-        return self.weights.verify(engines)
+    def verify(self, engines: list[str] | None = None) -> dict[str, Any] | None:
+        report = self.weights.verify(engines)
+        return None if report is None else as_plain(report.to_dict())
 
-    # ---- training and references, for tests and the demo ----------------------------------
+    def shutdown(self) -> None:
+        self.weights.close()
+        close_trainer_group()
+
+    def pause_before_write(self, what: str, index: int, seconds: float) -> None:
+        """Tests: from now on rank 0 sleeps `seconds` before it writes bucket (`what`
+        "bucket") or one-copy piece ("piece") `index` of each sync, so that the reliability
+        suite can kill a process mid-sync. Every rank may be called; only rank 0 pauses."""
+        hook = _pause_hook((what, index, seconds), self.rank)
+        self.weights.buckets.before_write = hook
+        self.weights.one_copy_path.writer.before_write = hook
+
     def train_step(self, token_ids: list[list[int]]) -> float:
         """One optimizer step of next-token loss on `token_ids` (same batch on every rank)."""
         self.model.train()
@@ -125,12 +143,6 @@ class DTensorV2WeightSyncWorker:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         return dict(self.weights.source.tensors())
-
-    def tensor_fingerprints(self) -> dict[str, list[int]]:
-        """{HF name: fingerprint} of what a sync sends (all ranks; meaningful on rank 0)."""
-        from weightsync.wire.fingerprint import fingerprint  # a test aid, not a sync path
-
-        return {name: list(fingerprint(t)) for name, t in self.weights.source.tensors()}
 
     def reference_generate(self, prompts: list[list[int]], *, max_new_tokens: int) -> Any:
         """Greedy continuations from an unsharded float32 copy of the current weights, on rank
@@ -164,25 +176,18 @@ class DTensorV2WeightSyncWorker:
             "num_dtensor_params": sum(type(p).__name__ == "DTensor" for p in params),
         }
 
-    def shutdown(self) -> None:
-        self.weights.close()
-        close_trainer_group()
-
     def process_stats(self) -> dict[str, int]:
         from weightsync.launch.procstats import process_tree_stats
 
         return process_tree_stats()
 
-    def ping(self) -> dict[str, Any]:
-        return {"rank": self.rank, "pid": os.getpid(), "torch": str(torch.__version__)}
 
-
-def _pause_hook(pause: tuple[str, int, float] | None, rank: int) -> Any:
-    if pause is None:
-        return None
+def _pause_hook(pause: tuple[str, int, float], rank: int) -> BeforeWrite:
     what, index, seconds = pause
     if what not in ("bucket", "piece"):
-        raise ValueError(f"test_pause={pause!r}: expected ('bucket' | 'piece', index, seconds)")
+        raise ValueError(
+            f"pause_before_write{pause!r}: expected ('bucket' | 'piece', index, seconds)"
+        )
 
     def hook(kind: str, at: int) -> None:
         if kind == what and at == int(index):
@@ -190,3 +195,51 @@ def _pause_hook(pause: tuple[str, int, float] | None, rank: int) -> Any:
             time.sleep(seconds)
 
     return hook
+
+
+def check_engine_env(worker: str, engine_module: str) -> dict[str, str]:
+    """In this process: that it runs in an env of the engine imported as `engine_module`
+    (weightsync/launch/envs.py `ENVS`), i.e. the engine is installed beside the torch this
+    process runs. Returns {"env", engine_module, "torch"}: the env and versions (plain data).
+    Raises RuntimeError naming the env and the fix otherwise.
+
+    The engine is found, not imported: its import takes seconds on every rank and starts
+    machinery that a trainer rank does not use."""
+    import importlib.util
+    from importlib import metadata
+    from pathlib import Path
+
+    from weightsync.launch import envs
+
+    specs = [spec for spec in envs.ENVS.values() if spec.engine_module == engine_module]
+    names = " or ".join(repr(spec.name) for spec in specs)
+    pythons = " or ".join(str(envs.python_path(spec.name)) for spec in specs)
+    builds = " or ".join(f"`weightsync env build {spec.name}`" for spec in specs)
+    fix = (
+        f"launch it through weightsync.launch.launcher (launch() or TrainerGroup), which starts "
+        f"it with its env's python ({pythons}; {builds} builds the env)"
+    )
+    found = importlib.util.find_spec(engine_module)
+    if found is None or found.origin is None:
+        raise RuntimeError(
+            f"{worker} runs in env {names}, but this process ({sys.executable}) cannot import "
+            f"{engine_module!r}: {fix}"
+        )
+    engine_site = Path(found.origin).resolve().parent.parent
+    torch_site = Path(torch.__file__).resolve().parent.parent
+    if engine_site != torch_site:
+        raise RuntimeError(
+            f"{worker}: {engine_module!r} is installed in {engine_site}, but this process "
+            f"({sys.executable}) runs torch {torch.__version__} from {torch_site}, not the "
+            f"engine's; its path mixes two environments (PYTHONPATH?): {fix}"
+        )
+    for spec in specs:
+        try:
+            version = metadata.version(spec.engine)
+        except metadata.PackageNotFoundError:
+            continue
+        return {"env": spec.name, engine_module: version, "torch": str(torch.__version__)}
+    raise RuntimeError(
+        f"{worker}: {engine_module!r} imports from {engine_site}, but none of the "
+        f"distributions {[spec.engine for spec in specs]} is installed there: {fix}"
+    )

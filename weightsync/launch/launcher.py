@@ -21,9 +21,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightsync.launch import envs, preflight
+from weightsync.wire.protocol import SyncReport, VerifyReport
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 logger = logging.getLogger(__name__)
 
@@ -166,14 +170,20 @@ def launch(
     import ray
 
     env = env or env_of(qualname)
-    here = node_id is None or node_id == ray.get_runtime_context().get_node_id()
+    # The node to build the env on and start the actor on, when it is not this one.
+    other_node = (
+        node_id
+        if node_id is not None and node_id != ray.get_runtime_context().get_node_id()
+        else None
+    )
+    here = other_node is None
     if here and qualname in PREFLIGHT:
         PREFLIGHT[qualname](args, kwargs)
     runtime_env: dict[str, Any] = {"env_vars": {"PYTHONUNBUFFERED": "1", **(env_vars or {})}}
     if env != "driver":
         envs.get(env)
-        if not here:
-            runtime_env["py_executable"] = build_env_on_node(env, node_id)["python"]
+        if other_node is not None:
+            runtime_env["py_executable"] = build_env_on_node(env, other_node)["python"]
         else:
             if build and envs.state(env) != "built":
                 logger.info("env %s is %s; building it first", env, envs.state(env))
@@ -412,7 +422,8 @@ class TrainerGroup:
     """`world_size` trainer-rank actors of one class, started together in one env.
 
     `call(method, *args)` runs the method on every rank at once (gathers are collectives) and
-    returns rank 0's result.
+    returns rank 0's result, as plain data; `sync` and `verify` read a `WeightSyncWorker`'s
+    answers back into their typed reports.
     """
 
     def __init__(
@@ -438,7 +449,8 @@ class TrainerGroup:
                 f"{len(placements)} placements for world_size={world_size}: give one per rank"
             )
         self.timeout_s = call_timeout_s
-        self.store = host_store(master_addr, timeout_s=call_timeout_s)
+        store = host_store(master_addr, timeout_s=call_timeout_s)
+        self.store: TCPStore | None = store
         self.ranks = [
             launch(
                 qualname,
@@ -446,7 +458,7 @@ class TrainerGroup:
                 rank=rank,
                 world_size=world_size,
                 master_addr=master_addr,
-                master_port=self.store.port,
+                master_port=store.port,
                 rank0_hosts_store=False,
                 placement=placements[rank] if placements else None,
                 **kwargs,
@@ -459,6 +471,33 @@ class TrainerGroup:
 
         refs = [getattr(r, method).remote(*args, **kwargs) for r in self.ranks]
         return ray.get(refs, timeout=self.timeout_s)[0]
+
+    def sync(
+        self,
+        version: str | None = None,
+        *,
+        verify: bool | None = None,
+        engines: list[str] | None = None,
+    ) -> SyncReport:
+        """`WeightSyncWorker.sync` on every rank; rank 0's report, typed."""
+        answer = self.call("sync", version, verify=verify, engines=engines)
+        if answer is None:
+            raise RuntimeError(
+                "rank 0 of the trainer group answered sync() with None: its class "
+                "does not implement WeightSyncWorker.sync (rank 0 returns the report's to_dict())"
+            )
+        return SyncReport.from_dict(answer)
+
+    def verify(self, engines: list[str] | None = None) -> VerifyReport:
+        """`WeightSyncWorker.verify` on every rank; rank 0's report, typed."""
+        answer = self.call("verify", engines)
+        if answer is None:
+            raise RuntimeError(
+                "rank 0 of the trainer group answered verify() with None: its class "
+                "does not implement WeightSyncWorker.verify (rank 0 returns the report's "
+                "to_dict())"
+            )
+        return VerifyReport.from_dict(answer)
 
     def kill(self) -> None:
         import ray

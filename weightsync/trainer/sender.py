@@ -38,6 +38,7 @@ from weightsync.wire.protocol import (
     LoadReport,
     RefitAnswer,
     SyncReport,
+    VerifyReport,
     from_wire,
 )
 from weightsync.wire.specs import BucketDescriptor, TensorSpec, specs_to_dicts
@@ -113,22 +114,21 @@ class WeightSender:
 
         Instead of `tensors`, `write_bucket(plan, slot, buffer)` may fill each bucket itself
         (the trainer's ranks writing their own shards into shared memory)."""
-        if self.transport is None:
+        transport = self.transport
+        if transport is None:
             raise ValueError("sync without a transport; set WeightSender.transport first")
+        if tensors is None and write_bucket is None:
+            raise ValueError("sync without tensors: give `tensors` or `write_bucket`")
         names = list(self.engines) if engines is None else list(engines)
         unknown = [n for n in names if n not in self.engines]
         if unknown:
             raise ValueError(f"unknown engine(s) {unknown}; registered: {list(self.engines)}")
-        num_slots = self.transport.num_slots
+        num_slots = transport.num_slots
         if names != self._last_names:  # some receiver missed earlier syncs' descriptions
-            self.transport.forget_replays()
+            transport.forget_replays()
         self._last_names = names
         # Transports that can pass the tensors themselves (CUDA IPC) take them in `attach`.
-        attach = (
-            self.transport.attach
-            if (self.transport.takes_tensors and write_bucket is None)
-            else None
-        )
+        attach = transport.attach if (transport.takes_tensors and write_bucket is None) else None
         in_flight: dict[int, list[Call]] = {}
         sent = SentPrints(self.engines, names, self.verifier.specs) if verify else None
         load_s: dict[str, float] = {}
@@ -142,10 +142,12 @@ class WeightSender:
                 return slot
 
             def get_buffer(plan: BucketPlan) -> torch.Tensor:
-                return self.transport.buffer(wait_slot(plan), plan.nbytes)
+                return transport.buffer(wait_slot(plan), plan.nbytes)
 
             if write_bucket is not None:
                 filled = _write_each(self.plans, get_buffer, write_bucket, num_slots)
+            elif tensors is None:  # checked above: the type checker cannot see it
+                raise ValueError("sync without tensors: give `tensors` or `write_bucket`")
             elif attach is not None:
                 filled = _attach_each(
                     self.plans, tensors, wait_slot, attach, sent.add if sent else None
@@ -154,7 +156,7 @@ class WeightSender:
                 filled = fill_buckets(self.plans, tensors, get_buffer)
             for plan in filled:
                 slot = plan.index % num_slots
-                handle = self.transport.handle(slot)
+                handle = transport.handle(slot)
                 descriptor = (
                     BucketDescriptor(
                         index=plan.index, nbytes=plan.nbytes, tensors=[], handle=handle
@@ -163,9 +165,9 @@ class WeightSender:
                     else plan.descriptor(handle)
                 ).to_dict()
                 in_flight[slot] = [self.calls.submit(n, "load_bucket", descriptor) for n in names]
-                self.transport.send(slot, plan.nbytes)
+                transport.send(slot, plan.nbytes)
                 if sent and attach is None:
-                    buffer = self.transport.buffer(slot, plan.nbytes)
+                    buffer = transport.buffer(slot, plan.nbytes)
                     sent.add(
                         [meta.name for meta in plan.tensors],
                         [tensor_view(buffer, meta) for meta in plan.tensors],
@@ -189,13 +191,13 @@ class WeightSender:
                 if end.placements is not None:
                     self.engines[name].placements = end.placements
         except BaseException as exc:
-            self.transport.forget_replays()
+            transport.forget_replays()
             self.calls.abort(names, f"{type(exc).__name__}: {exc}")
             raise
         sync_s = time.perf_counter() - start
         self.num_syncs += 1
         if checked is not None:  # the sync proper leaves out the checking
-            sync_s -= checked["verify_s"]
+            sync_s -= checked.verify_s
         return SyncReport(
             version=version,
             path="buckets",
@@ -250,7 +252,7 @@ class WeightSender:
             failure, one_copy = exc, []
             self.calls.abort(engines, f"{type(exc).__name__}: {exc}")
         fallback = [n for n in engines if n not in one_copy] if failure is None else []
-        checked: dict[str, Any] | None = None
+        checked: VerifyReport | None = None
         try:
             written = write(one_copy, fallback) or {}
             if failure is not None:
@@ -272,7 +274,7 @@ class WeightSender:
         sync_s = time.perf_counter() - start
         self.num_syncs += 1
         if checked is not None:  # the sync proper ends where checking began
-            sync_s -= checked["verify_s"]
+            sync_s -= checked.verify_s
         phases["end"] = sync_s - written_s
         report = SyncReport(
             version=version,
@@ -287,7 +289,7 @@ class WeightSender:
         )
         return report, fallback
 
-    def verify_one_copy(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
+    def verify_one_copy(self, written: dict[str, Any], *, engines: list[str]) -> VerifyReport:
         """The ranks' read-back comparison of the bytes (each engine's `end` then confirms its
         parameters still are those bytes, or fails)."""
         return self.verifier.verify_one_copy(written, engines=engines)
@@ -298,12 +300,12 @@ class WeightSender:
         *,
         engines: list[str],
         worker_sent: dict[str, list[dict[str, Fingerprint]]] | None = None,
-    ) -> dict[str, Any]:
+    ) -> VerifyReport:
         """Compare the engines' parameter fingerprints with what was sent (`sent`: trainer
         tensor -> fingerprint). A tensor-parallel engine is compared worker by worker with
         `worker_sent[engine]` (per worker, parameter -> fingerprint of the slices it holds,
-        `placement.WorkerPrints`); without it its result is {"verified": None, "pending":
-        True}: the caller computes it from the tensors and verifies again."""
+        `placement.WorkerPrints`); without it its result is pending (`verified` None): the
+        caller computes it from the tensors and verifies again."""
         return self.verifier.verify(sent, engines=engines, worker_sent=worker_sent)
 
     def close(self) -> None:

@@ -8,7 +8,6 @@ full tensor (`ShardPieces`): each rank can copy its own range to its place, with
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +17,9 @@ from weightsync.trainer.source import DTensorV2Source, ShardPieces
 from weightsync.trainer.sync_group import SyncGroup
 from weightsync.wire.bucket import BucketPlan, plan_buckets
 
-logger = logging.getLogger(__name__)
-
 # Called on rank 0 before it writes bucket or piece `index`: ("bucket" | "piece", index). The
-# reliability tests pause here to kill a process mid-sync.
+# reliability tests set it on the writers after construction (the worker's
+# `pause_before_write`) and pause there to kill a process mid-sync.
 BeforeWrite = Callable[[str, int], None]
 
 
@@ -51,12 +49,12 @@ class BucketShardWriter:
         group: SyncGroup,
         *,
         bucket_bytes: int,
-        before_write: BeforeWrite | None = None,
     ) -> None:
         self.source = source
         self.group = group
         self.bucket_bytes = bucket_bytes
-        self.before_write = before_write
+        # A test hook, set after construction (the reliability suite pauses rank 0 here).
+        self.before_write: BeforeWrite | None = None
         self._maps: Any = None  # ranks > 0: the shared-memory slots they opened
 
     def sender_hook(self, transport: Any) -> Callable[[BucketPlan, int, torch.Tensor], None]:

@@ -9,11 +9,10 @@ every rank of the trainer group iterates `tensors()` in the same order.
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeGuard
 
 import torch
 
@@ -21,8 +20,7 @@ from weightsync.wire.specs import TensorSpec, dtype_from_str, dtype_to_str
 
 if TYPE_CHECKING:
     from torch import nn
-
-logger = logging.getLogger(__name__)
+    from torch.distributed.tensor import DTensor
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -48,6 +46,11 @@ def _global_shape(tensor: torch.Tensor) -> tuple[int, ...]:
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     full_tensor = getattr(tensor, "full_tensor", None)
     return full_tensor() if full_tensor is not None else tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
 
 
 class CheckpointFormat:
@@ -193,7 +196,7 @@ class DTensorV2Source:
         only this rank's experts (rank 0 of 2 would send experts 0-3 of 8)."""
         if self.adapter is not None:
             return self.adapter.to_hf({name: tensor})
-        if self.converts(name):
+        if self.checkpoint_format is not None and name in self.checkpoint_format.layouts:
             return self.checkpoint_format.to_checkpoint(name, tensor)
         return {name: tensor}
 
@@ -201,7 +204,7 @@ class DTensorV2Source:
         """What `_to_hf` makes of `tensor`, as "meta" tensors of the global shape."""
         if self.adapter is not None:
             return self._to_hf(name, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
-        if self.converts(name):
+        if self.checkpoint_format is not None and name in self.checkpoint_format.layouts:
             return self.checkpoint_format.layouts[name]
         return {name: tensor}
 
@@ -229,13 +232,14 @@ class DTensorV2Source:
                 yield hf_name, full.contiguous()
 
 
-def _dim0_sharded(tensor: torch.Tensor) -> bool:
-    placements = getattr(tensor, "placements", None)
-    if placements is None or tensor.device_mesh.ndim != 1:
-        return False
-    from torch.distributed.tensor import Shard
+def _dim0_sharded(tensor: torch.Tensor) -> TypeGuard[DTensor]:
+    """Whether `tensor` is a DTensor sharded along dim 0 over a 1-D mesh (FSDP2's layout)."""
+    from torch.distributed.tensor import DTensor, Shard
 
-    return isinstance(placements[0], Shard) and placements[0].dim == 0
+    if not isinstance(tensor, DTensor) or tensor.device_mesh.ndim != 1:
+        return False
+    placement = tensor.placements[0]
+    return isinstance(placement, Shard) and placement.dim == 0
 
 
 def _replicated(tensor: torch.Tensor) -> bool:
@@ -271,7 +275,7 @@ class ShardPieces:
         self.source = source
         self.rank = rank
 
-    def _offset(self, name: str, tensor: torch.Tensor, out_dtype: torch.dtype) -> int:
+    def _offset(self, name: str, tensor: DTensor, out_dtype: torch.dtype) -> int:
         """Byte offset of this rank's shard in the full tensor; the DTensor placement math
         costs ~40 us a tensor, so it is done once per layout and kept on the source."""
         cache = self.source.__dict__.setdefault("_shard_offsets", {})
@@ -297,7 +301,7 @@ class ShardPieces:
         made afresh every sync). Depends only on the layout, so it is the same on every rank."""
         layout = self._split_layout(name, tensor)
         if layout is not None:
-            return not self._runs_held(name, tensor)
+            return self._held_runs(name, tensor) is None
         return not (
             _dim0_sharded(tensor) or _replicated(tensor) or not hasattr(tensor, "placements")
         )
@@ -310,13 +314,17 @@ class ShardPieces:
                 return layout
         return None
 
-    def _runs_held(self, name: str, tensor: torch.Tensor) -> bool:
-        """Whether each engine tensor of split tensor `name` is a contiguous run of it that the
-        ranks write from their dim-0 shards (grouped experts)."""
-        source = self.source
-        if source.adapter is not None or not _dim0_sharded(tensor):
-            return False
-        return None not in source.checkpoint_format.runs(name, tuple(tensor.shape))
+    def _held_runs(self, name: str, tensor: torch.Tensor) -> list[int] | None:
+        """Where each engine tensor of split tensor `name` starts in it (`CheckpointFormat.runs`)
+        when each is a contiguous run the ranks write from their dim-0 shards (grouped experts);
+        None otherwise."""
+        checkpoint_format = self.source.checkpoint_format
+        if self.source.adapter is not None or checkpoint_format is None:
+            return None
+        if not _dim0_sharded(tensor):
+            return None
+        runs = checkpoint_format.runs(name, tuple(tensor.shape))
+        return [r for r in runs if r is not None] if None not in runs else None
 
     def pieces(self, name: str, tensor: torch.Tensor) -> Iterator[Piece]:
         """The pieces of native tensor `name`, unconverted. A collective where `gathers`:
@@ -336,10 +344,10 @@ class ShardPieces:
                 True,
             )
         elif _replicated(tensor) or not hasattr(tensor, "placements"):
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            local = _local(tensor)
             yield Piece(name, local if self.rank == 0 else None, 0, out_dtype, True)
         else:
-            full = tensor.full_tensor()
+            full = _full(tensor)
             yield Piece(name, full if self.rank == 0 else None, 0, out_dtype, False)
 
     def _converted(
@@ -350,14 +358,20 @@ class ShardPieces:
         each rank writes the part of each run it holds. Otherwise (an adapter's conversion):
         gathered, converted and written by rank 0."""
         source = self.source
-        if not self._runs_held(name, tensor):
+        runs = self._held_runs(name, tensor)
+        if runs is None or not _dim0_sharded(tensor):  # (the second: for the type checker)
             for hf_name, full in source._to_hf(name, _full(tensor)).items():
                 yield Piece(
                     hf_name, full if self.rank == 0 else None, 0, source._out_dtype(full), False
                 )
             return
-        runs = source.checkpoint_format.runs(name, tuple(tensor.shape))
-        assert len(runs) == len(layout), (name, runs, list(layout))
+        if len(runs) != len(layout):
+            raise RuntimeError(
+                f"tensor {name!r}: transformers converts it into {len(runs)} checkpoint tensors "
+                f"for the run probe but into {len(layout)} for its layout "
+                f"({sorted(layout)[:4]}); give the model a state_dict_adapter whose to_hf() "
+                f"maps each tensor on its own"
+            )
         out_dtype = source._out_dtype(tensor)
         local = tensor.to_local().reshape(-1)
         low = self._offset(name, tensor, out_dtype) // out_dtype.itemsize

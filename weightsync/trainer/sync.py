@@ -9,6 +9,8 @@ rank 0 talks to engines, the other ranks write their own shards where the path a
     for step in ...:
         train(...)
         report = sync.sync(f"step-{step}")   # begin, bytes, end on every engine
+        if report is not None:               # rank 0: a SyncReport
+            log(report.sync_s, report.engines["vllm"].weight_version)
     sync.close()
 
 Paths, chosen per engine and per sync: buckets (every transport; with `shm` and several ranks
@@ -27,14 +29,14 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from weightsync.trainer.endpoint import Endpoint, RayEndpoint
 from weightsync.trainer.one_copy.path import OneCopyPath
 from weightsync.trainer.sender import DEFAULT_TIMEOUT_S, WeightSender
-from weightsync.trainer.shard_writes import BeforeWrite, BucketShardWriter
+from weightsync.trainer.shard_writes import BucketShardWriter
 from weightsync.trainer.source import DTensorV2Source
 from weightsync.trainer.sync_group import SyncGroup
 from weightsync.wire.bucket import DEFAULT_BUCKET_BYTES
 from weightsync.wire.fingerprint import FingerprintBatch
 from weightsync.wire.placement import WorkerPrints
-from weightsync.wire.protocol import SyncReport
-from weightsync.wire.specs import as_plain, dtype_from_str, specs_to_dicts
+from weightsync.wire.protocol import RefitAnswer, SyncReport, VerifyReport
+from weightsync.wire.specs import dtype_from_str, specs_to_dicts
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -110,8 +112,12 @@ class SyncOptions:
 
 
 class _RankLog(logging.LoggerAdapter):
+    def __init__(self, logger: logging.Logger, rank: int) -> None:
+        super().__init__(logger, {"rank": rank})
+        self.rank = rank
+
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        return f"[rank {self.extra['rank']}] {msg}", kwargs
+        return f"[rank {self.rank}] {msg}", kwargs
 
 
 def _gpu_of(model: nn.Module) -> str | None:
@@ -130,8 +136,9 @@ class TrainerSync:
     `model`: the framework's FSDP2 / DTensor model (or any `nn.Module`: unsharded parameters
     are sent from rank 0); names reach the engines through `model.state_dict_adapter.to_hf`
     when it has one. `group`: the process group whose ranks hold the model (default: the
-    world); construct on every process of the default group at once. `before_write`: called on
-    rank 0 before each bucket / one-copy piece is written (fault injection in tests)."""
+    world); construct on every process of the default group at once. Rank 0 talks to the
+    engines and answers with typed results (`SyncReport`, `VerifyReport`); the other ranks take
+    part and answer None."""
 
     def __init__(
         self,
@@ -139,12 +146,11 @@ class TrainerSync:
         *,
         options: SyncOptions | None = None,
         group: dist.ProcessGroup | None = None,
-        before_write: BeforeWrite | None = None,
     ) -> None:
         self.options = options = options or SyncOptions()
         self.group = SyncGroup(group, timeout_s=options.timeout_s)
         self.rank = self.group.rank
-        self.log = _RankLog(logger, {"rank": self.rank})
+        self.log = _RankLog(logger, self.rank)
         self.source = DTensorV2Source(model, dtype=options.sync_dtype)
         self.shard_writes = options.shard_writes and options.transport == "shm"
         if options.shard_writes and self.shard_writes and self.group.world_size == 1:
@@ -159,9 +165,7 @@ class TrainerSync:
         self.one_copy = options.one_copy is not False and options.transport in ONE_COPY_TRANSPORTS
         if options.one_copy is None and not self.one_copy and self.rank == 0:
             self.log.info("one_copy off: transport %r has no one-copy path", options.transport)
-        self.buckets = BucketShardWriter(
-            self.source, self.group, bucket_bytes=options.bucket_bytes, before_write=before_write
-        )
+        self.buckets = BucketShardWriter(self.source, self.group, bucket_bytes=options.bucket_bytes)
         rank_gpus = None
         if self.one_copy and options.transport == "cuda_ipc":  # where each rank's shards are
             rank_gpus = self.group.gather(_gpu_of(model))
@@ -169,7 +173,6 @@ class TrainerSync:
             self.source,
             self.group,
             log=self.log,
-            before_write=before_write,
             transport=options.transport,
             rank_gpus=rank_gpus,
         )
@@ -180,15 +183,17 @@ class TrainerSync:
         """[{name, dtype, shape, nbytes}] in send order: what every sync sends."""
         return specs_to_dicts(self.source.specs())
 
-    def connect(self, engines: Mapping[str, Any]) -> dict[str, Any]:
+    def connect(self, engines: Mapping[str, Any]) -> dict[str, RefitAnswer] | None:
         """Register engines {name: engine actor handle or `Endpoint`} and check refit info with
         each (rank 0; the other ranks' `engines` are ignored). Nothing is written to an engine
-        before every check passed. Returns {name: {"num_params", "num_receivers"}} on rank 0."""
+        before every check passed. Returns each engine's `RefitAnswer` (`num_params`,
+        `num_receivers`, ...) on rank 0, None on the other ranks."""
         if self.rank != 0:
-            return {"rank": self.rank}
+            return None
         opts = self.options
-        if self.sender is None:
-            self.sender = WeightSender(
+        sender = self.sender
+        if sender is None:
+            sender = self.sender = WeightSender(
                 self.source.specs(),
                 transport=None,
                 capacity_bytes=opts.bucket_bytes,
@@ -199,22 +204,28 @@ class TrainerSync:
                 f"transport {opts.transport!r} forms one group for all engines: "
                 f"connect every engine in one connect() call"
             )
-        answers = {}
+        answers: dict[str, RefitAnswer] = {}
         for name, engine in engines.items():
             endpoint = engine if isinstance(engine, Endpoint) else RayEndpoint(engine, name=name)
-            answer = self.sender.add_engine(endpoint, timeout_s=opts.connect_timeout_s)
-            answers[name] = {"num_params": answer.num_params, "num_receivers": answer.num_receivers}
+            answers[name] = sender.add_engine(endpoint, timeout_s=opts.connect_timeout_s)
             if opts.keep_previous:
-                self._keep_previous(name)
-        if self.sender.transport is None and answers:
-            self.sender.transport = self._make_transport(
-                sum(a["num_receivers"] for a in answers.values())
-            )
-        return as_plain(answers)
+                self._keep_previous(sender, name)
+        if sender.transport is None and answers:
+            sender.transport = self._make_transport(sum(a.num_receivers for a in answers.values()))
+        return answers
 
-    def _keep_previous(self, name: str) -> None:
+    def _connected(self) -> WeightSender:
+        """Rank 0's sender, which `connect` makes."""
+        if self.sender is None:
+            raise RuntimeError(
+                f"rank {self.rank} has no sender: only rank 0 talks to engines, after "
+                f"connect({{name: engine}})"
+            )
+        return self.sender
+
+    def _keep_previous(self, sender: WeightSender, name: str) -> None:
         try:
-            self.sender.call(name, "set_keep_previous", True)
+            sender.call(name, "set_keep_previous", True)
         except (AttributeError, RuntimeError) as exc:
             self.log.info(
                 "keep_previous off for engine %r: it cannot keep its previous weights (%s)",
@@ -238,13 +249,14 @@ class TrainerSync:
         *,
         verify: bool | None = None,
         engines: list[str] | None = None,
-    ) -> dict[str, Any]:
+    ) -> SyncReport | None:
         """Deliver the model's current weights to `engines` (default: all connected) as
-        `version` (default "v<n>"). On rank 0 a `SyncReport` as plain data (its `to_dict()`:
-        {"version", "path", "nbytes", "sync_s", "gbps", "engines": {name: {...}}, ...}),
-        {"rank": r} elsewhere. Raises on rank 0's error on every rank; a failed engine keeps
-        its previous version. After a sync that failed on any rank, the next one first
-        rebuilds the ranks' sync group, so the same trainer syncs again."""
+        `version` (default "v<n>"). Rank 0 returns the `SyncReport` (`report.path`,
+        `report.engines[name].weight_version`, with verify `report.verify[name].verified`;
+        `report.to_dict()` is the same as plain data, for a Ray call between envs); the other
+        ranks return None. Raises on rank 0's error on every rank; a failed engine keeps its
+        previous version. After a sync that failed on any rank, the next one first rebuilds
+        the ranks' sync group, so the same trainer syncs again."""
         if self.group.recover():
             self.log.warning("the last sync failed on some rank: the ranks' sync group was rebuilt")
         try:
@@ -255,7 +267,7 @@ class TrainerSync:
 
     def _sync(
         self, version: str | None, *, verify: bool | None, engines: list[str] | None
-    ) -> dict[str, Any]:
+    ) -> SyncReport | None:
         self._num_syncs += 1
         version = version or f"v{self._num_syncs}"
         verify = self.options.verify if verify is None else verify
@@ -273,37 +285,36 @@ class TrainerSync:
         if buckets:
             bucket_report = self._sync_buckets(version, buckets, verify=verify)
             if bucket_report is not None and self.one_copy:
-                bucket_report = self.one_copy_path.share(self.sender, buckets, bucket_report)
+                bucket_report = self.one_copy_path.share(self._connected(), buckets, bucket_report)
         report = _merge(one_copy_report, bucket_report) if self.rank == 0 else None
         if verify:
             report = self._verify_pending(report)
-        if self.rank != 0:
-            return {"rank": self.rank}
+        if report is None:  # every rank but 0
+            return None
         self.log.info(
             "sync %s: %.3f s, %.2f GB/s (%s)", version, report.sync_s, report.gbps, report.path
         )
-        return as_plain(report.to_dict())
+        return report
 
-    def verify(self, engines: list[str] | None = None) -> dict[str, Any]:
-        """Compare each engine's parameters with the model's current weights, without syncing:
-        {engine: {"verified", "mismatched", "num_checked"}, "verify_s"} on rank 0. A
-        tensor-parallel engine is checked worker by worker against the slices it holds."""
-        connected = self.sender is not None and bool(self.sender.engines)
-        names = (
-            []
-            if self.rank != 0 or not connected
-            else list(self.sender.engines)
-            if engines is None
-            else list(engines)
-        )
-        workers = {
-            n: WorkerPrints(self.sender.engines[n].placements)
-            for n in names
-            if self.sender.engines[n].placements is not None
-        }
+    def verify(self, engines: list[str] | None = None) -> VerifyReport | None:
+        """Compare each engine's parameters with the model's current weights, without syncing.
+        Rank 0 returns the `VerifyReport` (`report[name].verified`, `.mismatched`,
+        `.num_checked`); the other ranks return None. A tensor-parallel engine is checked
+        worker by worker against the slices it holds."""
+        sender = self.sender if self.rank == 0 else None
+        names: list[str] = []
+        unknown: list[str] = []
+        workers: dict[str, WorkerPrints] = {}
+        if sender is not None:
+            names = list(sender.engines) if engines is None else list(engines)
+            unknown = [n for n in names if n not in sender.engines]
+            for n in names:
+                placements = None if n in unknown else sender.engines[n].placements
+                if placements is not None:
+                    workers[n] = WorkerPrints(placements)
         batch, order = FingerprintBatch(), []
         for name, tensor in self.source.tensors():  # every rank takes part in each gather
-            if self.rank == 0 and connected:
+            if names:
                 order.append(name)
                 batch.add(tensor)
                 batch.flush()  # a gathered tensor's memory may be reused by the next
@@ -311,13 +322,14 @@ class TrainerSync:
                     prints.add(name, tensor)
         sent = dict(zip(order, batch.read()))
         if self.rank != 0:
-            return {"rank": self.rank}
-        if not connected:
+            return None
+        # Refused only now: rank 0 raising before the gathers would leave the others waiting.
+        if sender is None or not sender.engines:
             raise ValueError("verify before connect: call connect({name: engine}) first")
-        return as_plain(
-            self.sender.verify(
-                sent, engines=names, worker_sent={n: w.result() for n, w in workers.items()}
-            )
+        if unknown:
+            raise ValueError(f"unknown engine(s) {unknown}; registered: {list(sender.engines)}")
+        return sender.verify(
+            sent, engines=names, worker_sent={n: w.result() for n, w in workers.items()}
         )
 
     def _verify_pending(self, report: SyncReport | None) -> SyncReport | None:
@@ -325,25 +337,15 @@ class TrainerSync:
         expected fingerprints need the tensors again); verify those now, on every rank. Rank 0's
         report with their results."""
         pending = None
-        if self.rank == 0:
-            checked = report.verify or {}
-            pending = sorted(
-                n for n, v in checked.items() if isinstance(v, dict) and v.get("pending")
-            )
+        if report is not None and report.verify is not None:  # rank 0
+            pending = report.verify.pending
         pending = self.group.broadcast(pending)
         if not pending:
             return report
         again = self.verify(engines=pending)
-        if self.rank != 0:
+        if report is None or report.verify is None or again is None:  # every rank but 0
             return report
-        return replace(
-            report,
-            verify={
-                **report.verify,
-                **{n: again[n] for n in pending},
-                "verify_s": report.verify["verify_s"] + again["verify_s"],
-            },
-        )
+        return replace(report, verify=report.verify.merged(again))
 
     def close(self) -> None:
         """Free the transport, the mapped segments and the sync group (all ranks)."""
@@ -372,19 +374,20 @@ class TrainerSync:
             if self.rank != 0:
                 self.buckets.follow()
                 return None
-            return self.sender.sync(
+            sender = self._connected()
+            return sender.sync(
                 None,
                 version=version,
                 engines=names,
                 verify=verify,
-                write_bucket=self.buckets.sender_hook(self.sender.transport),
+                write_bucket=self.buckets.sender_hook(sender.transport),
             )
         tensors = self.source.tensors()
         if self.rank != 0:
             for _ in tensors:  # take part in every gather
                 pass
             return None
-        return self.sender.sync(tensors, version=version, engines=names, verify=verify)
+        return self._connected().sync(tensors, version=version, engines=names, verify=verify)
 
 
 def _merge(one_copy: SyncReport | None, buckets: SyncReport | None) -> SyncReport:
@@ -394,16 +397,9 @@ def _merge(one_copy: SyncReport | None, buckets: SyncReport | None) -> SyncRepor
         if report is None:
             raise RuntimeError("a sync produced no report: no engine took either path")
         return report
-    verify = None
-    if one_copy.verify is not None or buckets.verify is not None:
-        verify = {
-            **(one_copy.verify or {}),
-            **(buckets.verify or {}),
-            "verify_s": (
-                (one_copy.verify or {}).get("verify_s", 0.0)
-                + (buckets.verify or {}).get("verify_s", 0.0)
-            ),
-        }
+    verify = one_copy.verify
+    if buckets.verify is not None:
+        verify = buckets.verify if verify is None else verify.merged(buckets.verify)
     return replace(
         buckets,
         path="mixed",

@@ -56,6 +56,13 @@ def _encode(obj: Any) -> bytes:
     return json.dumps(obj, allow_nan=True, separators=(",", ":")).encode()
 
 
+def _new_group(ranks: list[int] | None, timeout: datetime.timedelta) -> dist.ProcessGroup | None:
+    """A gloo group of `ranks` (None: the world). Collective: every process of the world calls
+    it; a process outside `ranks` gets None (torch's NON_GROUP_MEMBER)."""
+    group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    return group if isinstance(group, dist.ProcessGroup) else None
+
+
 def _to_tensor(data: bytes, size: int) -> torch.Tensor:
     buf = torch.zeros(size, dtype=torch.uint8)
     if data:
@@ -78,10 +85,22 @@ class SyncGroup:
         self._parent = group
         self._ranks = dist.get_process_group_ranks(group) if group is not None else None
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        self.group = dist.new_group(ranks=self._ranks, backend="gloo", timeout=self._timeout)
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        self._group = _new_group(self._ranks, self._timeout)
+        # -1 on a process outside the group, as torch numbers it there
+        self.rank = -1 if self._group is None else dist.get_rank(self._group)
+        self.world_size = -1 if self._group is None else dist.get_world_size(self._group)
         self.failed = False  # set by the caller when a sync raised on this rank
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The gloo group the sync's collectives run in (this process must be one of its
+        ranks)."""
+        if self._group is None:
+            raise RuntimeError(
+                f"global rank {dist.get_rank()} is not one of the sync group's ranks "
+                f"{self._ranks}: only the ranks that hold the model take part in a sync"
+            )
+        return self._group
 
     def recover(self) -> bool:
         """Every rank, before a sync: if the last sync failed on any rank, replace the group by
@@ -98,7 +117,7 @@ class SyncGroup:
         if not int(flag.item()):
             return False
         _abandoned.append(self.group)
-        self.group = dist.new_group(ranks=self._ranks, backend="gloo", timeout=self._timeout)
+        self._group = _new_group(self._ranks, self._timeout)
         return True
 
     def broadcast(self, obj: Any = None) -> Any:
@@ -155,7 +174,7 @@ class SyncGroup:
         dist.barrier(group=self.group)
 
     def close(self) -> None:
-        """All ranks of the group call it."""
-        if dist.is_initialized():
-            leave_group(self.group)
-            dist.destroy_process_group(self.group)
+        """All ranks of the group call it (a process outside the group has nothing to close)."""
+        if dist.is_initialized() and self._group is not None:
+            leave_group(self._group)
+            dist.destroy_process_group(self._group)

@@ -28,7 +28,7 @@ from weightsync.trainer.endpoint import EngineCalls
 from weightsync.wire.errors import VerificationFailed
 from weightsync.wire.fingerprint import Fingerprint, FingerprintBatch, expected_fingerprints
 from weightsync.wire.placement import WorkerPrints, placed_params, prints_from_sent, sliced
-from weightsync.wire.protocol import StageReport
+from weightsync.wire.protocol import EngineVerification, StageReport, VerifyReport
 from weightsync.wire.specs import TensorSpec
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ class SentPrints:
     def __init__(
         self, engines: dict[str, Any], names: list[str], specs: dict[str, TensorSpec]
     ) -> None:
-        self._batch, self._order = FingerprintBatch(), []
+        self._batch = FingerprintBatch()
+        self._order: list[str] = []
         self._workers = {
             n: WorkerPrints(engines[n].placements)
             for n in names
@@ -83,12 +84,11 @@ class Verifier:
         *,
         engines: list[str],
         worker_sent: WorkerSent | None = None,
-    ) -> dict[str, Any]:
-        """`WeightSender.verify`: {engine: {"verified", "mismatched", "num_checked"},
-        "verify_s"}; an engine whose workers hold slices, without `worker_sent`, is left
-        pending."""
+    ) -> VerifyReport:
+        """`WeightSender.verify`: each engine's parameters compared with what was sent; an
+        engine whose workers hold slices, without `worker_sent`, is left pending."""
         start = time.perf_counter()
-        out: dict[str, Any] = {}
+        out: dict[str, EngineVerification] = {}
         asked = []
         for name in engines:
             want = self._expected(name, sent, worker_sent or {})
@@ -101,8 +101,7 @@ class Verifier:
         for (name, want, _), prints in zip(asked, answers):
             workers = [prints] if want == "by-name" else prints
             out[name] = self._compare(name, want, workers, sent)
-        out["verify_s"] = time.perf_counter() - start
-        return out
+        return VerifyReport(engines=out, verify_s=time.perf_counter() - start)
 
     def check_staged(
         self,
@@ -111,12 +110,12 @@ class Verifier:
         *,
         version: str,
         worker_sent: WorkerSent | None = None,
-    ) -> dict[str, Any]:
+    ) -> VerifyReport:
         """Compare what each engine's open update holds (its `stage` answer) with what was
         sent; raise `VerificationFailed` naming the engines and parameters that differ (an
         engine with nothing it could check is reported unverified, not failed)."""
         start = time.perf_counter()
-        out: dict[str, Any] = {}
+        out: dict[str, EngineVerification] = {}
         for name, report in staged.items():
             state = self.engines[name]
             if report.param_of is not None:
@@ -127,19 +126,15 @@ class Verifier:
             out[name] = (
                 _pending() if want is None else self._compare(name, want, report.fingerprints, sent)
             )
-        out["verify_s"] = time.perf_counter() - start
-        bad = {
-            n: r["mismatched"]
-            for n, r in out.items()
-            if isinstance(r, dict) and r.get("mismatched")
-        }
+        checked = VerifyReport(engines=out, verify_s=time.perf_counter() - start)
+        bad = {n: r.mismatched for n, r in out.items() if r.mismatched}
         if bad:
             raise VerificationFailed(
                 f"verification failed, update {version!r} aborted before any engine adopted "
                 f"it: the staged bytes differ from the trainer's in {bad}",
-                out,
+                checked.to_dict(),
             )
-        return out
+        return checked
 
     def _expected(
         self, name: str, sent: dict[str, Fingerprint], worker_sent: WorkerSent
@@ -151,8 +146,13 @@ class Verifier:
             return "by-name"
         if name in worker_sent:
             return worker_sent[name]
-        want = [prints_from_sent(p, sent, self.specs) for p in placements]
-        return None if any(w is None for w in want) else want
+        want = []
+        for worker in placements:
+            prints = prints_from_sent(worker, sent, self.specs)
+            if prints is None:
+                return None
+            want.append(prints)
+        return want
 
     def _compare(
         self,
@@ -160,58 +160,57 @@ class Verifier:
         want: str | list[dict[str, Fingerprint]],
         workers: list[dict[str, Any]],
         sent: dict[str, Fingerprint],
-    ) -> dict[str, Any]:
+    ) -> EngineVerification:
         state = self.engines[name]
-        if want == "by-name":
+        if isinstance(want, str) or state.placements is None:  # "by-name"
             expected = expected_fingerprints(state.param_of, sent)
             bad = _mismatched(expected, workers[0])
-            return {
-                "verified": not bad and bool(expected),
-                "mismatched": bad,
-                "num_checked": len(expected),
-            }
+            return EngineVerification(
+                verified=not bad and bool(expected), mismatched=bad, num_checked=len(expected)
+            )
         bad, checked = [], 0
         for rank, (placements, wanted, got) in enumerate(zip(state.placements, want, workers)):
             placed = placed_params(state.param_of, placements)
             expected = {p: fp for p, fp in wanted.items() if p in placed}
             bad += [f"worker {rank}: {p}" for p in _mismatched(expected, got)]
             checked += len(expected)
-        return {
-            "verified": not bad and checked > 0,
-            "mismatched": bad,
-            "num_checked": checked,
-            "num_workers": len(workers),
-        }
+        return EngineVerification(
+            verified=not bad and checked > 0,
+            mismatched=bad,
+            num_checked=checked,
+            num_workers=len(workers),
+        )
 
-    def verify_one_copy(self, written: dict[str, Any], *, engines: list[str]) -> dict[str, Any]:
+    def verify_one_copy(self, written: dict[str, Any], *, engines: list[str]) -> VerifyReport:
         """`WeightSender.verify_one_copy`: the ranks' read-back, the same for every engine."""
         start = time.perf_counter()
         pieces = int(written.get("pieces", 0))
         bad = sorted(set(written.get("mismatched", [])))
-        out: dict[str, Any] = {
-            name: {"verified": not bad and pieces > 0, "mismatched": bad, "num_checked": pieces}
+        out = {
+            name: EngineVerification(
+                verified=not bad and pieces > 0, mismatched=list(bad), num_checked=pieces
+            )
             for name in engines
         }
-        out["verify_s"] = time.perf_counter() - start
-        return out
+        return VerifyReport(engines=out, verify_s=time.perf_counter() - start)
 
     def check_one_copy(
         self, written: dict[str, Any], *, engines: list[str], version: str
-    ) -> dict[str, Any]:
+    ) -> VerifyReport:
         """`verify_one_copy`, raising where an engine's bytes differ (the update is aborted)."""
         checked = self.verify_one_copy(written, engines=engines)
-        bad = {n: checked[n]["mismatched"] for n in engines if not checked[n]["verified"]}
+        bad = {n: checked[n].mismatched for n in engines if not checked[n].verified}
         if bad:
             raise VerificationFailed(
                 f"verification failed, update {version!r} aborted: "
                 f"bytes differ from the trainer's in {bad}",
-                checked,
+                checked.to_dict(),
             )
         return checked
 
 
-def _pending() -> dict[str, Any]:
-    return {"verified": None, "pending": True, "mismatched": [], "num_checked": 0}
+def _pending() -> EngineVerification:
+    return EngineVerification(verified=None, pending=True)
 
 
 def _mismatched(expected: dict[str, Fingerprint], actual: dict[str, Any]) -> list[str]:

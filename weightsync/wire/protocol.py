@@ -8,8 +8,11 @@ the keys the wire has always carried, so engines built from other checkouts keep
 `from_dict()` fills absent optional fields with their defaults, ignores keys it does not know
 (a newer peer's), and raises ValueError naming a missing required field.
 
-Fingerprints stay `dict[str, list[int]]` and verification results stay dicts: the first is a
-plain mapping already, the second never crosses (the sender computes it).
+The sender's own results are typed the same way: `SyncReport` (what one sync did) and
+`VerifyReport` (what a verification found, engine by engine). `TrainerSync` returns them on rank
+0; a trainer actor returns their `to_dict()` to its driver, which reads them back with
+`from_dict()` (`launch.launcher.TrainerGroup.sync`). Fingerprints stay `dict[str, list[int]]`, a
+plain mapping already.
 """
 
 from __future__ import annotations
@@ -151,7 +154,7 @@ class EndReport:
     """Whether the engine's prefix cache was reset."""
     param_of: dict[str, list[str]] | None = None
     """Trainer tensor -> engine parameters, from an engine that learns it while loading."""
-    placements: list[dict[str, Any] | None] | None = None
+    placements: list[dict[str, Any]] | None = None
     """Per tensor-parallel worker, which elements of each tensor it holds
     (weightsync/wire/placement.py); None where every worker holds all."""
 
@@ -228,7 +231,11 @@ class SettleReport:
         return cls(background_s=_get(d, cls, "background_s", None))
 
 
-ANSWERS: dict[str, type] = {
+Answer = (
+    RefitAnswer | BeginAnswer | ShareAnswer | LoadReport | EndReport | SettleReport | StageReport
+)
+
+ANSWERS: dict[str, type[Answer]] = {
     "check_refit": RefitAnswer,
     "begin": BeginAnswer,
     "share_params": ShareAnswer,
@@ -315,9 +322,111 @@ class EngineSyncReport:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class EngineVerification:
+    """One engine's part of a `VerifyReport`: whether it holds the bytes the trainer sent."""
+
+    verified: bool | None
+    """True: every parameter checked holds the trainer's bytes. False: some differ
+    (`mismatched`), or nothing could be checked (`num_checked` 0). None: `pending`."""
+    mismatched: list[str] = field(default_factory=list)
+    """The parameters whose bytes differ ("worker <i>: <name>" where workers are compared one
+    by one)."""
+    num_checked: int = 0
+    """How many parameters (or, on the one-copy path, written pieces) were compared."""
+    num_workers: int | None = None
+    """How many workers were compared one by one (an engine whose workers hold slices); None
+    where the engine was compared as a whole."""
+    pending: bool = False
+    """Not checked yet: the engine's workers hold slices, whose expected fingerprints need the
+    tensors again (`TrainerSync` verifies such engines right after the sync)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "verified": self.verified,
+            "mismatched": list(self.mismatched),
+            "num_checked": self.num_checked,
+        }
+        if self.num_workers is not None:
+            out["num_workers"] = self.num_workers
+        if self.pending:
+            out["pending"] = True
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EngineVerification:
+        num_workers = _get(d, cls, "num_workers", None)
+        return cls(
+            verified=_get(d, cls, "verified"),
+            mismatched=[str(p) for p in _get(d, cls, "mismatched", [])],
+            num_checked=int(_get(d, cls, "num_checked", 0)),
+            num_workers=None if num_workers is None else int(num_workers),
+            pending=bool(_get(d, cls, "pending", False)),
+        )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class VerifyReport:
+    """What one verification found, engine by engine: `TrainerSync.verify`'s result, and a
+    verified sync's `SyncReport.verify`. `report["vllm"].verified` reads one engine's part.
+
+    As plain data (`to_dict`), the keys the wire has always carried: {engine: {"verified",
+    "mismatched", "num_checked", ...}, "verify_s"}."""
+
+    engines: dict[str, EngineVerification] = field(default_factory=dict)
+    """Engine name -> its part."""
+    verify_s: float = 0.0
+    """Seconds the verification took."""
+
+    def __getitem__(self, name: str) -> EngineVerification:
+        try:
+            return self.engines[name]
+        except KeyError:
+            raise KeyError(
+                f"engine {name!r} was not verified; verified: {sorted(self.engines)}"
+            ) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.engines
+
+    @property
+    def verified(self) -> bool:
+        """Whether every engine was checked and holds the trainer's bytes."""
+        return bool(self.engines) and all(e.verified is True for e in self.engines.values())
+
+    @property
+    def pending(self) -> list[str]:
+        """The engines left pending, sorted."""
+        return sorted(n for n, e in self.engines.items() if e.pending)
+
+    def merged(self, other: VerifyReport) -> VerifyReport:
+        """This report with `other`'s engines in place of its own of the same name, and both
+        verifications' seconds."""
+        return VerifyReport(
+            engines={**self.engines, **other.engines}, verify_s=self.verify_s + other.verify_s
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **{n: e.to_dict() for n, e in self.engines.items()},
+            "verify_s": self.verify_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> VerifyReport:
+        verify_s = float(_get(d, cls, "verify_s"))
+        return cls(
+            engines={
+                str(n): EngineVerification.from_dict(e) for n, e in d.items() if n != "verify_s"
+            },
+            verify_s=verify_s,
+        )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class SyncReport:
-    """What one sync did: `WeightSender.sync`'s result; `TrainerSync.sync` returns its
-    `to_dict()` (plain data, so it can travel from a trainer actor to its driver)."""
+    """What one sync did: `WeightSender.sync`'s result, and `TrainerSync.sync`'s on rank 0.
+    `to_dict()` is the same as plain data (what a trainer actor returns to its driver, across
+    environments); `from_dict()` reads it back."""
 
     version: str
     """The version tag the engines serve now."""
@@ -335,8 +444,8 @@ class SyncReport:
     """The one-copy path: seconds of "begin", "write", "end", and each rank's "rank_write"."""
     bytes_written: int | None = None
     """The one-copy path: bytes the trainer's ranks wrote, into all engines' workers."""
-    verify: dict[str, Any] | None = None
-    """With verify: {engine: {"verified", "mismatched", "num_checked", ...}, "verify_s"}."""
+    verify: VerifyReport | None = None
+    """With verify: what each engine holds, compared with what was sent."""
 
     @property
     def gbps(self) -> float:
@@ -356,7 +465,7 @@ class SyncReport:
                 {
                     "phases_s": self.phases_s,
                     "bytes_written": self.bytes_written,
-                    "verify": self.verify,
+                    "verify": None if self.verify is None else self.verify.to_dict(),
                 }
             ),
         }
@@ -364,6 +473,7 @@ class SyncReport:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SyncReport:
         engines = _get(d, cls, "engines", {})
+        verify = _get(d, cls, "verify", None)
         return cls(
             version=_get(d, cls, "version"),
             path=_get(d, cls, "path"),
@@ -373,5 +483,5 @@ class SyncReport:
             engines={n: EngineSyncReport.from_dict(e) for n, e in engines.items()},
             phases_s=_get(d, cls, "phases_s", None),
             bytes_written=_get(d, cls, "bytes_written", None),
-            verify=_get(d, cls, "verify", None),
+            verify=None if verify is None else VerifyReport.from_dict(verify),
         )

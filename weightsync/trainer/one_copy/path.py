@@ -15,7 +15,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from weightsync.trainer.one_copy.writer import OneCopyWriter, worker_shares
-from weightsync.trainer.shard_writes import BeforeWrite
 from weightsync.trainer.source import DTensorV2Source
 from weightsync.trainer.sync_group import SyncGroup
 from weightsync.wire.protocol import ShareAnswer, SyncReport
@@ -62,7 +61,6 @@ class OneCopyPath:
         group: SyncGroup,
         *,
         log: logging.LoggerAdapter,
-        before_write: BeforeWrite | None = None,
         transport: str = "shm",
         rank_gpus: list[str | None] | None = None,
     ) -> None:
@@ -73,8 +71,9 @@ class OneCopyPath:
         self.transport = transport
         self.rank_gpus = rank_gpus or []
         self.log = log
-        self.writer = OneCopyWriter(source, group, before_write=before_write)
-        self._shared: dict[str, dict[str, Any]] = {}  # rank 0: engine -> shared parameters
+        self.writer = OneCopyWriter(source, group)
+        # rank 0: engine -> its shared parameters (one description per worker at TP > 1)
+        self._shared: dict[str, dict[str, Any] | list[dict[str, Any]]] = {}
         self._no_share: dict[str, str] = {}  # rank 0: engine -> why it has no one-copy path
         self._sent: dict[str, list[str]] = {}  # rank 0: engine -> segments the ranks know of
 
@@ -122,6 +121,10 @@ class OneCopyPath:
             msg = self.group.broadcast()
             self.writer.write(msg, verify=verify)
             return None, msg["fallback"]
+        if sender is None:
+            raise RuntimeError(
+                "rank 0 has no sender for a one-copy sync: connect({name: engine}) first"
+            )
 
         def sharings(n: str) -> list[str]:  # the tokens of an engine's workers' sharings
             return [s["token"] for s in worker_shares(self._shared[n])]
@@ -150,7 +153,8 @@ class OneCopyPath:
         )
         if report is not None:
             report = replace(
-                report, phases_s={**report.phases_s, "rank_write": self.writer.rank_write_s}
+                report,
+                phases_s={**(report.phases_s or {}), "rank_write": self.writer.rank_write_s},
             )
         return report, fallback
 

@@ -27,15 +27,11 @@ path) stay available for a deeper check at any time.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from weightsync.transports.shm import PREFIX, SHM_DIR, _Segment
-
-logger = logging.getLogger(__name__)
-
 
 # Small enough that a chunk's source and destination stay in a core's L2 cache between the copy
 # and the read-back.

@@ -119,7 +119,7 @@ class WritePlan:
             if copies.FUSED and kernel.available():  # small copies: one kernel launch
                 take, rest = [], []
                 for dsts, srcs in small:  # one group per dtype pair: keep them apart
-                    kept = ([], [])
+                    kept: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
                     for d, s in zip(dsts, srcs):
                         if kernel.fusable(d, s):
                             take.append((d, s))
@@ -263,12 +263,11 @@ class OneCopyWriter:
     """Every rank writes its own shards into the shared parameters of the engines it is told
     of, reading each chunk back when verifying (weightsync/trainer/one_copy/targets.py)."""
 
-    def __init__(
-        self, source: DTensorV2Source, group: SyncGroup, *, before_write: BeforeWrite | None = None
-    ) -> None:
+    def __init__(self, source: DTensorV2Source, group: SyncGroup) -> None:
         self.source = source
         self.group = group
-        self.before_write = before_write
+        # A test hook, set after construction (the reliability suite pauses rank 0 here).
+        self.before_write: BeforeWrite | None = None
         self.targets: dict[str, list[OneCopyTarget]] = {}  # engine -> each worker's parameters
         self.rank_write_s: list[float] = []  # rank 0: each rank's seconds in the last write
         self.plan: Any = None  # WritePlan of the last planned write
