@@ -1,5 +1,5 @@
 """Wheel build hook: ship each env's definition (envs/<name>/pyproject.toml and uv.lock) inside
-the package, as weightsync/env_definitions/<name>/, where weightsync/launch/envs.py finds it when
+the package, as weightsync/env_definitions/<name>/, where weightsync/driver/envs.py finds it when
 weightsync runs from an installed wheel. Editable installs read the checkout's envs/ instead."""
 
 from pathlib import Path

@@ -24,7 +24,6 @@ from weightsync.apps.models import (  # a tiny checkpoint, no downloads
     make_tiny_model,
     make_tokenizer,
 )
-from weightsync.wire.protocol import SyncReport
 
 
 class PolicyWorker:
@@ -101,7 +100,7 @@ def main() -> int:
     all_verified = True
     for step in range(1, args.steps + 1):
         loss = on_all("train_step", batch)
-        report = SyncReport.from_dict(on_all("sync_weights", f"step-{step}"))
+        report = weightsync.SyncReport.from_dict(on_all("sync_weights", f"step-{step}"))
         verified = report.verify is not None and bool(report.verify["vllm"].verified)
         all_verified &= verified
         print(

@@ -4,7 +4,9 @@ The public API, imported lazily (the CLI starts without torch):
   trainer side:  TrainerSync, SyncOptions, init_trainer_group, host_store, shard_model,
                  close_trainer_group, DTensorV2Source
   engines:       init_ray, launch, register_actor, TrainerGroup (Ray actors in their own envs)
-  building your own: WeightSender, WeightReceiver, ModuleWeightReceiver, Endpoint, RayEndpoint
+  results:       SyncReport, VerifyReport (typed; to_dict()/from_dict() for plain data)
+  building your own: WeightSyncWorker, WeightSender, WeightReceiver, ModuleWeightReceiver,
+                 Endpoint, RayEndpoint
 The core needs only torch (and ray where it launches actors). The engine backends import as
 `weightsync.backends`: a wheel installs them there, a source checkout keeps them in `backends/`
 at the top of the repository (mapped below).
@@ -28,15 +30,18 @@ _EXPORTS: dict[str, str] = {
     "close_trainer_group": "weightsync.trainer.process_group",
     "host_store": "weightsync.transports.rendezvous",
     "DTensorV2Source": "weightsync.trainer.source",
-    "init_ray": "weightsync.launch.launcher",
-    "launch": "weightsync.launch.launcher",
-    "register_actor": "weightsync.launch.launcher",
-    "TrainerGroup": "weightsync.launch.launcher",
+    "init_ray": "weightsync.driver.launcher",
+    "launch": "weightsync.driver.launcher",
+    "register_actor": "weightsync.driver.launcher",
+    "TrainerGroup": "weightsync.driver.launcher",
     "WeightSender": "weightsync.trainer.sender",
     "WeightReceiver": "weightsync.engine.session",
     "ModuleWeightReceiver": "weightsync.engine.module_receiver",
     "Endpoint": "weightsync.trainer.endpoint",
     "RayEndpoint": "weightsync.trainer.endpoint",
+    "SyncReport": "weightsync.wire.protocol",
+    "VerifyReport": "weightsync.wire.protocol",
+    "WeightSyncWorker": "weightsync.trainer.worker",
 }
 __all__ = [
     "DTensorV2Source",
@@ -46,10 +51,13 @@ __all__ = [
     "ModuleWeightReceiver",
     "RayEndpoint",
     "SyncOptions",
+    "SyncReport",
     "TrainerGroup",
     "TrainerSync",
     "WeightReceiver",
     "WeightSender",
+    "WeightSyncWorker",
+    "VerifyReport",
     "host_store",
     "init_ray",
     "init_trainer_group",
@@ -58,9 +66,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from weightsync.driver.launcher import TrainerGroup, init_ray, launch, register_actor
     from weightsync.engine.module_receiver import ModuleWeightReceiver
     from weightsync.engine.session import WeightReceiver
-    from weightsync.launch.launcher import TrainerGroup, init_ray, launch, register_actor
     from weightsync.trainer.endpoint import Endpoint, RayEndpoint
     from weightsync.trainer.process_group import (
         close_trainer_group,
@@ -70,7 +78,9 @@ if TYPE_CHECKING:
     from weightsync.trainer.sender import WeightSender
     from weightsync.trainer.source import DTensorV2Source
     from weightsync.trainer.sync import SyncOptions, TrainerSync
+    from weightsync.trainer.worker import WeightSyncWorker
     from weightsync.transports.rendezvous import host_store
+    from weightsync.wire.protocol import SyncReport, VerifyReport
 
 
 def _map_checkout_backends() -> None:

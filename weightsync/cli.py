@@ -17,7 +17,7 @@ from itertools import combinations
 from typing import Any, TextIO
 
 from weightsync import __version__
-from weightsync.launch import abi, envs
+from weightsync.driver import abi, envs
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 

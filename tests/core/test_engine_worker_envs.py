@@ -32,7 +32,7 @@ def test_the_sglang_trainer_worker_refuses_an_env_without_sglang():
     with pytest.raises(
         RuntimeError,
         match=r"SglDTensorV2WeightSyncWorker runs in env 'sglang', but this process \(.*\) "
-        r"cannot import 'sglang': launch it through weightsync.launch.launcher .*"
+        r"cannot import 'sglang': launch it through weightsync.driver.launcher .*"
         r"envs/sglang/.venv/bin/python; `weightsync env build sglang` builds the env",
     ):
         SglDTensorV2WeightSyncWorker(**WORKER_ARGS)

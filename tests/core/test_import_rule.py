@@ -2,7 +2,7 @@
 
 weightsync/ is foldered by where code runs: wire/ (the contract both sides import) and gpu/ at
 the bottom, transports/ above them, trainer/ and engine/ side by side (they never import each
-other: a trainer rank and an engine worker share only the wire), launch/ for the driver, apps/
+other: a trainer rank and an engine worker share only the wire), driver/ for the driver, apps/
 on top. Only backends/ imports an engine, and the command line starts without torch.
 """
 
@@ -25,11 +25,11 @@ ALLOWED: dict[str, set[str]] = {
     "transports": {"wire", "gpu"},
     "trainer": {"wire", "gpu", "transports"},
     "engine": {"wire", "gpu", "transports"},
-    "launch": {"wire", "transports"},
-    "apps": {"wire", "gpu", "transports", "trainer", "engine", "launch", "<api>"},
-    "cli": {"launch", "apps", "<api>"},
+    "driver": {"wire", "transports"},
+    "apps": {"wire", "gpu", "transports", "trainer", "engine", "driver", "<api>"},
+    "cli": {"driver", "apps", "<api>"},
     "__main__": {"cli"},
-    "__init__": {"wire", "gpu", "transports", "trainer", "engine", "launch"},
+    "__init__": {"wire", "gpu", "transports", "trainer", "engine", "driver"},
 }
 
 
@@ -113,12 +113,12 @@ def test_every_core_module_imports_without_engines():
     assert out.stdout.startswith("ok")
 
 
-def test_the_cli_and_launch_import_without_torch():
-    launch = [m.name for m in pkgutil.iter_modules([str(PACKAGE / "launch")], "weightsync.launch.")]
-    assert "weightsync.launch.launcher" in launch
+def test_the_cli_and_the_driver_modules_import_without_torch():
+    driver = [m.name for m in pkgutil.iter_modules([str(PACKAGE / "driver")], "weightsync.driver.")]
+    assert "weightsync.driver.launcher" in driver
     code = (
         "import importlib, sys\n"
-        f"for name in ['weightsync.cli', *{launch!r}]:\n"
+        f"for name in ['weightsync.cli', *{driver!r}]:\n"
         "    importlib.import_module(name)\n"
         "    assert 'torch' not in sys.modules, f'importing {name} pulled in torch'\n"
         "print('ok')\n"
@@ -140,3 +140,21 @@ def test_public_api_resolves_and_the_package_imports_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["ok", str(len(weightsync.__all__))]
+
+
+def test_the_public_functions_stay_functions_once_every_module_is_imported():
+    # A folder named like a public function (weightsync.launch) would replace it on the package
+    # as soon as anything imported the folder.
+    code = (
+        "import importlib, pkgutil, weightsync\n"
+        "for m in pkgutil.walk_packages(weightsync.__path__, prefix='weightsync.'):\n"
+        "    if not m.name.endswith('__main__'):\n"
+        "        importlib.import_module(m.name)\n"
+        "import types\n"
+        "shadowed = [n for n in weightsync.__all__\n"
+        "            if isinstance(getattr(weightsync, n), types.ModuleType)]\n"
+        "assert not shadowed, shadowed\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]

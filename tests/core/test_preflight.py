@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from weightsync.launch.preflight import refuse_unsupported_sglang, rope_reason
+from weightsync.driver.preflight import refuse_unsupported_sglang, rope_reason
 
 # A learned-position model (OPT's config.json, trimmed): none of the rope markers.
 PLAIN = {

@@ -13,9 +13,9 @@ from weightsync import SyncOptions
 from weightsync.apps.models import build_model
 from weightsync.backends.sglang.engine import SglEngineActor
 from weightsync.backends.vllm.engine import VllmEngineActor
+from weightsync.driver import launcher
 from weightsync.engine.module_receiver import ModuleWeightReceiver
 from weightsync.engine.session import EngineSession
-from weightsync.launch import launcher
 from weightsync.trainer.endpoint import RayEndpoint
 from weightsync.trainer.sender import WeightSender
 from weightsync.trainer.source import DTensorV2Source

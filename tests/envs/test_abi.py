@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from weightsync.launch import abi, envs
+from weightsync.driver import abi, envs
 
 CUDA_ERROR_LOG_CAPTURE = "c10::cuda::CUDAErrorLogCapture::CUDAErrorLogCapture()"
 CUDA_CHECK = (

@@ -16,7 +16,7 @@ _BENCH_WITHOUT_MATPLOTLIB = """
 import sys
 sys.modules["matplotlib"] = None  # as if not installed
 from weightsync.cli import main
-from weightsync.launch import envs
+from weightsync.driver import envs
 def no_run(*args, **kwargs):  # the run's first step; reached only if --plot was not refused
     no_run.calls += 1
     raise RuntimeError("the bench run started")

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from weightsync import cli
-from weightsync.launch import envs
+from weightsync.driver import envs
 
 
 def _cli(*args):

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from weightsync import cli
-from weightsync.launch import envs
+from weightsync.driver import envs
 
 TINY_PYPROJECT = """\
 [project]

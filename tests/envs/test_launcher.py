@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from weightsync.launch import envs, launcher
+from weightsync.driver import envs, launcher
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +18,8 @@ def ray_job():
 
 def test_actors_in_sglang_and_vllm_envs_report_their_own_versions(ray_job):
     vllm_env = envs.default_vllm_env()
-    sgl = launcher.launch("weightsync.launch.launcher.EnvProbe", env="sglang")
-    vll = launcher.launch("weightsync.launch.launcher.EnvProbe", env=vllm_env)
+    sgl = launcher.launch("weightsync.driver.launcher.EnvProbe", env="sglang")
+    vll = launcher.launch("weightsync.driver.launcher.EnvProbe", env=vllm_env)
     a, b = ray.get([sgl.versions.remote(), vll.versions.remote()], timeout=300)
     assert type(a["torch"]) is str and type(b["torch"]) is str
     assert a["sglang"] == envs.pins("sglang")["sglang"] and a["vllm"] is None
@@ -35,7 +35,7 @@ def test_actors_in_sglang_and_vllm_envs_report_their_own_versions(ray_job):
 
 def test_unknown_env_is_a_clear_error():
     with pytest.raises(ValueError, match=r"unknown env 'sglang2'; valid: sglang, vllm, vllm-cpu"):
-        launcher.launch("weightsync.launch.launcher.EnvProbe", env="sglang2")
+        launcher.launch("weightsync.driver.launcher.EnvProbe", env="sglang2")
 
 
 def test_unregistered_class_is_a_clear_error():
@@ -50,7 +50,7 @@ def test_a_replica_holds_the_resources_of_its_workers_in_one_bundle(ray_job):
     assert bundle == {"accel": 2}
     (slot,) = launcher.place(1, bundle)
     try:
-        probe = launcher.launch("weightsync.launch.launcher.EnvProbe", placement=slot)
+        probe = launcher.launch("weightsync.driver.launcher.EnvProbe", placement=slot)
         assert (
             ray.get(probe.handle.where.remote(), timeout=120)["placement_group"]
             == slot.group.id.hex()

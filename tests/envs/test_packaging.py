@@ -9,7 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from weightsync.launch import envs
+from weightsync.driver import envs
 
 
 def test_the_wheel_carries_the_license_the_type_marker_and_the_backends(tmp_path: Path):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-_UV_COMMAND = "from weightsync.launch import envs; print(envs.uv_command())"
+_UV_COMMAND = "from weightsync.driver import envs; print(envs.uv_command())"
 
 
 def _run(code: str, *, path: str) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.launch import envs
+from weightsync.driver import envs
 
 pytestmark = [
     pytest.mark.slow,  # builds a wheel and an engine env from it
@@ -23,7 +23,7 @@ pytestmark = [
 _DRIVER = r"""
 import json, sys
 import weightsync
-from weightsync.launch import envs, launcher
+from weightsync.driver import envs, launcher
 from weightsync.apps.models import make_tiny_model
 
 model = make_tiny_model(sys.argv[1], arch="opt", seed=0)

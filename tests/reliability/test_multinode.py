@@ -10,7 +10,7 @@ import ray
 
 from tests.engine_checks import assert_engine_matches_reference
 from weightsync.apps.models import make_tiny_model
-from weightsync.launch import envs, launcher
+from weightsync.driver import envs, launcher
 
 pytestmark = pytest.mark.slow  # a whole demo or a second Ray node: minutes
 

@@ -10,7 +10,7 @@ import torch
 
 from tests.engine_checks import assert_engine_matches_reference, half_update, prompt_ids
 from weightsync.apps.models import build_model, make_tiny_model
-from weightsync.launch import launcher
+from weightsync.driver import launcher
 from weightsync.trainer.source import DTensorV2Source
 from weightsync.transports.shm import ShmSender, list_segments
 from weightsync.wire.specs import TensorMeta

@@ -20,7 +20,7 @@ from tests.reliability.hammer import (
     run_syncs_under_requests,
 )
 from weightsync.apps.models import make_tiny_model
-from weightsync.launch import launcher
+from weightsync.driver import launcher
 
 NAME = "vllm-http"
 NUM_SYNCS = 50

@@ -62,7 +62,7 @@ def _bench_model(size: str) -> tuple[str, str]:
 
 def _bench_trainer(model: str, args: argparse.Namespace) -> Any:
     """The bench's 2-rank trainer (`BenchWorker`, in the sglang env) over `model`."""
-    from weightsync.launch import launcher
+    from weightsync.driver import launcher
 
     launcher.register_actor("weightsync.apps.bench_worker.BenchWorker", "sglang")
     return launcher.TrainerGroup(
@@ -93,7 +93,7 @@ def _bench_topology(size: str, args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     from weightsync.apps.models import model_bytes
-    from weightsync.launch import launcher
+    from weightsync.driver import launcher
 
     work, model = _bench_model(size)
     engines = {
@@ -135,7 +135,7 @@ def _bench_topology(size: str, args: argparse.Namespace) -> dict[str, Any]:
 def _run_topology(args: argparse.Namespace, sizes: list[str]) -> int:
     import ray
 
-    from weightsync.launch import envs, launcher
+    from weightsync.driver import envs, launcher
 
     for env in ("sglang", envs.default_vllm_env()):
         envs.build(env)
@@ -188,7 +188,7 @@ def _bench_size(size: str, engines: list[str], args: argparse.Namespace) -> dict
     import ray
 
     from weightsync.apps.models import model_bytes
-    from weightsync.launch import launcher
+    from weightsync.driver import launcher
 
     work, model = _bench_model(size)
     nbytes = model_bytes("opt", size, dtype="bfloat16")
@@ -275,7 +275,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
 def run(args: argparse.Namespace) -> int:
     import ray
 
-    from weightsync.launch import envs, launcher
+    from weightsync.driver import envs, launcher
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]

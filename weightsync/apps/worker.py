@@ -177,7 +177,7 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         }
 
     def process_stats(self) -> dict[str, int]:
-        from weightsync.launch.procstats import process_tree_stats
+        from weightsync.driver.procstats import process_tree_stats
 
         return process_tree_stats()
 
@@ -199,7 +199,7 @@ def _pause_hook(pause: tuple[str, int, float], rank: int) -> BeforeWrite:
 
 def check_engine_env(worker: str, engine_module: str) -> dict[str, str]:
     """In this process: that it runs in an env of the engine imported as `engine_module`
-    (weightsync/launch/envs.py `ENVS`), i.e. the engine is installed beside the torch this
+    (weightsync/driver/envs.py `ENVS`), i.e. the engine is installed beside the torch this
     process runs. Returns {"env", engine_module, "torch"}: the env and versions (plain data).
     Raises RuntimeError naming the env and the fix otherwise.
 
@@ -209,14 +209,14 @@ def check_engine_env(worker: str, engine_module: str) -> dict[str, str]:
     from importlib import metadata
     from pathlib import Path
 
-    from weightsync.launch import envs
+    from weightsync.driver import envs
 
     specs = [spec for spec in envs.ENVS.values() if spec.engine_module == engine_module]
     names = " or ".join(repr(spec.name) for spec in specs)
     pythons = " or ".join(str(envs.python_path(spec.name)) for spec in specs)
     builds = " or ".join(f"`weightsync env build {spec.name}`" for spec in specs)
     fix = (
-        f"launch it through weightsync.launch.launcher (launch() or TrainerGroup), which starts "
+        f"launch it through weightsync.driver.launcher (launch() or TrainerGroup), which starts "
         f"it with its env's python ({pythons}; {builds} builds the env)"
     )
     found = importlib.util.find_spec(engine_module)

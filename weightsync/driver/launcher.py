@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weightsync.launch import envs, preflight
+from weightsync.driver import envs, preflight
 from weightsync.wire.protocol import SyncReport, VerifyReport
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 # Fully qualified class name -> env it runs in ("*vllm" means the vLLM env for this machine,
 # "driver" the driver's own interpreter).
 ACTORS: dict[str, str] = {
-    "weightsync.launch.launcher.EnvProbe": "driver",
+    "weightsync.driver.launcher.EnvProbe": "driver",
     "weightsync.apps.worker.DTensorV2WeightSyncWorker": "driver",
     "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker": "sglang",
     "weightsync.backends.sglang.engine.SglEngineActor": "sglang",
@@ -44,7 +44,7 @@ ACTORS: dict[str, str] = {
 
 
 # Checks the driver runs with an actor's (args, kwargs) before creating it on this node: they
-# refuse what is known not to start (weightsync/launch/preflight.py) at once, instead of after the
+# refuse what is known not to start (weightsync/driver/preflight.py) at once, instead of after the
 # engine's minute of start-up. The actor checks again in its own process.
 PREFLIGHT: dict[str, Callable[[tuple, dict], None]] = {
     "weightsync.backends.sglang.engine.SglEngineActor": preflight.sglang_launch_check,
@@ -65,7 +65,7 @@ def env_of(qualname: str) -> str:
     except KeyError:
         raise ValueError(
             f"actor class {qualname!r} is not registered; known: {sorted(ACTORS)}; "
-            f"call weightsync.launch.launcher.register_actor(qualname, env) first"
+            f"call weightsync.driver.launcher.register_actor(qualname, env) first"
         ) from None
     return envs.default_vllm_env() if env == "*vllm" else env
 
@@ -354,7 +354,7 @@ def build_env_on_node(env: str, node_id: str, *, timeout_s: float = 1800.0) -> d
         return cached
     from ray import cloudpickle
 
-    from weightsync.launch import node_build
+    from weightsync.driver import node_build
 
     # The task's code travels by value: the node has nothing of ours installed.
     cloudpickle.register_pickle_by_value(node_build)

@@ -50,7 +50,7 @@ def build_here(env: str, key: str, archive: bytes) -> dict:
     """Runs on the target node: unpack, build `env`, return its python path (plain data)."""
     root = unpack(archive, key)
     code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); from weightsync.launch import envs; "
+        "import json, sys; sys.path.insert(0, sys.argv[1]); from weightsync.driver import envs; "
         "r = envs.build(sys.argv[2], quiet=True); "
         f"print({_MARK!r} + json.dumps({{**r, 'python': str(envs.python_path(sys.argv[2]))}}))"
     )
