@@ -28,12 +28,12 @@ import torch
 
 from weightsync.backends.sglang.loader import LOADER
 from weightsync.backends.sglang.serve import KEY_VARIABLE
+from weightsync.driver.preflight import read_config, refuse_unsupported_sglang
 from weightsync.engine.one_copy.sharing import combine_worker_shares
 from weightsync.engine.replica import sharing_of
-from weightsync.engine.sampling import SamplingOptions
+from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
 from weightsync.engine.server import LocalServer, cli_flags
 from weightsync.engine.session import EngineSession
-from weightsync.launch.preflight import refuse_unsupported_sglang
 from weightsync.wire.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer, StageReport
 from weightsync.wire.specs import as_plain, unwrap_all
 
@@ -45,12 +45,19 @@ CPU_ENGINE_ARGS: dict[str, Any] = {
     "sampling_backend": "pytorch",
     "disable_cuda_graph": True,
     "mem_fraction_static": 0.1,
-    "context_length": 256,
     "skip_server_warmup": True,
     # An idle scheduler otherwise polls in a loop and keeps a whole core busy (measured: 101%
     # of one of this machine's two), slowing the trainer and every other process on the host.
     "sleep_on_idle": True,
 }
+
+
+def _checkpoint_dtype(model_path: str) -> str:
+    """The dtype the checkpoint's config.json names ("dtype"; "torch_dtype" before transformers
+    5), else float32. Not SGLang's "auto": that runs a float32 checkpoint in float16, which a
+    float32 trainer's syncs would be refused by."""
+    config = read_config(model_path) or {}
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
 def _child_traceback(*, max_lines: int = 14) -> str:
@@ -83,6 +90,29 @@ def _on_child_failure(signum: int, frame: Any) -> None:
         logger.error("an sglang child process failed; ending the engine's processes")
         kill_process_tree(os.getpid())
     raise RuntimeError("an sglang child process failed during start-up (SIGQUIT)")
+
+
+def _sglang_sampling(options: SamplingOptions, seed: int | None) -> dict[str, Any]:
+    """`options` as one request's SGLang sampling_params, with this sample's `seed`."""
+    params: dict[str, Any] = {
+        "max_new_tokens": options.max_new_tokens,
+        "min_new_tokens": options.min_new_tokens,
+        "temperature": options.temperature,
+        "top_p": options.top_p,
+        "top_k": options.top_k or -1,  # -1: every token, in SGLang's terms
+        "min_p": options.min_p,
+        "repetition_penalty": options.repetition_penalty,
+        "presence_penalty": options.presence_penalty,
+        "frequency_penalty": options.frequency_penalty,
+        "ignore_eos": options.ignore_eos,
+    }
+    if options.stop:
+        params["stop"] = list(options.stop)
+    if options.stop_token_ids:
+        params["stop_token_ids"] = list(options.stop_token_ids)
+    if seed is not None:
+        params["sampling_seed"] = seed
+    return params
 
 
 class _InProcess:
@@ -142,9 +172,14 @@ class _InProcess:
     def flush_cache(self) -> bool:
         return bool(self.engine.flush_cache().success)
 
-    def generate(self, input_ids: list[list[int]], sampling: list[dict[str, Any]]) -> list[dict]:
+    def generate(
+        self, input_ids: list[list[int]], sampling: list[dict[str, Any]], *, top_logprobs: int
+    ) -> list[dict]:
         return self.engine.generate(
-            input_ids=input_ids, sampling_params=sampling, return_logprob=True
+            input_ids=input_ids,
+            sampling_params=sampling,
+            return_logprob=True,
+            **({"top_logprobs_num": top_logprobs} if top_logprobs else {}),
         )
 
     def weight_version(self) -> str | None:
@@ -230,11 +265,18 @@ class _Http:
         if status != 200:
             raise RuntimeError(f"sglang server /continue_generation answered {status}: {out}")
 
-    def generate(self, input_ids: list[list[int]], sampling: list[dict[str, Any]]) -> list[dict]:
+    def generate(
+        self, input_ids: list[list[int]], sampling: list[dict[str, Any]], *, top_logprobs: int
+    ) -> list[dict]:
         status, out = self._request(
             "POST",
             "/generate",
-            {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True},
+            {
+                "input_ids": input_ids,
+                "sampling_params": sampling,
+                "return_logprob": True,
+                **({"top_logprobs_num": top_logprobs} if top_logprobs else {}),
+            },
         )
         if status != 200:
             raise RuntimeError(f"sglang server /generate answered {status}: {out}")
@@ -249,7 +291,11 @@ class _Http:
 
 
 class SglEngineActor(EngineSession):
-    """A Ray actor (env "sglang") holding one SGLang engine. See WeightReceiver for the order."""
+    """A Ray actor (env "sglang") holding one SGLang engine. See WeightReceiver for the order.
+
+    `dtype` defaults to the checkpoint's (`_checkpoint_dtype`), the context length to SGLang's
+    reading of the model's config (max_position_embeddings); on a CPU `CPU_ENGINE_ARGS` come
+    first, and `engine_args` go to SGLang as they are and win over all of these."""
 
     engine_name = "sglang"
 
@@ -258,7 +304,7 @@ class SglEngineActor(EngineSession):
         model_path: str,
         *,
         mode: str = "engine",
-        dtype: str = "float32",
+        dtype: str | None = None,
         api_key: str | None = None,
         engine_args: dict[str, Any] | None = None,
         idle_timeout_s: float = 60.0,
@@ -272,7 +318,7 @@ class SglEngineActor(EngineSession):
         super().__init__(idle_timeout_s=idle_timeout_s)
         args = {
             **(CPU_ENGINE_ARGS if not torch.cuda.is_available() else {}),
-            "dtype": dtype,
+            "dtype": dtype or _checkpoint_dtype(model_path),
             **(engine_args or {}),
         }
         self.mode = mode
@@ -430,35 +476,44 @@ class SglEngineActor(EngineSession):
 
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], **sampling: Any) -> dict[str, Any]:
-        """{"tokens", "logprobs", "weight_version"}: `n` samples per prompt, grouped by prompt
-        (keywords: `weightsync.engine.sampling.SamplingOptions`). Log-probabilities are SGLang's: of
-        logits / temperature, before top-p."""
+        """{"tokens", "logprobs", "finish_reasons", "weight_version"} (and "top_logprobs" when
+        asked): `n` samples per prompt, grouped by prompt (keywords and answer:
+        `weightsync.engine.sampling`). Log-probabilities are SGLang's: of logits / temperature,
+        before top-p."""
         options = SamplingOptions(**sampling)
         self.check_serving()
         # One request per sample (not SGLang's `n`): the order of rows is ours, and each sample
         # has its own seed.
-        params: list[dict[str, Any]] = [
-            {
-                "temperature": options.temperature,
-                "top_p": options.top_p,
-                "max_new_tokens": options.max_new_tokens,
-                "ignore_eos": True,
-                **({} if options.seed is None else {"sampling_seed": options.seed + j}),
-            }
+        params = [
+            _sglang_sampling(options, None if options.seed is None else options.seed + j)
             for _ in prompts
             for j in range(options.n)
         ]
-        outs = self.client.generate([p for p in prompts for _ in range(options.n)], params)
-        tokens, logprobs = [], []
+        outs = self.client.generate(
+            [p for p in prompts for _ in range(options.n)],
+            params,
+            top_logprobs=options.top_logprobs,
+        )
+        samples = []
         for out in outs:
-            pairs = out["meta_info"]["output_token_logprobs"]
-            tokens.append([int(p[1]) for p in pairs])
-            logprobs.append([float(p[0]) for p in pairs])
-        return {
-            "tokens": tokens,
-            "logprobs": logprobs,
-            "weight_version": outs[0]["meta_info"].get("weight_version"),
-        }
+            meta = out["meta_info"]
+            pairs = meta["output_token_logprobs"]  # (logprob, token id, text) per token
+            samples.append(
+                Sample(
+                    tokens=[int(p[1]) for p in pairs],
+                    logprobs=[float(p[0]) for p in pairs],
+                    finish_reason=str((meta.get("finish_reason") or {}).get("type")),
+                    top_logprobs=[
+                        [(int(t[1]), float(t[0])) for t in step]
+                        for step in meta["output_top_logprobs"]
+                    ]
+                    if options.top_logprobs
+                    else None,
+                )
+            )
+        return generate_answer(
+            samples, weight_version=outs[0]["meta_info"].get("weight_version"), options=options
+        )
 
     # ---- SGLang's own paths, for benchmarks -------------------------------------------------
     def _native_engine(self, what: str) -> Any:
@@ -501,7 +556,7 @@ class SglEngineActor(EngineSession):
 
     def process_stats(self) -> dict[str, int]:
         """File descriptors and memory of this actor and the engine processes it started."""
-        from weightsync.launch.procstats import process_tree_stats
+        from weightsync.driver.procstats import process_tree_stats
 
         return process_tree_stats()
 

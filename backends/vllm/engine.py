@@ -21,11 +21,16 @@ from dataclasses import replace
 from typing import Any
 
 from weightsync.backends.vllm.guard import KEY_VARIABLE
+from weightsync.driver.preflight import (
+    cpu_binding,
+    cuda_device_present,
+    read_config,
+    refuse_unsupported_vllm,
+)
 from weightsync.engine.one_copy.sharing import combine_worker_shares
-from weightsync.engine.sampling import SamplingOptions
+from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
 from weightsync.engine.server import LocalServer, cli_flags
 from weightsync.engine.session import EngineSession
-from weightsync.launch.preflight import cpu_binding, cuda_device_present, refuse_unsupported_vllm
 from weightsync.wire.protocol import (
     EndReport,
     LoadReport,
@@ -40,6 +45,48 @@ logger = logging.getLogger(__name__)
 
 EXTENSION = "weightsync.backends.vllm.extension.WeightsyncWorkerExtension"
 GUARD = "weightsync.backends.vllm.guard.KeyOnEveryRoute"
+
+
+def _checkpoint_dtype(model_path: str) -> str:
+    """The dtype the checkpoint's config.json names ("dtype"; "torch_dtype" before transformers
+    5), else float32. Not vLLM's "auto": that runs a float32 checkpoint in bfloat16, which a
+    float32 trainer's syncs would be refused by."""
+    config = read_config(model_path) or {}
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
+def _vllm_sampling(options: SamplingOptions) -> dict[str, Any]:
+    """`options` as vLLM's SamplingParams fields, which its completions request also takes."""
+    return {
+        "max_tokens": options.max_new_tokens,
+        "min_tokens": options.min_new_tokens,
+        "temperature": options.temperature,
+        "top_p": options.top_p,
+        "top_k": options.top_k,
+        "min_p": options.min_p,
+        "repetition_penalty": options.repetition_penalty,
+        "presence_penalty": options.presence_penalty,
+        "frequency_penalty": options.frequency_penalty,
+        "n": options.n,
+        "seed": options.seed,
+        "ignore_eos": options.ignore_eos,
+        "stop": list(options.stop),
+        "stop_token_ids": list(options.stop_token_ids),
+        # The sampled token's log-probability comes with any count; 1 is the least asked for.
+        "logprobs": max(1, options.top_logprobs),
+    }
+
+
+def _most_likely(step: dict[int, Any], k: int) -> list[tuple[int, float]]:
+    """The `k` most likely tokens of one position's {token id: Logprob}, most likely first
+    (vLLM adds the sampled token, at its own rank)."""
+    ranked = sorted((lp.rank, t, lp.logprob) for t, lp in step.items() if lp.rank <= k)
+    return [(int(t), float(logprob)) for _, t, logprob in ranked]
+
+
+def _token_id(token: str) -> int:
+    """A token of a completions answer made with return_tokens_as_token_ids: "token_id:42"."""
+    return int(token.split(":")[-1])
 
 
 class _InProcess:
@@ -58,29 +105,30 @@ class _InProcess:
         if hasattr(self.llm, "update_weight_version"):
             self.llm.update_weight_version(version)
 
-    def generate(self, prompts: list[list[int]], options: SamplingOptions) -> tuple[list, list]:
+    def generate(self, prompts: list[list[int]], options: SamplingOptions) -> list[Sample]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            temperature=options.temperature,
-            top_p=options.top_p,
-            n=options.n,
-            seed=options.seed,
-            max_tokens=options.max_new_tokens,
-            logprobs=1,
-            ignore_eos=True,
-        )
+        params = SamplingParams(**_vllm_sampling(options))
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
-        tokens, logprobs = [], []
+        samples = []
         for out in outs:
             for sample in sorted(out.outputs, key=lambda o: o.index):
                 ids = list(sample.token_ids)
-                tokens.append(ids)
-                logprobs.append([float(step[t].logprob) for step, t in zip(sample.logprobs, ids)])
-        return tokens, logprobs
+                steps = sample.logprobs or []
+                samples.append(
+                    Sample(
+                        tokens=ids,
+                        logprobs=[float(step[t].logprob) for step, t in zip(steps, ids)],
+                        finish_reason=str(sample.finish_reason),
+                        top_logprobs=[_most_likely(step, options.top_logprobs) for step in steps]
+                        if options.top_logprobs
+                        else None,
+                    )
+                )
+        return samples
 
     def shutdown(self) -> None:
         del self.llm
@@ -140,37 +188,52 @@ class _Http:
         if status != 200:
             raise RuntimeError(f"vllm server /resume answered {status}: {out}")
 
-    def generate(self, prompts: list[list[int]], options: SamplingOptions) -> tuple[list, list]:
+    def generate(self, prompts: list[list[int]], options: SamplingOptions) -> list[Sample]:
         status, out = self._request(
             "POST",
             "/v1/completions",
             {
                 "model": self.model,
                 "prompt": prompts,
-                "max_tokens": options.max_new_tokens,
-                "temperature": options.temperature,
-                "top_p": options.top_p,
-                "n": options.n,
-                "seed": options.seed,
-                "logprobs": 1,
-                "ignore_eos": True,
+                **_vllm_sampling(options),
                 "return_tokens_as_token_ids": True,
             },
         )
         if status != 200:
             raise RuntimeError(f"vllm server /v1/completions answered {status}: {out}")
-        tokens, logprobs = [], []
+        samples = []
         for choice in sorted(out["choices"], key=lambda c: c["index"]):
-            tokens.append([int(t.split(":")[-1]) for t in choice["logprobs"]["tokens"]])
-            logprobs.append([float(x) for x in choice["logprobs"]["token_logprobs"]])
-        return tokens, logprobs
+            logprobs = choice["logprobs"]
+            top = None
+            if options.top_logprobs:
+                # {"token_id:N": logprob} per position; the sampled token may be one more.
+                top = [
+                    sorted(
+                        ((_token_id(t), float(lp)) for t, lp in step.items()),
+                        key=lambda pair: -pair[1],
+                    )[: options.top_logprobs]
+                    for step in logprobs["top_logprobs"]
+                ]
+            samples.append(
+                Sample(
+                    tokens=[_token_id(t) for t in logprobs["tokens"]],
+                    logprobs=[float(x) for x in logprobs["token_logprobs"]],
+                    finish_reason=str(choice["finish_reason"]),
+                    top_logprobs=top,
+                )
+            )
+        return samples
 
     def shutdown(self) -> None:
         self.server.shutdown()
 
 
 class VllmEngineActor(EngineSession):
-    """A Ray actor (env "vllm"/"vllm-cpu") holding one vLLM engine. Order: see WeightReceiver."""
+    """A Ray actor (env "vllm"/"vllm-cpu") holding one vLLM engine. Order: see WeightReceiver.
+
+    `dtype` defaults to the checkpoint's (`_checkpoint_dtype`), `max_model_len` to vLLM's
+    reading of the model's config (max_position_embeddings); `engine_args` go to vLLM as they
+    are and win over both."""
 
     engine_name = "vllm"
 
@@ -179,8 +242,8 @@ class VllmEngineActor(EngineSession):
         model_path: str,
         *,
         mode: str = "engine",
-        dtype: str = "float32",
-        max_model_len: int = 256,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
         api_key: str | None = None,
         tensor_parallel_size: int = 1,
         engine_args: dict[str, Any] | None = None,
@@ -194,12 +257,14 @@ class VllmEngineActor(EngineSession):
             model_path, tensor_parallel_size=tensor_parallel_size, engine_args=engine_args
         )
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        args = {
-            "dtype": dtype,
+        args: dict[str, Any] = {
+            "dtype": dtype or _checkpoint_dtype(model_path),
+            # Compiling the model (vLLM's default) would add minutes to each start on a CPU.
             "enforce_eager": True,
-            "max_model_len": max_model_len,
             **(engine_args or {}),
         }
+        if max_model_len is not None:
+            args["max_model_len"] = max_model_len
         if tensor_parallel_size > 1:
             args["tensor_parallel_size"] = tensor_parallel_size
             args.setdefault("distributed_executor_backend", "mp")
@@ -321,13 +386,14 @@ class VllmEngineActor(EngineSession):
 
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], **sampling: Any) -> dict[str, Any]:
-        """{"tokens", "logprobs", "weight_version"}: `n` samples per prompt, grouped by prompt
-        (keywords: `weightsync.engine.sampling.SamplingOptions`). Log-probabilities are vLLM's default
-        (raw logits: before temperature and top-p)."""
+        """{"tokens", "logprobs", "finish_reasons", "weight_version"} (and "top_logprobs" when
+        asked): `n` samples per prompt, grouped by prompt (keywords and answer:
+        `weightsync.engine.sampling`). Log-probabilities are vLLM's default (raw logits: before
+        temperature and top-p)."""
         options = SamplingOptions(**sampling)
         self.check_serving()
-        tokens, logprobs = self.client.generate(prompts, options)
-        return {"tokens": tokens, "logprobs": logprobs, "weight_version": self._version}
+        samples = self.client.generate(prompts, options)
+        return generate_answer(samples, weight_version=self._version, options=options)
 
     def native_reload(self, checkpoint_dir: str) -> float:
         """Seconds for vLLM's own reload_weights from a checkpoint directory."""
@@ -342,7 +408,7 @@ class VllmEngineActor(EngineSession):
 
     def process_stats(self) -> dict[str, int]:
         """File descriptors and memory of this actor and the engine processes it started."""
-        from weightsync.launch.procstats import process_tree_stats
+        from weightsync.driver.procstats import process_tree_stats
 
         return process_tree_stats()
 

@@ -1,31 +1,72 @@
 """GRPO's pieces that need no engine (weightsync/apps/grpo.py, weightsync/engine/sampling.py): sampling
-options refused before any request, rewards, group advantages, the mismatch measure, and one
-policy step on a real tiny model."""
+options refused before any request, rewards, group advantages, the mismatch measure, one
+policy step on a real tiny model, the demo's exit rule and its output in a log."""
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
 import torch
+from rich.console import Console
+from rich.text import Text
 
-from weightsync.apps.grpo import GrpoConfig, group_advantages, mismatch, policy_step, reward
+from weightsync.apps.demo import LiveView, grpo_cells, grpo_table
+from weightsync.apps.grpo import (
+    LEARNING_MIN_STEPS,
+    GrpoConfig,
+    Verdict,
+    group_advantages,
+    mismatch,
+    policy_step,
+    reward,
+)
 from weightsync.engine.sampling import SamplingOptions
 
 
 @pytest.mark.parametrize(
     ("options", "named"),
     [
-        ({"temperature": -0.5}, "temperature=-0.5"),
+        ({"temperature": -0.5}, r"temperature=-0\.5"),
+        ({"temperature": 2.5}, r"temperature=2\.5: must be in \[0, 2\]"),
         ({"n": 0}, "n=0"),
-        ({"top_p": 0.0}, "top_p=0.0"),
-        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"n": 4}, "n=4 with temperature=0: .* set temperature > 0 or n=1"),
+        ({"top_p": 0.0}, r"top_p=0\.0"),
+        ({"top_p": 1.5}, r"top_p=1\.5"),
+        ({"top_k": -1}, "top_k=-1: .* 0 for every token"),
+        ({"min_p": 1.5}, r"min_p=1\.5"),
+        ({"repetition_penalty": 0}, r"repetition_penalty=0: must be in \(0, 2\]"),
+        ({"presence_penalty": 2.5}, r"presence_penalty=2\.5: must be in \[-2, 2\]"),
+        ({"frequency_penalty": -3}, "frequency_penalty=-3"),
         ({"max_new_tokens": 0}, "max_new_tokens=0"),
+        ({"max_new_tokens": 4, "min_new_tokens": 5}, "min_new_tokens=5: .*max_new_tokens=4"),
+        ({"ignore_eos": "yes"}, "ignore_eos='yes': must be True or False"),
+        ({"stop": ["ok", ""]}, r"stop=\['ok', ''\]: must be a non-empty string"),
+        ({"stop_token_ids": [3, -1]}, r"stop_token_ids=\[3, -1\]"),
+        ({"top_logprobs": 21}, r"top_logprobs=21: must be an int in \[0, 20\]"),
     ],
 )
 def test_bad_sampling_options_are_refused_naming_the_value(options, named):
-    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=named):
         SamplingOptions(**options)
+
+
+def test_stop_token_ids_with_ignore_eos_are_refused_since_sglang_would_ignore_them():
+    with pytest.raises(ValueError, match=r"stop_token_ids=\[7\] with ignore_eos=True: SGLang"):
+        SamplingOptions(stop_token_ids=[7], ignore_eos=True)
+    assert SamplingOptions(stop=["."], ignore_eos=True).stop == (".",)  # strings are honoured
+
+
+def test_end_of_sequence_ends_samples_unless_asked_and_stops_are_kept_as_tuples():
+    options = SamplingOptions(stop="\n", stop_token_ids=[5, 6])
+    assert not options.ignore_eos
+    assert options.stop == ("\n",) and options.stop_token_ids == (5, 6)
+
+
+def test_grpo_samples_ignore_end_of_sequence_so_every_completion_has_its_length():
+    options = GrpoConfig().sampling(3)
+    assert options.ignore_eos and options.max_new_tokens == GrpoConfig().max_new_tokens
 
 
 def test_a_grpo_config_with_bad_sampling_is_refused_before_any_engine():
@@ -74,3 +115,80 @@ def test_policy_step_returns_the_logprobs_before_the_update_and_raises_good_samp
     with torch.no_grad():
         after = token_logprobs(model, rollouts, temperature=1.0)
     assert after[0].sum() > sum(before[0]) and after[1].sum() < sum(before[1])
+
+
+def _step(step: int, reward_: float, *, verified: bool = True) -> dict:
+    """A step record as `GrpoLoop.step` makes it, for two engines."""
+    engine = {
+        "reward": reward_,
+        "mean_abs": 2.5e-7,
+        "kl": 6.9e-14,
+        "versions": [f"step-{step - 1}"],
+        "expected_version": f"step-{step - 1}",
+        "on_version": True,
+        "verified": verified,
+        "sample": "weightsync says: hello",
+    }
+    return {
+        "step": step,
+        "rollout_s": 0.25,
+        "train_s": 0.45,
+        "sync_s": 0.05,
+        "engines": {"sglang": dict(engine), "vllm": dict(engine)},
+    }
+
+
+def test_a_short_run_whose_syncs_verified_passes_without_the_learning_rule():
+    steps = [_step(s, 0.06) for s in range(1, 4)]  # a flat reward: 3 steps cannot show learning
+    verdict = Verdict(max_mean_abs=1e-5).judge(steps, start_verified={"sglang": True})
+    assert verdict.ok, verdict.failures
+    assert not verdict.learning_judged
+
+
+def test_a_short_run_still_fails_on_a_sync_that_did_not_verify():
+    steps = [_step(1, 0.06), _step(2, 0.06, verified=False)]
+    verdict = Verdict(max_mean_abs=1e-5).judge(steps, start_verified={"sglang": True})
+    assert verdict.failures == [
+        "step 2: sglang's sync did not verify",
+        "step 2: vllm's sync did not verify",
+    ]
+
+
+def test_a_run_long_enough_to_learn_fails_when_the_reward_stays_flat_and_passes_when_it_rose():
+    flat = [_step(s, 0.06) for s in range(1, LEARNING_MIN_STEPS + 1)]
+    verdict = Verdict(max_mean_abs=1e-5).judge(flat, start_verified={})
+    assert verdict.learning_judged
+    assert [f.split(":")[0] for f in verdict.failures] == ["sglang", "vllm"]
+    assert "is not 0.15 above the first 3' 0.060" in verdict.failures[0]
+    rising = [_step(s, 0.05 * s) for s in range(1, LEARNING_MIN_STEPS + 1)]
+    assert Verdict(max_mean_abs=1e-5).judge(rising, start_verified={}).ok
+
+
+def test_the_grpo_table_in_a_log_is_as_wide_as_its_cells_and_follows_a_finished_line(
+    monkeypatch,
+):
+    """Not a terminal (a log, CI) and no COLUMNS: rich would cut the table to 80 columns, every
+    cell '0…'; the start-up status line ends in a newline before the table."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    out = io.StringIO()
+    console = Console(file=out)
+    assert not console.is_terminal
+    status = LiveView(Text("sglang: starting, 0 s"), console=console, refresh_per_second=2)
+    status.update(Text("sglang: ready after 81 s  vllm: ready after 95 s"))
+    status.close()
+    table = grpo_table(["sglang", "vllm"])
+    view = LiveView(table, console=console)
+    for step in range(1, 4):
+        table.add_row(*grpo_cells(_step(step, 0.057 * step)))
+        view.refresh()
+    view.close()
+    text = out.getvalue()
+    assert text.startswith("sglang: ready after 81 s  vllm: ready after 95 s\n┏")
+    header, *_ = [line for line in text.splitlines() if "step" in line]
+    assert "sglang reward" in header and "sample (sglang)" in header
+    last = [line for line in text.splitlines() if line.startswith("│ 3 ")][0]
+    cells = [c.strip() for c in last.strip("│").split("│")]
+    assert cells[:6] == ["3", "0.171", "2.5e-07", "6.9e-14", "step-2", "yes"]
+    assert cells[-1] == "'weightsync says:'"
+    assert "…" not in text
+    assert text.endswith("┘\n")

@@ -62,6 +62,7 @@ def test_grpo_with_sglang_and_vllm_sampling_learns_and_every_rollout_is_on_the_s
 ):
     result = _demo(tmp_path, 12)
     assert result["ok"] and result["engines"] == ["sglang", "vllm"]
+    assert result["learning_judged"]  # 12 steps are enough to judge the reward's rise
     _assert_learned_in_step(result, ["sglang", "vllm"], 12)
 
 

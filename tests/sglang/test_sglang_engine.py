@@ -3,8 +3,14 @@ trainer over gloo, through shared-memory buckets; a second replica joins the sam
 
 from __future__ import annotations
 
+import json
+import math
+import os
+from importlib import metadata
+
 import pytest
 import ray
+import torch
 
 from tests.engine_checks import (
     assert_engine_matches_reference,
@@ -13,8 +19,9 @@ from tests.engine_checks import (
     check_sync_after_training,
     prompt_ids,
 )
-from weightsync.apps.models import make_tiny_model
-from weightsync.launch import launcher
+from weightsync.apps.models import make_tiny_model, make_tokenizer
+from weightsync.driver import launcher
+from weightsync.engine.refit import checkpoint_specs
 
 ARCH = "opt"
 
@@ -44,10 +51,19 @@ def setup(tmp_path_factory):
     ray.shutdown()
 
 
+def test_the_trainer_ranks_run_in_the_sglang_env_beside_its_torch(setup):
+    _, trainer, _ = setup
+    assert trainer.call("engine_versions") == {
+        "env": "sglang",
+        "sglang": metadata.version("sglang"),
+        "torch": str(torch.__version__),
+    }
+
+
 def test_sync_after_training_is_verified_and_generation_matches_reference(setup):
     engine, trainer, _ = setup
     report = check_sync_after_training(engine, trainer, "sglang", "step-3", steps=3)
-    assert report["engines"]["sglang"]["weight_version"] == "step-3"
+    assert report.engines["sglang"].weight_version == "step-3"
     assert ray.get(engine.engine_weight_version.remote()) == "step-3"  # SGLang's own tag
 
 
@@ -97,7 +113,13 @@ def test_sampling_returns_n_samples_per_prompt_and_bad_options_are_refused(setup
     engine = setup[0]
     out = ray.get(
         engine.generate.remote(
-            [[5, 6, 7], [8, 9]], temperature=1.0, top_p=0.9, n=3, seed=7, max_new_tokens=5
+            [[5, 6, 7], [8, 9]],
+            temperature=1.0,
+            top_p=0.9,
+            n=3,
+            seed=7,
+            max_new_tokens=5,
+            ignore_eos=True,
         )
     )
     assert [len(t) for t in out["tokens"]] == [5] * 6
@@ -118,3 +140,94 @@ def test_a_sync_that_fails_verification_is_never_adopted(setup):
     report = trainer.call("sync", "after-failed-verification", verify=True)
     assert report["verify"]["sglang"]["verified"]
     assert_engine_matches_reference(engine, trainer)
+
+
+EOS_PROMPT = 2  # of prompt_ids(): the third engine's model ends after its first token
+
+
+def make_model_ending_at_its_first_greedy_token(path: str, prompt: list[int]) -> int:
+    """A bfloat16 tiny OPT at `path` whose config.json and generation_config.json name as its
+    end-of-sequence token the one it greedily produces first after `prompt`; that token."""
+    from transformers import AutoModelForCausalLM
+
+    make_tiny_model(path, arch="opt", seed=0, dtype="bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eos = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+    for name in ("config.json", "generation_config.json"):
+        with open(os.path.join(path, name)) as f:
+            config = json.load(f)
+        with open(os.path.join(path, name), "w") as f:
+            json.dump({**config, "eos_token_id": eos}, f)
+    return eos
+
+
+@pytest.fixture(scope="module")
+def eos_engine(setup, tmp_path_factory):
+    """(engine, model path, EOS token id): never synced, started with no dtype or length."""
+    path = str(tmp_path_factory.mktemp("eos-model"))
+    eos = make_model_ending_at_its_first_greedy_token(path, prompt_ids()[EOS_PROMPT])
+    engine = launcher.launch("weightsync.backends.sglang.engine.SglEngineActor", path)
+    yield engine, path, eos
+    ray.get(engine.shutdown.remote(), timeout=120)
+
+
+def test_a_greedy_sample_ends_at_the_models_end_of_sequence_unless_told_to_go_on(eos_engine):
+    engine, _, eos = eos_engine
+    prompt = [prompt_ids()[EOS_PROMPT]]
+    out = ray.get(engine.generate.remote(prompt, max_new_tokens=8))
+    assert out["tokens"] == [[eos]] and out["finish_reasons"] == ["stop"]
+    assert len(out["logprobs"][0]) == 1
+    on = ray.get(engine.generate.remote(prompt, max_new_tokens=8, ignore_eos=True))
+    assert len(on["tokens"][0]) == 8 and on["tokens"][0][0] == eos
+    assert on["finish_reasons"] == ["length"]
+
+
+def test_min_new_tokens_hold_the_end_of_sequence_off(eos_engine):
+    engine, _, eos = eos_engine
+    prompt = [prompt_ids()[EOS_PROMPT]]
+    tokens = ray.get(engine.generate.remote(prompt, max_new_tokens=8, min_new_tokens=3))["tokens"]
+    assert len(tokens[0]) >= 3 and eos not in tokens[0][:3], (tokens, eos)
+
+
+def test_stop_token_ids_and_stop_strings_end_a_sample_at_the_token_that_matched(eos_engine):
+    engine, _, eos = eos_engine
+    prompt = [prompt_ids()[1]]
+    free = ray.get(engine.generate.remote(prompt, max_new_tokens=8, ignore_eos=True))["tokens"][0]
+    natural = free[: free.index(eos) + 1] if eos in free else free
+    assert len(natural) >= 2, (free, eos)  # this prompt does not end at once
+    stopped = ray.get(engine.generate.remote(prompt, max_new_tokens=8, stop_token_ids=[free[0]]))
+    assert stopped["tokens"] == [free[:1]] and stopped["finish_reasons"] == ["stop"]
+    chars = [make_tokenizer().decode([t]) for t in free]
+    stop = chars[-1]
+    assert stop.isascii() and stop.isprintable(), chars
+    out = ray.get(engine.generate.remote(prompt, max_new_tokens=8, ignore_eos=True, stop=[stop]))
+    assert out["tokens"] == [free[: chars.index(stop) + 1]] and out["finish_reasons"] == ["stop"]
+
+
+def test_top_logprobs_list_the_most_likely_tokens_first(eos_engine):
+    engine = eos_engine[0]
+    out = ray.get(
+        engine.generate.remote([prompt_ids()[1]], max_new_tokens=4, ignore_eos=True, top_logprobs=3)
+    )
+    (top,) = out["top_logprobs"]
+    assert [len(step) for step in top] == [3] * 4
+    for step, token, logprob in zip(top, out["tokens"][0], out["logprobs"][0], strict=True):
+        assert step[0][0] == token and math.isclose(step[0][1], logprob, abs_tol=1e-6)
+        assert step[0][1] >= step[1][1] >= step[2][1]
+    assert "top_logprobs" not in ray.get(engine.generate.remote([prompt_ids()[1]]))
+
+
+def test_the_engine_takes_its_dtype_and_context_length_from_the_models_config(eos_engine):
+    engine, path, _ = eos_engine
+    specs = [s.to_dict() for s in checkpoint_specs(path).values()]
+    assert {s["dtype"] for s in specs} == {"bfloat16"}
+    assert ray.get(engine.check_refit.remote(specs))["num_receivers"] == 1
+    with pytest.raises(ValueError, match="trainer dtype float32 != engine dtype bfloat16"):
+        ray.get(engine.check_refit.remote([dict(s, dtype="float32") for s in specs]))
+    # max_position_embeddings is 512: a 400-token prompt is served, a 600-token one is not.
+    long = [3 + i % 250 for i in range(400)]
+    out = ray.get(engine.generate.remote([long], max_new_tokens=8, ignore_eos=True))
+    assert len(out["tokens"][0]) == 8
+    with pytest.raises(ValueError, match=r"model's context length \(512 tokens\)"):
+        ray.get(engine.generate.remote([long + long[:200]], max_new_tokens=8))

@@ -3,6 +3,8 @@ fed by a 2-rank FSDP2 trainer through the non-colocated path: a gloo broadcast g
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import ray
 
@@ -10,9 +12,10 @@ from tests.engine_checks import (
     check_repeated_syncs,
     check_server_on_loopback_demands_key,
     check_sync_after_training,
+    prompt_ids,
 )
-from weightsync.apps.models import make_tiny_model
-from weightsync.launch import launcher
+from weightsync.apps.models import make_tiny_model, make_tokenizer
+from weightsync.driver import launcher
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +64,23 @@ def test_server_listens_on_loopback_and_demands_a_key_by_default(setup):
         key=key,
         get_path="/model_info",
     )
+
+
+def test_sampling_options_reach_the_server_and_its_finish_reasons_come_back(setup):
+    engine = setup[0]
+    prompt = prompt_ids()[:1]
+    free = ray.get(
+        engine.generate.remote(prompt, max_new_tokens=6, ignore_eos=True, top_logprobs=2)
+    )
+    assert [len(t) for t in free["tokens"]] == [6] and free["finish_reasons"] == ["length"]
+    tokens = free["tokens"][0]
+    # Greedy: each token is the likeliest. Compared by log-probability, since the weights of
+    # `set_weights_from` repeat across the trainer's shards, so tokens i and i + 160 can tie.
+    for step, logprob in zip(free["top_logprobs"][0], free["logprobs"][0], strict=True):
+        assert len(step) == 2 and math.isclose(step[0][1], logprob, abs_tol=1e-6)
+        assert step[0][1] >= step[1][1]
+    # Ends at the first of the stop token or the model's EOS in the free-running sample.
+    stop = tokens[2]
+    end = min(tokens.index(t) for t in (stop, make_tokenizer().eos_token_id) if t in tokens) + 1
+    out = ray.get(engine.generate.remote(prompt, max_new_tokens=6, stop_token_ids=[stop]))
+    assert out["tokens"] == [tokens[:end]] and out["finish_reasons"] == ["stop"]

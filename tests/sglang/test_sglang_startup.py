@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from weightsync.apps.models import make_tiny_model
-from weightsync.launch import envs, launcher
+from weightsync.driver import envs, launcher
 
 SGL = "weightsync.backends.sglang.engine.SglEngineActor"
 

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from tests.conftest import free_port
 from weightsync.apps.models import NUM_EXPERTS, make_tiny_model
-from weightsync.launch import launcher
+from weightsync.driver import launcher
 
 pytest.importorskip("nemo_automodel")
 

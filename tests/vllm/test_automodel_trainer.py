@@ -12,7 +12,7 @@ from tests.engine_checks import (
     training_batch,
 )
 from weightsync.apps.models import make_tiny_model
-from weightsync.launch import launcher
+from weightsync.driver import launcher
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,8 @@ def test_automodel_trainer_takes_the_one_copy_path_from_the_second_sync(setup):
     engine, trainer = setup
     for round_ in range(2):  # training steps between syncs, as in a training loop
         trainer.call("train_step", training_batch(10 + round_))
-        report = trainer.call("sync", f"automodel-round-{round_}", verify=True)
-        assert report["engines"]["vllm"]["path"] == "one_copy", report
-        assert report["verify"]["vllm"]["verified"], report["verify"]
+        report = trainer.sync(f"automodel-round-{round_}", verify=True)
+        assert report.engines["vllm"].path == "one_copy", report
+        assert report.verify is not None and report.verify["vllm"].verified, report.verify
         assert ray.get(engine.weight_version.remote()) == f"automodel-round-{round_}"
         assert_engine_matches_reference(engine, trainer)

@@ -14,7 +14,7 @@ import ray
 
 from tests.engine_checks import MAX_NEW_TOKENS, half_update, prompt_ids, training_batch
 from weightsync.apps.models import NUM_EXPERTS, make_tiny_model
-from weightsync.launch import launcher
+from weightsync.driver import launcher
 
 ENGINE = "weightsync.backends.vllm.engine.VllmEngineActor"
 TRAINER = "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker"

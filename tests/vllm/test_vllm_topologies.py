@@ -17,7 +17,7 @@ from tests.engine_checks import (
     training_batch,
 )
 from weightsync.apps.models import make_tiny_model
-from weightsync.launch import launcher
+from weightsync.driver import launcher
 
 ENGINE = "weightsync.backends.vllm.engine.VllmEngineActor"
 

@@ -15,15 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+
+from weightsync.apps.grpo import LEARNING_MIN_STEPS
 
 TEXT = "weightsync keeps every engine in step with the trainer. "
 GRPO_LR = 1e-3
@@ -46,7 +49,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--steps",
         type=int,
-        help="steps, each followed by a sync (default: 24 for grpo, 30 for sft)%(default).0s",
+        help="steps, each followed by a sync (default: 24 for grpo, 30 for sft); grpo exits 0 "
+        "when every sync verified, every rollout came from the version just synced and the "
+        "mismatch stayed in bound, and, from "
+        f"{LEARNING_MIN_STEPS} steps on, when the mean reward rose by 0.15 (fewer steps cannot "
+        "show it)%(default).0s",
     )
     p.add_argument("--engines", default="sglang,vllm", help="comma-separated: sglang, vllm")
     p.add_argument("--arch", default="opt", help="opt (both engines) or qwen2 (vLLM only)")
@@ -78,7 +85,7 @@ def _run_sft(args: argparse.Namespace) -> int:
     import ray
 
     from weightsync.apps.models import make_tiny_model, make_tokenizer
-    from weightsync.launch import envs, launcher
+    from weightsync.driver import envs, launcher
 
     engines = _engine_names(args.engines)
     args.steps = 30 if args.steps is None else args.steps
@@ -114,10 +121,7 @@ def _run_sft(args: argparse.Namespace) -> int:
         "loss",
         *[c for n in engines for c in (f"{n} ms", "GB/s", "ok", f"{n} continuation")],
     )
-    console = Console()
-    live = Live(table, console=console, auto_refresh=False)
-    if not args.json:
-        live.start()
+    view = LiveView(table, show=not args.json)
     for step in range(1, args.steps + 1):
         loss = trainer.call("train_step", batch)
         report = trainer.call("sync", f"step-{step}", verify=True)
@@ -151,10 +155,8 @@ def _run_sft(args: argparse.Namespace) -> int:
                 )
             ],
         )
-        live.refresh()
-    if not args.json:
-        live.stop()
-        console.line()
+        view.refresh()
+    view.close()
     reference = _continuation(want)
     summary = {"ok": ok, "steps": steps, "reference": reference}
     if args.json:
@@ -181,10 +183,95 @@ def _engine_names(spec: str) -> list[str]:
     return engines
 
 
+class LiveView:
+    """A renderable redrawn in place in a terminal. In a log or CI (not a terminal) it is
+    printed once, at `close`, ending in a newline, and as wide as it needs unless COLUMNS says
+    otherwise: rich's default there, 80 columns, cuts the GRPO table's 14 columns to '0…'."""
+
+    def __init__(
+        self,
+        renderable: RenderableType,
+        *,
+        console: Console | None = None,
+        show: bool = True,
+        refresh_per_second: float | None = None,
+    ) -> None:
+        self.console = console or Console()
+        self.renderable = renderable
+        self.live: Live | None = None
+        if show:
+            # Without a rate, redrawn only by `refresh` and `update`.
+            self.live = Live(
+                renderable,
+                console=self.console,
+                auto_refresh=refresh_per_second is not None,
+                refresh_per_second=refresh_per_second or 4,
+            )
+            self.live.start()
+
+    def refresh(self) -> None:
+        if self.live is not None:
+            self.live.refresh()
+
+    def update(self, renderable: RenderableType) -> None:
+        self.renderable = renderable
+        if self.live is not None:
+            self.live.update(renderable, refresh=True)
+
+    def close(self) -> None:
+        if self.live is None:
+            return
+        terminal = self.console.is_terminal
+        if not terminal and "COLUMNS" not in os.environ:
+            # Measured without the console's own limit, which is what cuts it.
+            unlimited = self.console.options.update_width(1 << 16)
+            needed = self.console.measure(self.renderable, options=unlimited).maximum
+            self.console.width = max(self.console.width, needed)
+        self.live.stop()
+        self.live = None
+        if not terminal:  # in a terminal, Live ends its last line itself
+            self.console.line()
+
+
+def grpo_table(engines: list[str]) -> Table:
+    """The GRPO demo's table, one row per step (`grpo_cells`)."""
+    return Table(
+        "step",
+        *[c for n in engines for c in (f"{n} reward", "|dlogp|", "KL", "version", "ok")],
+        "rollout s",
+        "train s",
+        "sync s",
+        f"sample ({engines[0]})",
+    )
+
+
+def grpo_cells(row: dict[str, Any]) -> list[str]:
+    """One step's record (`GrpoLoop.step`) as a row of `grpo_table`."""
+    es = row["engines"]
+    return [
+        str(row["step"]),
+        *[
+            c
+            for e in es.values()
+            for c in (
+                f"{e['reward']:.3f}",
+                f"{e['mean_abs']:.1e}",
+                f"{e['kl']:.1e}",
+                ",".join(e["versions"]),
+                "yes" if e["verified"] and e["on_version"] else "NO",
+            )
+        ],
+        f"{row['rollout_s']:.2f}",
+        f"{row['train_s']:.2f}",
+        f"{row['sync_s']:.2f}",
+        repr(next(iter(es.values()))["sample"][:16]),
+    ]
+
+
 def _run_grpo(args: argparse.Namespace) -> int:
     from weightsync.apps.grpo import GrpoConfig, GrpoLoop, Verdict
     from weightsync.apps.models import make_tiny_model, make_tokenizer
-    from weightsync.launch import envs, launcher
+    from weightsync.driver import envs, launcher
 
     engines = _engine_names(args.engines)
     if args.arch not in ("opt", "qwen2"):
@@ -231,52 +318,23 @@ def _run_grpo(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     first = loop.start()
-    table = Table(
-        "step",
-        *[c for n in engines for c in (f"{n} reward", "|dlogp|", "KL", "version", "ok")],
-        "rollout s",
-        "train s",
-        "sync s",
-        f"sample ({engines[0]})",
-    )
-    console = Console()
-    live = Live(table, console=console, auto_refresh=False)
-    if not args.json:
-        live.start()
+    table = grpo_table(engines)
+    view = LiveView(table, show=not args.json)
     steps: list[dict[str, Any]] = []
     for step in range(1, config.steps + 1):
         row = loop.step(step)
         steps.append(row)
-        es = row["engines"]
-        table.add_row(
-            str(step),
-            *[
-                c
-                for e in es.values()
-                for c in (
-                    f"{e['reward']:.3f}",
-                    f"{e['mean_abs']:.1e}",
-                    f"{e['kl']:.1e}",
-                    ",".join(e["versions"]),
-                    "yes" if e["verified"] and e["on_version"] else "NO",
-                )
-            ],
-            f"{row['rollout_s']:.2f}",
-            f"{row['train_s']:.2f}",
-            f"{row['sync_s']:.2f}",
-            repr(es[engines[0]]["sample"][:16]),
-        )
-        live.refresh()
+        table.add_row(*grpo_cells(row))
+        view.refresh()
     loop_s = time.perf_counter() - started
-    if not args.json:
-        live.stop()
-        console.line()
+    view.close()
     verdict = Verdict(max_mean_abs=MISMATCH_BOUND[args.arch]).judge(
         steps, start_verified=first["verified"]
     )
     summary = {
         "ok": verdict.ok,
         "failures": verdict.failures,
+        "learning_judged": verdict.learning_judged,
         "arch": args.arch,
         "engines": engines,
         "loop_s": loop_s,
@@ -305,12 +363,19 @@ def _run_grpo(args: argparse.Namespace) -> int:
                 for k in ("rollout", "train", "sync")
             )
         )
-        print(
-            "every sync verified, every rollout came from the version just synced, the reward "
-            "rose and the mismatch stayed in bound"
-            if verdict.ok
-            else "FAILED: " + "; ".join(verdict.failures)
-        )
+        if not verdict.ok:
+            print("FAILED: " + "; ".join(verdict.failures))
+        elif verdict.learning_judged:
+            print(
+                "every sync verified, every rollout came from the version just synced, the "
+                "reward rose and the mismatch stayed in bound"
+            )
+        else:
+            print(
+                "every sync verified, every rollout came from the version just synced and the "
+                f"mismatch stayed in bound (the reward is judged from {LEARNING_MIN_STEPS} "
+                f"steps on; this run had {len(steps)})"
+            )
     if args.plot:
         _plot_grpo(steps, args.plot, bound=verdict.max_mean_abs)
     _shutdown(handles)
@@ -399,7 +464,8 @@ def _wait_for_engines(handles: dict[str, Any]) -> None:
             )
         )
 
-    with Live(status(), console=Console(stderr=True), refresh_per_second=2) as live:
+    view = LiveView(status(), console=Console(stderr=True), refresh_per_second=2)
+    try:
         while pending:
             done, _ = ray.wait(list(pending.values()), timeout=0.5)
             for name, ref in list(pending.items()):
@@ -407,7 +473,9 @@ def _wait_for_engines(handles: dict[str, Any]) -> None:
                     ray.get(ref)
                     ready[name] = time.monotonic() - start
                     del pending[name]
-            live.update(status())
+            view.update(status())
+    finally:
+        view.close()
 
 
 def _plot(steps: list[dict[str, Any]], path: str) -> None:

@@ -164,7 +164,8 @@ class GrpoConfig:
     group_size: int = 8
     """Samples per prompt per engine; advantages are normalised within each such group."""
     max_new_tokens: int = 12
-    """Tokens per completion."""
+    """Tokens per completion: exactly this many (end-of-sequence is ignored), so every
+    completion is rewarded over the same length."""
     temperature: float = 1.0
     """Sampling temperature, and the learner's. At 1 the engines' log-probabilities and the
     learner's are of the same distribution (vLLM's are of raw logits at any temperature)."""
@@ -178,8 +179,8 @@ class GrpoConfig:
     prompts: tuple[str, ...] = field(default=PROMPTS)
 
     def __post_init__(self) -> None:
-        if self.steps < 2:
-            raise ValueError(f"steps={self.steps}: need at least 2 to compare first and last")
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps}: need at least 1")
         if self.group_size < 2:
             raise ValueError(f"group_size={self.group_size}: GRPO needs at least 2 per group")
         if not 0 < self.clip_eps < 1:
@@ -197,6 +198,7 @@ class GrpoConfig:
             top_p=self.top_p,
             n=self.group_size,
             seed=self.seed + 1000 * step,
+            ignore_eos=True,
         )
 
 
@@ -298,26 +300,35 @@ class GrpoLoop:
         }
 
 
+LEARNING_MIN_STEPS = 12
+"""Runs shorter than this are not judged on learning: in docs/grpo.md's captured run (OPT tiny,
+both engines) the mean reward went from 0.057 / 0.089 (SGLang / vLLM) at step 1 to 0.187 / 0.187
+at step 6, less than `Verdict.min_gain` above it, and to 0.641 / 0.667 at step 12; the e2e test's
+12-step run passes the rule."""
+
+
 @dataclass(kw_only=True, slots=True)
 class Verdict:
     """What `weightsync demo` exits 0 on: every sync verified, every rollout from the version
-    synced just before it, the mean reward of the last `window` steps (at most a quarter of
-    them) at least `min_gain` above the first ones' (per engine), and the mean |log-prob delta|
-    of every step below `max_mean_abs`."""
+    synced just before it, the mean |log-prob delta| of every step below `max_mean_abs`, and,
+    for runs of at least `learning_min_steps`, the mean reward of the last `window` steps (at
+    most a quarter of them) at least `min_gain` above the first ones' (per engine). A shorter
+    run cannot show learning, so it is judged on the rest (`learning_judged` False)."""
 
     window: int = 5
     min_gain: float = 0.15
     max_mean_abs: float = 2e-3
+    learning_min_steps: int = LEARNING_MIN_STEPS
     failures: list[str] = field(default_factory=list)
+    learning_judged: bool = False
 
     def judge(self, steps: list[dict[str, Any]], *, start_verified: dict[str, bool]) -> Verdict:
-        out = replace(self, failures=[])
+        out = replace(self, failures=[], learning_judged=len(steps) >= self.learning_min_steps)
         out.failures += [
             f"{n}: the first sync (step-0) did not verify"
             for n, ok in start_verified.items()
             if not ok
         ]
-        window = max(1, min(self.window, len(steps) // 4))
         for s in steps:
             for name, e in s["engines"].items():
                 if not e["verified"]:
@@ -332,6 +343,9 @@ class Verdict:
                         f"step {s['step']}: {name}'s mean |log-prob delta| "
                         f"{e['mean_abs']:.2e} >= bound {self.max_mean_abs:.0e}"
                     )
+        if not out.learning_judged:
+            return out
+        window = max(1, min(self.window, len(steps) // 4))
         for name in steps[0]["engines"]:
             first = sum(s["engines"][name]["reward"] for s in steps[:window]) / window
             last = sum(s["engines"][name]["reward"] for s in steps[-window:]) / window
