@@ -10,6 +10,12 @@ import sys
 KEY_VARIABLE = "WEIGHTSYNC_SGLANG_API_KEY"
 
 
+def server_argv(argv: list[str], key: str | None) -> list[str]:
+    """SGLang's arguments with the API key; `--api-key=KEY` in one word, since a key that starts
+    with "-" (token_urlsafe makes one about once in 64) would read as an option."""
+    return argv + ([f"--api-key={key}"] if key else [])
+
+
 def main(argv: list[str]) -> None:
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins
@@ -18,7 +24,7 @@ def main(argv: list[str]) -> None:
 
     key = os.environ.pop(KEY_VARIABLE, None)
     load_plugins()
-    server_args = prepare_server_args(argv + (["--api-key", key] if key else []))
+    server_args = prepare_server_args(server_argv(argv, key))
     try:
         run_server(server_args)
     finally:

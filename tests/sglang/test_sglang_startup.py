@@ -94,3 +94,12 @@ def test_a_scheduler_that_dies_at_start_up_surfaces_its_exception(models, tmp_pa
         ray.get(proxy.weight_version.remote(), timeout=400)
     print(f"scheduler failure at the caller {time.monotonic() - start:.1f} s after launch")
     ray.kill(proxy.handle)
+
+
+def test_an_api_key_that_starts_with_a_dash_reaches_sglang_as_the_key(tmp_path):
+    from sglang.srt.server_args import prepare_server_args
+
+    from weightsync.backends.sglang.serve import server_argv
+
+    args = prepare_server_args(server_argv(["--model-path", str(tmp_path)], "-Ab3_x"))
+    assert args.api_key == "-Ab3_x"
