@@ -12,6 +12,7 @@ only if every sync was verified.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 
 import torch
@@ -74,6 +75,8 @@ def main() -> int:
                 f"({report.path})  verified {verified}",
                 flush=True,
             )
+            # One flat dict per sync, what a framework hands its logger (wandb.log, TensorBoard).
+            print(f"metrics {json.dumps(report.metrics())}", flush=True)
 
     if rank == 0:
         import ray

@@ -13,6 +13,7 @@ every sync was verified and the engine then serves the last version.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from typing import Any
 
@@ -108,6 +109,8 @@ def main() -> int:
             f"({report.path})  verified {verified}",
             flush=True,
         )
+        # One flat dict per sync, what a framework hands its logger (wandb.log, TensorBoard).
+        print(f"metrics {json.dumps(report.metrics())}", flush=True)
     served = ray.get(engine.generate.remote([batch[0][:4]]))["weight_version"]
     print(f"engine serves {served}")
     on_all("close")

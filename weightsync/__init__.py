@@ -4,7 +4,8 @@ The public API, imported lazily (the CLI starts without torch):
   trainer side:  TrainerSync, SyncOptions, init_trainer_group, host_store, shard_model,
                  close_trainer_group, DTensorV2Source
   engines:       init_ray, launch, register_actor, TrainerGroup (Ray actors in their own envs)
-  results:       SyncReport, VerifyReport (typed; to_dict()/from_dict() for plain data)
+  results:       SyncReport, VerifyReport (typed; to_dict()/from_dict() for plain data,
+                 metrics() as one flat dict for a metrics logger)
   building your own: WeightSyncWorker, WeightSender, WeightReceiver, ModuleWeightReceiver,
                  Endpoint, RayEndpoint
 The core needs only torch (and ray where it launches actors). The engine backends import as

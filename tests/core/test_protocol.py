@@ -153,6 +153,145 @@ def test_verify_report_as_plain_data_has_the_keys_users_index():
     assert wired["verify"]["tp"]["mismatched"] == ["worker 1: w"]
 
 
+def _assert_flat_scalars(metrics: dict) -> None:
+    """Every value a plain Python int, float or str (no bool, numpy, tensor, None or dict)."""
+    odd = {k: type(v).__name__ for k, v in metrics.items() if type(v) not in (int, float, str)}
+    assert not odd, odd
+    assert all(isinstance(k, str) for k in metrics)
+
+
+def test_sync_report_metrics_are_one_flat_dict_of_plain_scalars():
+    one_copy = SyncReport(
+        version="step-2",
+        path="one_copy",
+        nbytes=4 * 10**9,
+        num_buckets=0,
+        sync_s=2.0,
+        phases_s={"begin": 0.25, "write": 1.5, "end": 0.25, "rank_write": [1.25, 1.5]},
+        bytes_written=8 * 10**9,
+        engines={
+            "vllm": EngineSyncReport(
+                path="one_copy", weight_version="step-2", end_s=0.125, session_s=2.0
+            ),
+            "sgl": EngineSyncReport(
+                path="one_copy", weight_version="step-2", end_s=0.5, cache_flushed=True
+            ),
+        },
+        verify=VerifyReport(
+            engines={
+                "vllm": EngineVerification(verified=True, num_checked=12),
+                "sgl": EngineVerification(verified=False, mismatched=["w", "b"], num_checked=12),
+            },
+            verify_s=0.75,
+        ),
+    )
+    assert one_copy.metrics() == {
+        "weightsync/version": "step-2",
+        "weightsync/path": "one_copy",
+        "weightsync/sync_s": 2.0,
+        "weightsync/gbps": 2.0,
+        "weightsync/nbytes": 4 * 10**9,
+        "weightsync/num_buckets": 0,
+        "weightsync/bytes_written": 8 * 10**9,
+        "weightsync/phase_begin_s": 0.25,
+        "weightsync/phase_write_s": 1.5,
+        "weightsync/phase_end_s": 0.25,
+        "weightsync/phase_rank_write_max_s": 1.5,
+        "weightsync/vllm/one_copy": 1,
+        "weightsync/vllm/end_s": 0.125,
+        "weightsync/vllm/session_s": 2.0,
+        "weightsync/sgl/one_copy": 1,
+        "weightsync/sgl/end_s": 0.5,
+        "weightsync/sgl/cache_flushed": 1,
+        "weightsync/verify_s": 0.75,
+        "weightsync/verified": 0,
+        "weightsync/vllm/verified": 1,
+        "weightsync/vllm/num_checked": 12,
+        "weightsync/vllm/num_mismatched": 0,
+        "weightsync/sgl/verified": 0,
+        "weightsync/sgl/num_checked": 12,
+        "weightsync/sgl/num_mismatched": 2,
+    }
+    buckets = SyncReport(
+        version="step-1",
+        path="buckets",
+        nbytes=3 * 10**9,
+        num_buckets=3,
+        sync_s=1.5,
+        engines={
+            "vllm": EngineSyncReport(
+                path="buckets", load_s=1.0, end_s=0.25, cache_flushed=False, share_s=0.5
+            )
+        },
+    )
+    assert buckets.metrics(prefix="refit/") == {
+        "refit/version": "step-1",
+        "refit/path": "buckets",
+        "refit/sync_s": 1.5,
+        "refit/gbps": 3 * 10**9 / 1.5 / 1e9,
+        "refit/nbytes": 3 * 10**9,
+        "refit/num_buckets": 3,
+        "refit/vllm/one_copy": 0,
+        "refit/vllm/load_s": 1.0,
+        "refit/vllm/end_s": 0.25,
+        "refit/vllm/cache_flushed": 0,
+        "refit/vllm/share_s": 0.5,
+    }
+    for answer in [one_copy, buckets, *ANSWERS]:
+        if isinstance(answer, SyncReport | VerifyReport):
+            _assert_flat_scalars(answer.metrics())
+            # What crossed between envs as plain data gives the same metrics.
+            wired = type(answer).from_dict(json.loads(json.dumps(answer.to_dict())))
+            assert wired.metrics() == answer.metrics()
+
+
+def test_sync_report_metrics_are_plain_python_numbers_whatever_the_fields_held():
+    import numpy as np
+
+    report = SyncReport(
+        version="v",
+        path="buckets",
+        nbytes=np.int64(10**9),  # type: ignore[arg-type]
+        num_buckets=np.int64(1),  # type: ignore[arg-type]
+        sync_s=np.float32(0.5),  # type: ignore[arg-type]
+        engines={
+            "e": EngineSyncReport(path="buckets", load_s=np.float64(0.25), cache_flushed=True)
+        },
+        verify=VerifyReport(engines={"e": EngineVerification(verified=True, num_checked=1)}),
+    )
+    metrics = report.metrics()
+    _assert_flat_scalars(metrics)
+    assert metrics["weightsync/gbps"] == 2.0 and metrics["weightsync/e/cache_flushed"] == 1
+    assert metrics["weightsync/verified"] == 1 and metrics["weightsync/verify_s"] == 0.0
+
+
+def test_verify_report_metrics_for_sync_verify_under_a_prefix_of_their_own():
+    report = VerifyReport(
+        engines={
+            "a": EngineVerification(verified=True, num_checked=3),
+            "tp": EngineVerification(
+                verified=False, mismatched=["worker 1: w"], num_checked=4, num_workers=2
+            ),
+            "p": EngineVerification(verified=None, pending=True),
+        },
+        verify_s=0.5,
+    )
+    assert report.metrics("weightsync/check/") == {
+        "weightsync/check/verify_s": 0.5,
+        "weightsync/check/verified": 0,
+        "weightsync/check/a/verified": 1,
+        "weightsync/check/a/num_checked": 3,
+        "weightsync/check/a/num_mismatched": 0,
+        "weightsync/check/tp/verified": 0,
+        "weightsync/check/tp/num_checked": 4,
+        "weightsync/check/tp/num_mismatched": 1,
+        "weightsync/check/p/verified": 0,  # pending: not verified (yet)
+        "weightsync/check/p/num_checked": 0,
+        "weightsync/check/p/num_mismatched": 0,
+    }
+    assert VerifyReport().metrics() == {"weightsync/verify_s": 0.0, "weightsync/verified": 0}
+
+
 def test_verify_report_reads_each_engine_by_name_and_says_which_were_verified():
     report = VerifyReport(
         engines={

@@ -132,12 +132,75 @@ def test_trainer_sync_takes_buckets_then_the_one_copy_path_and_verifies():
     for fresh in (out["fresh"], out["fresh_again"]):
         assert fresh["ref"].verified and not fresh["ref"].mismatched
     assert out["equal"]
+    _assert_metrics_of_real_syncs(out["reports"])
+
+
+def _assert_metrics_of_real_syncs(reports: list) -> None:
+    """`report.metrics()` of real syncs: one flat dict of plain scalars, what the fields say."""
+    metrics = [r.metrics() for r in reports]
+    for report, m in zip(reports, metrics):
+        odd = {k: type(v).__name__ for k, v in m.items() if type(v) not in (int, float, str)}
+        assert not odd, odd
+        assert m["weightsync/version"] == report.version
+        assert m["weightsync/path"] == report.path
+        assert m["weightsync/sync_s"] == report.sync_s > 0
+        assert m["weightsync/nbytes"] == report.nbytes > 0
+        assert m["weightsync/gbps"] == pytest.approx(report.nbytes / report.sync_s / 1e9)
+        assert m["weightsync/ref/end_s"] == report.engines["ref"].end_s
+        assert m["weightsync/ref/one_copy"] == int(report.path == "one_copy")
+    first, second, third, _ = metrics
+    # The first sync, by buckets and verified; then the engine shared its parameters.
+    assert first["weightsync/num_buckets"] > 1 and first["weightsync/ref/load_s"] > 0
+    assert first["weightsync/ref/share_s"] > 0
+    assert first["weightsync/verified"] == first["weightsync/ref/verified"] == 1
+    assert first["weightsync/ref/num_checked"] > 0 and first["weightsync/verify_s"] > 0
+    assert "weightsync/bytes_written" not in first and "weightsync/phase_write_s" not in first
+    # The one-copy path: what the ranks wrote and how long each phase took; no bucket loads.
+    assert second["weightsync/num_buckets"] == 0 and "weightsync/ref/load_s" not in second
+    assert second["weightsync/bytes_written"] >= second["weightsync/nbytes"]
+    for phase in ("begin", "write", "end", "rank_write_max"):
+        assert second[f"weightsync/phase_{phase}_s"] >= 0
+    assert second["weightsync/ref/verified"] == 1 and second["weightsync/ref/num_mismatched"] == 0
+    # Unverified: no verification keys at all.
+    assert not [k for k in third if "verif" in k or "num_checked" in k]
 
 
 def test_trainer_sync_without_one_copy_keeps_buckets_and_says_why_for_a_transport():
     out = _run_two_ranks(one_copy=False)
     assert [r.path for r in out["reports"]] == ["buckets"] * 4
     assert out["fresh"]["ref"].verified and out["equal"]
+
+
+def test_a_mixed_sync_reports_both_paths_parts():
+    from weightsync.trainer.sync import _merge
+    from weightsync.wire.protocol import EngineSyncReport, SyncReport
+
+    one_copy = SyncReport(
+        version="v2",
+        path="one_copy",
+        nbytes=100,
+        num_buckets=0,
+        sync_s=1.0,
+        phases_s={"begin": 0.25, "write": 0.5, "end": 0.25, "rank_write": [0.5, 0.25]},
+        bytes_written=100,
+        engines={"a": EngineSyncReport(path="one_copy", end_s=0.25)},
+    )
+    buckets = SyncReport(
+        version="v2",
+        path="buckets",
+        nbytes=100,
+        num_buckets=2,
+        sync_s=1.0,
+        engines={"b": EngineSyncReport(path="buckets", load_s=0.5)},
+    )
+    merged = _merge(one_copy, buckets)
+    assert (merged.path, merged.num_buckets, merged.sync_s) == ("mixed", 2, 2.0)
+    assert merged.bytes_written == 100 and merged.phases_s == one_copy.phases_s
+    metrics = merged.metrics()
+    assert metrics["weightsync/bytes_written"] == 100
+    assert metrics["weightsync/phase_write_s"] == 0.5
+    assert metrics["weightsync/a/one_copy"] == 1 and metrics["weightsync/b/one_copy"] == 0
+    assert metrics["weightsync/b/load_s"] == 0.5 and "weightsync/a/load_s" not in metrics
 
 
 def _construct_only(rank: int, port: int, results, options: dict) -> None:

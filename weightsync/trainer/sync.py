@@ -405,5 +405,7 @@ def _merge(one_copy: SyncReport | None, buckets: SyncReport | None) -> SyncRepor
         path="mixed",
         engines={**one_copy.engines, **buckets.engines},
         sync_s=one_copy.sync_s + buckets.sync_s,
+        phases_s=one_copy.phases_s,  # the buckets path has none
+        bytes_written=one_copy.bytes_written,
         verify=verify,
     )

@@ -46,6 +46,17 @@ def _without_none(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
+Metrics = dict[str, float | int | str]
+"""A flat metrics dict (`SyncReport.metrics`, `VerifyReport.metrics`): plain Python scalars,
+nothing nested, ready for `wandb.log` or a TensorBoard writer's `add_scalar` per key."""
+
+
+def _put_seconds(out: Metrics, key: str, seconds: Any) -> None:
+    """`out[key] = seconds` as a float, where `seconds` is known."""
+    if seconds is not None:
+        out[key] = float(seconds)
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RefitAnswer:
     """`check_refit`'s answer: the engine accepts the trainer's tensors (it raises if not)."""
@@ -405,6 +416,29 @@ class VerifyReport:
             engines={**self.engines, **other.engines}, verify_s=self.verify_s + other.verify_s
         )
 
+    def metrics(self, prefix: str = "weightsync/") -> Metrics:
+        """This verification as one flat dict, for a metrics logger (`wandb.log(...)`); every
+        value a plain int or float. Keys, each after `prefix`:
+
+        - `verify_s`: seconds the verification took (float).
+        - `verified`: 1 if every engine was checked and holds the trainer's bytes, else 0 (as
+          `verified`; an engine still `pending` counts as not verified).
+        - per engine, `<engine>/verified`: 1 or 0 (pending: 0); `<engine>/num_checked`: how many
+          parameters (one-copy path: written pieces) were compared; `<engine>/num_mismatched`:
+          how many differed (their names stay in `engines[name].mismatched`).
+
+        Seconds are not kept per engine: engines are checked together. To log `sync.verify()`
+        beside a sync's metrics, give it a prefix of its own (`metrics("weightsync/check/")`)."""
+        out: Metrics = {
+            f"{prefix}verify_s": float(self.verify_s),
+            f"{prefix}verified": int(self.verified),
+        }
+        for name, engine in self.engines.items():
+            out[f"{prefix}{name}/verified"] = int(engine.verified is True)
+            out[f"{prefix}{name}/num_checked"] = int(engine.num_checked)
+            out[f"{prefix}{name}/num_mismatched"] = len(engine.mismatched)
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
             **{n: e.to_dict() for n, e in self.engines.items()},
@@ -441,9 +475,11 @@ class SyncReport:
     engines: dict[str, EngineSyncReport] = field(default_factory=dict)
     """Engine name -> its part."""
     phases_s: dict[str, Any] | None = None
-    """The one-copy path: seconds of "begin", "write", "end", and each rank's "rank_write"."""
+    """The one-copy path (a mixed sync's one-copy part): seconds of "begin", "write", "end",
+    and each rank's "rank_write"."""
     bytes_written: int | None = None
-    """The one-copy path: bytes the trainer's ranks wrote, into all engines' workers."""
+    """The one-copy path (a mixed sync's one-copy part): bytes the trainer's ranks wrote, into
+    all engines' workers."""
     verify: VerifyReport | None = None
     """With verify: what each engine holds, compared with what was sent."""
 
@@ -451,6 +487,67 @@ class SyncReport:
     def gbps(self) -> float:
         """Gigabytes of the model per second of sync."""
         return self.nbytes / self.sync_s / 1e9 if self.sync_s > 0 else 0.0
+
+    def metrics(self, prefix: str = "weightsync/") -> Metrics:
+        """This sync as one flat dict, for a metrics logger (`wandb.log(report.metrics())`, or
+        a TensorBoard writer's `add_scalar` for each number); values are plain floats, ints and
+        two strings, nothing nested. Keys, each after `prefix`; a key whose field is unknown
+        (None) for this sync is left out rather than logged as 0:
+
+        - `version` (str): the version tag the engines serve now.
+        - `path` (str): "buckets", "one_copy" or "mixed" (engines took different paths).
+        - `sync_s`: seconds the sync took, from the first `begin` to the last `end` (a mixed
+          sync: both paths' seconds summed); excludes verification, and sharing parameters
+          after a sync by buckets (`<engine>/share_s`).
+        - `gbps`: gigabytes (1e9 bytes) of one copy of the model per second of sync:
+          `nbytes / sync_s / 1e9`, 0.0 when `sync_s` is 0 (as `gbps`).
+        - `nbytes`: bytes of one copy of the model's weights (not times the engines).
+        - `num_buckets`: buckets sent (0 on the one-copy path).
+        - `bytes_written` (the one-copy path, or a mixed sync's one-copy part): bytes the
+          trainer's ranks wrote, into all engines' workers together.
+        - `phase_<name>_s` (the same): seconds of each one-copy phase, `phase_begin_s`,
+          `phase_write_s`, `phase_end_s`; `phase_rank_write_max_s`: the slowest rank's seconds
+          writing its shards (the one the write phase waits for).
+        - per engine: `<engine>/one_copy`: 1 if its weights took the one-copy path, 0 for
+          buckets; `<engine>/load_s` (buckets): seconds it spent loading buckets, summed over
+          them, as the engine measured; `<engine>/end_s`: seconds its `end` took;
+          `<engine>/session_s`: seconds from its `begin` to the end of its `end`;
+          `<engine>/cache_flushed`: 1 if its prefix cache was reset, else 0;
+          `<engine>/share_s`: seconds it took to share its parameters after this sync, outside
+          `sync_s` (once: the sync by buckets before its first one-copy sync).
+        - with verify, `VerifyReport.metrics` under the same prefix: `verify_s` (all engines
+          together, not per engine), `verified`, and per engine `<engine>/verified`,
+          `<engine>/num_checked`, `<engine>/num_mismatched`.
+
+        Left out: each engine's `weight_version` (it is `version`: a sync that fails raises)
+        and `status` (always "ok"), and the names of mismatched parameters. A TensorBoard
+        scalar takes numbers only: skip the two strings there."""
+        out: Metrics = {
+            f"{prefix}version": str(self.version),
+            f"{prefix}path": str(self.path),
+            f"{prefix}sync_s": float(self.sync_s),
+            f"{prefix}gbps": float(self.gbps),
+            f"{prefix}nbytes": int(self.nbytes),
+            f"{prefix}num_buckets": int(self.num_buckets),
+        }
+        if self.bytes_written is not None:
+            out[f"{prefix}bytes_written"] = int(self.bytes_written)
+        for phase, seconds in (self.phases_s or {}).items():
+            if isinstance(seconds, list | tuple):  # one per rank
+                _put_seconds(out, f"{prefix}phase_{phase}_max_s", max(seconds, default=None))
+            else:
+                _put_seconds(out, f"{prefix}phase_{phase}_s", seconds)
+        for name, engine in self.engines.items():
+            out[f"{prefix}{name}/one_copy"] = int(engine.path == "one_copy")
+            _put_seconds(out, f"{prefix}{name}/load_s", engine.load_s)
+            _put_seconds(out, f"{prefix}{name}/end_s", engine.end_s)
+            _put_seconds(out, f"{prefix}{name}/session_s", engine.session_s)
+            if engine.cache_flushed is not None:
+                out[f"{prefix}{name}/cache_flushed"] = int(engine.cache_flushed)
+            _put_seconds(out, f"{prefix}{name}/share_s", engine.share_s)
+        if self.verify is not None:
+            out.update(self.verify.metrics(prefix))
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
