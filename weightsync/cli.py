@@ -86,8 +86,9 @@ def _groups(value: str) -> list[str]:
 
 def cmd_build(args: argparse.Namespace) -> int:
     names = _names(args)
-    for name in names:  # an unknown group refuses before anything is built
+    for name in names:  # an unknown group or an unsupported driver refuses before any build
         envs.check_groups(name, args.groups)
+        envs.check_host(name)
     status = EXIT_OK
     for name in names:
         print(f"== env {name}: {_described_state(name)}", flush=True)
@@ -431,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "env":
             return handlers[args.env_command](args)
         return args.run(args)
-    except (envs.UnknownEnvError, envs.UnknownGroupError) as exc:
+    except (envs.UnknownEnvError, envs.UnknownGroupError, envs.UnsupportedHostError) as exc:
         print(f"weightsync: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (ValueError, RuntimeError) as exc:
