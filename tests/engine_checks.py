@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import ray
@@ -184,3 +185,34 @@ def check_failed_verification_is_never_adopted(engine, trainer, name: str) -> No
     assert ray.get(engine.weight_version.remote()) == version
     assert ray.get(engine.fingerprints.remote()) == prints
     assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
+
+
+@contextlib.contextmanager
+def open_json_server(routes: dict[str, object]):
+    """A loopback HTTP server that answers GET `path` with `routes[path]` as JSON, to anyone,
+    key or no key (404 elsewhere): what a server started without an API key looks like to
+    weightsync's attach checks. Yields its base URL."""
+    import http.server
+    import json
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            body = routes.get(self.path)
+            data = json.dumps(body).encode()
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()

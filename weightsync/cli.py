@@ -120,11 +120,13 @@ def cmd_path(args: argparse.Namespace) -> int:
 
 
 def _pair_evidence(a: str, b: str) -> str:
-    """Resolve two engine envs' engine pins together, in a scratch requirement set."""
+    """Resolve two engine envs' engine pins together, in a scratch requirement set, for the
+    driver's Python (the one the envs follow)."""
     pa, pb = envs.pins(a), envs.pins(b)
     ea, eb = envs.get(a).engine, envs.get(b).engine
     reqs = f"{ea}=={pa[ea]}\n{eb}=={pb[eb]}\n"
-    cmd = [*envs.uv_command(), "pip", "compile", "--python-version", "3.11", "--no-header", "-"]
+    python = envs.host_pair().python
+    cmd = [*envs.uv_command(), "pip", "compile", "--python-version", python, "--no-header", "-"]
     pinned = subprocess.run(cmd, input=reqs, capture_output=True, text=True, timeout=300)
     if pinned.returncode != 0:
         reason = next(

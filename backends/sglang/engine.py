@@ -32,7 +32,7 @@ from weightsync.driver.preflight import read_config, refuse_unsupported_sglang
 from weightsync.engine.one_copy.sharing import combine_worker_shares
 from weightsync.engine.replica import sharing_of
 from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
-from weightsync.engine.server import LocalServer, cli_flags
+from weightsync.engine.server import LocalServer, RemoteServer, cli_flags, http_json
 from weightsync.engine.session import EngineSession
 from weightsync.wire.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer, StageReport
 from weightsync.wire.specs import as_plain, unwrap_all
@@ -189,7 +189,48 @@ class _InProcess:
         self.engine.shutdown()
 
 
+def attach_flags() -> list[str]:
+    """What a framework's own `python -m sglang.launch_server ...` needs for weightsync to attach
+    to it, beside its `--api-key=<key>`."""
+    return ["--custom-weight-loader", LOADER]
+
+
 class _Http:
+    @classmethod
+    def attach(cls, url: str, *, api_key: str | None) -> _Http:
+        """The client of a server its owner started; refuses one weightsync cannot drive
+        safely, naming what to add to its command line."""
+        self = cls.__new__(cls)
+        self.server = RemoteServer(url, name="sglang", api_key=api_key)  # type: ignore[assignment]
+        self.base, self._request = self.server.base, self.server.request
+        fix = f"start it with `{' '.join(attach_flags())} --api-key=<key>`"
+        status, info = self._request("GET", "/server_info", timeout=120)
+        if status == 401:
+            raise PermissionError(
+                f"sglang server at {url} "
+                + (
+                    "demands an API key: pass api_key= the key it was started with"
+                    if api_key is None
+                    else "refused the API key given (401): pass api_key= the key the server "
+                    "was started with (its --api-key)"
+                )
+            )
+        if status != 200 or not isinstance(info, dict):
+            raise RuntimeError(f"sglang server at {url}: /server_info answered {status}: {info}")
+        loaders = info.get("custom_weight_loader") or []
+        if LOADER not in loaders:
+            raise ValueError(
+                f"sglang server at {url} runs custom weight loaders {loaders}, not weightsync's: "
+                f"{fix}"
+            )
+        if api_key is None or http_json("GET", self.base + "/server_info")[0] != 401:
+            raise PermissionError(
+                f"sglang server at {url} answers /server_info without a key, so any local user "
+                f"could drive its weight updates: {fix}, and pass that key as api_key="
+            )
+        self.tp_size = int(info.get("tp_size") or 1)
+        return self
+
     def __init__(
         self, model_path: str, engine_args: dict[str, Any], *, api_key: str | None
     ) -> None:
@@ -298,11 +339,13 @@ class SglEngineActor(EngineSession):
     first, and `engine_args` go to SGLang as they are and win over all of these."""
 
     engine_name = "sglang"
+    _api_key: str | None
 
     def __init__(
         self,
-        model_path: str,
+        model_path: str | None = None,
         *,
+        url: str | None = None,
         mode: str = "engine",
         dtype: str | None = None,
         api_key: str | None = None,
@@ -312,6 +355,22 @@ class SglEngineActor(EngineSession):
     ) -> None:
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
+        if url is not None:
+            shaping = {"model_path": model_path, "dtype": dtype, "engine_args": engine_args}
+            given = [k for k, v in shaping.items() if v is not None]
+            if given:
+                raise ValueError(
+                    f"url={url!r} attaches to a running server, whose own command line decides "
+                    f"its model and shape; leave out {', '.join(given)}"
+                )
+            super().__init__(idle_timeout_s=idle_timeout_s)
+            self.mode, self.keep_previous, self._api_key = "http", keep_previous, api_key
+            self.client: _InProcess | _Http = _Http.attach(url, api_key=api_key)
+            self.tp_size = self.client.tp_size
+            self._ready()
+            return
+        if model_path is None:
+            raise ValueError("SglEngineActor needs model_path (an engine to start) or url=")
         refuse_unsupported_sglang(
             model_path, engine_args=engine_args, cuda=torch.cuda.is_available()
         )
@@ -326,8 +385,7 @@ class SglEngineActor(EngineSession):
         # Copy what each update overwrites, so a failed update is rolled back and the engine
         # goes on serving its previous weights (costs a copy of the model, during updates).
         self.keep_previous = keep_previous
-        self._api_key: str | None = None
-        self.client: _InProcess | _Http
+        self._api_key = None
         if mode == "engine":
             self.client = _InProcess(model_path, {**args, "custom_weight_loader": [LOADER]})
         else:
@@ -335,10 +393,13 @@ class SglEngineActor(EngineSession):
             # keeps (`server_api_key`) and sends with its own requests.
             self._api_key = api_key or secrets.token_urlsafe(24)
             self.client = _Http(model_path, args, api_key=self._api_key)
+        self._ready()
+
+    def _ready(self) -> None:
         self.sessions = self.client.has_session()
         # Named like the shared-memory segments, so a sender sweeps it if this actor dies.
         self.reply_dir = tempfile.mkdtemp(prefix=f"weightsync-{os.getpid()}-reply-", dir="/dev/shm")
-        logger.info("sglang engine up (%s), update sessions: %s", mode, self.sessions)
+        logger.info("sglang engine up (%s), update sessions: %s", self.mode, self.sessions)
 
     # ---- control channel -------------------------------------------------------------------
     def _control(self, op: str, *, weight_version: str | None = None, **fields: Any) -> Any:

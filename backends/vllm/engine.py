@@ -6,7 +6,9 @@ collective_rpc with plain data; the bytes travel through the core's transport. T
 server on 127.0.0.1 with the extension and reaches it through its `/collective_rpc` endpoint
 (served only with VLLM_SERVER_DEV_MODE=1). vLLM's API key guards only its /v1-style routes; the
 server also runs `guard.KeyOnEveryRoute`, which demands the key on every route but /health, and
-gets the key through its environment, not its command line.
+gets the key through its environment, not its command line. `url=` attaches to a server the
+framework started itself with the same extension and guard (`attach_command` says how); the
+actor then drives it exactly as one it started, and leaves it running.
 On a CPU machine vLLM needs `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache); the actor sets 1.
 """
 
@@ -29,7 +31,7 @@ from weightsync.driver.preflight import (
 )
 from weightsync.engine.one_copy.sharing import combine_worker_shares
 from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
-from weightsync.engine.server import LocalServer, cli_flags
+from weightsync.engine.server import LocalServer, RemoteServer, cli_flags, http_json
 from weightsync.engine.session import EngineSession
 from weightsync.wire.protocol import (
     EndReport,
@@ -134,9 +136,61 @@ class _InProcess:
         del self.llm
 
 
+def attach_flags() -> list[str]:
+    """What a framework's own `vllm serve MODEL ...` needs for weightsync to attach to it, beside
+    `VLLM_SERVER_DEV_MODE=1` and `VLLM_API_KEY=<key>` in the server's environment."""
+    return ["--worker-extension-cls", EXTENSION, "--middleware", GUARD]
+
+
 class _Http:
+    @classmethod
+    def attach(cls, url: str, *, api_key: str | None) -> _Http:
+        """The client of a server its owner started; refuses one weightsync cannot drive
+        safely, naming what to add to its command line."""
+        self = cls.__new__(cls)
+        self.server = RemoteServer(url, name="vllm", api_key=api_key)  # type: ignore[assignment]
+        self.base, self._request = self.server.base, self.server.request
+        fix = (
+            f"start it with VLLM_SERVER_DEV_MODE=1 and VLLM_API_KEY=<key> in its environment and "
+            f"`{' '.join(attach_flags())}` on its command line"
+        )
+        status, info = self._request("GET", "/server_info?config_format=json", timeout=120)
+        if status == 401 and api_key is None:
+            raise PermissionError(
+                f"vllm server at {url} demands an API key: pass api_key= the key it was started "
+                "with (its VLLM_API_KEY)"
+            )
+        if status == 404:
+            raise ValueError(f"vllm server at {url} has no /server_info (dev routes off): {fix}")
+        if status == 401:
+            raise PermissionError(
+                f"vllm server at {url} refused the API key given (401): pass api_key= the key "
+                "the server was started with (its VLLM_API_KEY)"
+            )
+        if status != 200 or not isinstance(info, dict):
+            raise RuntimeError(f"vllm server at {url}: /server_info answered {status}: {info}")
+        config = info["vllm_config"]
+        extension = config["parallel_config"].get("worker_extension_cls")
+        if extension != EXTENSION:
+            raise ValueError(
+                f"vllm server at {url} runs worker extension {extension!r}, not weightsync's: {fix}"
+            )
+        if api_key is None or http_json("GET", self.base + "/server_info")[0] != 401:
+            raise PermissionError(
+                f"vllm server at {url} answers /server_info without a key, so any local user "
+                f"could drive its workers through /collective_rpc: {fix}, and pass that key "
+                "as api_key="
+            )
+        status, models = self._request("GET", "/v1/models")
+        if status != 200:
+            raise RuntimeError(f"vllm server at {url}: /v1/models answered {status}: {models}")
+        self.model = str(models["data"][0]["id"])  # the name it serves, --served-model-name's
+        self.tp_size = int(config["parallel_config"]["tensor_parallel_size"])
+        return self
+
     def __init__(self, model_path: str, args: dict[str, Any], *, api_key: str) -> None:
         self.model = model_path
+        self.tp_size = int(args.get("tensor_parallel_size", 1))
         # Scale-out serves /inference/v1/generate, whose answers carry the weight version of
         # every token (the version `set_version` gave, changed only while generation is paused).
         args = {"enable_scale_out": True, **args}
@@ -239,8 +293,9 @@ class VllmEngineActor(EngineSession):
 
     def __init__(
         self,
-        model_path: str,
+        model_path: str | None = None,
         *,
+        url: str | None = None,
         mode: str = "engine",
         dtype: str | None = None,
         max_model_len: int | None = None,
@@ -253,6 +308,27 @@ class VllmEngineActor(EngineSession):
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
         super().__init__(idle_timeout_s=idle_timeout_s)
+        self.keep_previous = keep_previous
+        self._api_key: str | None = None
+        if url is not None:
+            shaping = {
+                "model_path": model_path,
+                "dtype": dtype,
+                "max_model_len": max_model_len,
+                "engine_args": engine_args,
+            }
+            given = [k for k, v in shaping.items() if v is not None]
+            if given or tensor_parallel_size != 1:
+                raise ValueError(
+                    f"url={url!r} attaches to a running server, whose own command line decides "
+                    f"its model and shape; leave out {', '.join(given) or 'tensor_parallel_size'}"
+                )
+            self.mode, self._api_key = "http", api_key
+            self.client: _InProcess | _Http = _Http.attach(url, api_key=api_key)
+            self.tp_size = self.client.tp_size
+            return
+        if model_path is None:
+            raise ValueError("VllmEngineActor needs model_path (an engine to start) or url=")
         refuse_unsupported_vllm(
             model_path, tensor_parallel_size=tensor_parallel_size, engine_args=engine_args
         )
@@ -275,11 +351,8 @@ class VllmEngineActor(EngineSession):
                 )
         self.tp_size = tensor_parallel_size
         self.mode = mode
-        # Copy what each update overwrites, so a failed update is rolled back and the engine
-        # goes on serving its previous weights (costs a copy of the model, during updates).
-        self.keep_previous = keep_previous
-        self._api_key: str | None = None
-        self.client: _InProcess | _Http
+        # keep_previous: copy what each update overwrites, so a failed update is rolled back and
+        # the engine goes on serving its previous weights (a copy of the model, during updates).
         if mode == "engine":
             self.client = _InProcess(model_path, args)
         else:

@@ -1,6 +1,7 @@
-"""An engine's HTTP server as a child process on loopback: start it, wait for health, talk JSON.
+"""An engine's HTTP server as a child process on loopback: start it, wait for health, talk JSON;
+or one its owner started (`RemoteServer`): check it answers, talk JSON, leave it running.
 
-Used by both engine actors for their `mode="http"` delivery. The server binds 127.0.0.1 on a free
+Used by both engine actors for their `mode="http"` delivery and their `url=` attachment. The server binds 127.0.0.1 on a free
 port; every request carries the API key as a bearer token when one is set.
 
 The server runs under a small guard process (`_GUARD`, in the server's process group) that stops
@@ -95,6 +96,36 @@ def http_json(
         return status, json.loads(raw) if raw else None
     except json.JSONDecodeError:
         return status, raw.decode(errors="replace")
+
+
+class RemoteServer:
+    """An engine's HTTP server its owner started (a framework's `vllm serve`, its
+    `sglang.launch_server`): requests carry `api_key` as a bearer token; `shutdown` leaves the
+    server running. ConnectionError naming the URL when /health does not answer 200."""
+
+    def __init__(
+        self, url: str, *, name: str, api_key: str | None = None, timeout_s: float = 30.0
+    ) -> None:
+        self.name = name
+        self.base = url.rstrip("/")
+        self.api_key = api_key
+        try:
+            status, out = self.request("GET", "/health", timeout=timeout_s)
+        except OSError as exc:
+            raise ConnectionError(
+                f"{name} server at {url}: no answer to GET /health ({exc}); is it running there?"
+            ) from None
+        if status != 200:
+            raise ConnectionError(f"{name} server at {url}: GET /health answered {status}: {out}")
+
+    def request(
+        self, method: str, path: str, body: Any = None, timeout: float = 300
+    ) -> tuple[int, Any]:
+        """(HTTP status, decoded JSON or text)."""
+        return http_json(method, self.base + path, body, api_key=self.api_key, timeout=timeout)
+
+    def shutdown(self) -> None:
+        """Nothing: the server is its owner's."""
 
 
 class LocalServer:

