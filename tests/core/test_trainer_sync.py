@@ -225,9 +225,10 @@ def _construct_only(rank: int, port: int, results, options: dict) -> None:
 
 def test_trainer_sync_logs_each_option_it_turns_off_and_why():
     out = _run_two_ranks_of(_construct_only, {"transport": "gloo"})
-    assert not out["shard_writes"] and not out["one_copy"]
-    assert "[rank 0] shard_writes off: transport 'gloo' sends from rank 0" in out["logs"]
+    assert not out["one_copy"]
     assert "[rank 0] one_copy off: transport 'gloo' has no one-copy path" in out["logs"]
+    # gloo keeps shard writes: the ranks' shards reach rank 0 in one gather per bucket.
+    assert out["shard_writes"] and not [m for m in out["logs"] if "shard_writes off" in m]
 
 
 def _fail_then_sync_again(rank: int, port: int, results, options: dict) -> None:

@@ -1,18 +1,22 @@
-"""Trainer ranks writing their own FSDP2 shards, on the two shared-memory paths.
+"""Trainer ranks moving their own FSDP2 shards in bulk, with no all-gather per tensor.
 
 FSDP2 shards every tensor along dim 0, so a rank's shard is one contiguous byte range of the
-full tensor (`ShardPieces`): each rank can copy its own range to its place, with no all-gather.
+full tensor (`ShardPieces`): each rank can copy its own range to its place.
   - `BucketShardWriter`: into the shared-memory bucket the sender is about to hand the engines.
+  - `BucketGatherWriter`: for transports whose bucket only rank 0 can write (cuda_ipc, gloo,
+    nccl): every rank packs its shards of a bucket's tensors into one flat buffer, one gather per
+    bucket brings them to rank 0, and rank 0 copies each rank's runs to their places.
   - `OneCopyWriter`: straight into the engines' shared parameters (weightsync/trainer/one_copy/targets.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 
+from weightsync.gpu.copies import ONE_COPY_BYTES
 from weightsync.trainer.source import DTensorV2Source, ShardPieces
 from weightsync.trainer.sync_group import SyncGroup
 from weightsync.wire.bucket import BucketPlan, plan_buckets
@@ -86,3 +90,192 @@ class BucketShardWriter:
         if self._maps is not None:
             self._maps.close()
             self._maps = None
+
+
+# (name, data or None, byte offset inside the full tensor): what `ShardPieces` yields.
+Pieces = Iterator[tuple[str, torch.Tensor | None, int]]
+
+
+class _GatherLayout(NamedTuple):
+    """What the ranks' bucket gathers move: the same every sync (the model's sharding)."""
+
+    plans: list[BucketPlan]
+    extents: list[list[tuple[str, int, int]]]  # per bucket: this rank's (name, nbytes, offset)
+    shares: list[int]  # per bucket: the bytes each rank > 0 sends (its largest part; 0: none)
+    # Rank 0, per bucket: (bucket offset, offset in the receive buffer, nbytes) of every run of
+    # the ranks > 0; rank r's part starts at r * share.
+    runs: list[list[tuple[int, int, int]]]
+    group: Any  # the sync group it was learned in (a rebuilt group learns it again)
+
+
+def _learn_layout(source: DTensorV2Source, group: SyncGroup, *, bucket_bytes: int) -> _GatherLayout:
+    """Every rank: where its pieces of each bucket go, from the sharding alone (no tensor is
+    gathered); rank 0 learns every rank's runs. Collective (a gather and a broadcast)."""
+    plans = plan_buckets(source.specs(), capacity_bytes=bucket_bytes)
+    stream = ShardPieces(source, rank=group.rank).extents()
+    extents: list[list[tuple[str, int, int]]] = []
+    mine: list[list[list[int]]] = []  # per bucket: [bucket offset, nbytes] of each run
+    for plan in plans:
+        bucket: list[tuple[str, int, int]] = []
+        runs: list[list[int]] = []
+        for meta in plan.tensors:
+            extent = next(stream, None)
+            if extent is None or extent[0] != meta.name:
+                raise RuntimeError(
+                    f"shard stream gave {None if extent is None else extent[0]!r} where the "
+                    f"bucket plan has {meta.name!r}: the model changed since refit info was taken"
+                )
+            bucket.append(extent)
+            _, nbytes, offset = extent
+            if nbytes:
+                start = meta.offset + offset
+                if runs and runs[-1][0] + runs[-1][1] == start:
+                    runs[-1][1] += nbytes  # back to back in the bucket and in the packed buffer
+                else:
+                    runs.append([start, nbytes])
+        extents.append(bucket)
+        mine.append(runs)
+    everyone = group.gather(mine)
+    shares: list[int] | None = None
+    received: list[list[tuple[int, int, int]]] = [[] for _ in plans]
+    if everyone is not None:  # rank 0
+        shares = [
+            max((sum(n for _, n in rank_runs[b]) for rank_runs in everyone[1:]), default=0)
+            for b in range(len(plans))
+        ]
+        for b, share in enumerate(shares):
+            for rank in range(1, len(everyone)):
+                at = rank * share
+                for start, nbytes in everyone[rank][b]:
+                    received[b].append((start, at, nbytes))
+                    at += nbytes
+    shares = group.broadcast(shares)
+    return _GatherLayout(plans, extents, shares, received, group.group)
+
+
+def _copies(
+    pieces: Pieces,
+    plan: BucketPlan,
+    extents: list[tuple[str, int, int]],
+    buffer: torch.Tensor,
+    *,
+    packed: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(destinations, sources) of this rank's pieces of `plan`'s tensors: into the bucket at
+    their offsets, or (`packed`) back to back from the start of `buffer`."""
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    at = 0
+    for meta, extent in zip(plan.tensors, extents):
+        name, data, offset = next(pieces)
+        nbytes = 0 if data is None else data.numel() * data.element_size()
+        if (name, nbytes, offset) != extent:
+            raise RuntimeError(
+                f"tensor {name!r}: this rank holds {nbytes} bytes at offset {offset}, where the "
+                f"bucket plan of the first sync has {extent[0]!r} with {extent[1]} bytes at "
+                f"{extent[2]}: the model changed since refit info was taken"
+            )
+        if data is None or not nbytes:
+            continue
+        start = at if packed else meta.offset + offset
+        dsts.append(buffer[start : start + nbytes])
+        srcs.append(data.reshape(-1).view(torch.uint8))
+        at += nbytes
+    return dsts, srcs
+
+
+def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Byte copies as few calls: the large alone (a single copy runs at the copy engine's
+    rate), the rest in one `_foreach_copy_`."""
+    small: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for dst, src in zip(dsts, srcs):
+        if dst.numel() >= ONE_COPY_BYTES:
+            dst.copy_(src)
+        else:
+            small[0].append(dst)
+            small[1].append(src)
+    if small[0]:
+        torch._foreach_copy_(*small)
+
+
+class BucketGatherWriter:
+    """Rank 0 fills each bucket from every rank's shards with one gather per bucket.
+
+    For transports whose bucket only rank 0 can write (cuda_ipc, gloo, nccl). Per bucket: every
+    rank packs its own shard bytes of the bucket's tensors back to back into a buffer the size of
+    the largest rank's part; rank 0 copies its own pieces into the bucket, one gather
+    (`SyncGroup.gather_into`) brings the other ranks' buffers to it, and it copies their runs to
+    their offsets (one copy per run: a rank's pieces of adjacent tensors are one run). Tensors
+    that are not dim-0 shards (tensor parallel, converted by an adapter) are still gathered one
+    at a time by `ShardPieces` and written by rank 0; replicated ones are written by rank 0.
+    Which rank sends which bytes is learned once, at the first sync (a gather of each rank's
+    runs); each sync checks every piece against it. Rank 0 holds a receive buffer of about one
+    bucket during a sync, the other ranks one of their part of a bucket."""
+
+    def __init__(
+        self,
+        source: DTensorV2Source,
+        group: SyncGroup,
+        *,
+        bucket_bytes: int,
+    ) -> None:
+        self.source = source
+        self.group = group
+        self.bucket_bytes = bucket_bytes
+        # A test hook, set after construction (the reliability suite pauses rank 0 here).
+        self.before_write: BeforeWrite | None = None
+        self._layout: _GatherLayout | None = None
+
+    def _layout_now(self) -> _GatherLayout:
+        """Every rank, at the start of a sync: the layout, learned at the first sync and again
+        after a failed sync rebuilt the sync group (all ranks do so together)."""
+        layout = self._layout
+        if layout is None or layout.group is not self.group.group:
+            layout = self._layout = _learn_layout(
+                self.source, self.group, bucket_bytes=self.bucket_bytes
+            )
+        return layout
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A receive or send buffer on the model's device."""
+        param = next(self.source.model.parameters(), None)
+        device = torch.device("cpu") if param is None else param.device
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def sender_hook(self, transport: Any) -> Callable[[BucketPlan, int, torch.Tensor], None]:
+        """Rank 0: the sender's `write_bucket` for one sync (`transport` is unused: the bucket
+        is rank 0's own)."""
+        layout = self._layout_now()
+        world_size = self.group.world_size
+        received = self._buffer(world_size * max(layout.shares, default=0))
+        pieces = iter(ShardPieces(self.source, rank=0))
+
+        def write_bucket(plan: BucketPlan, slot: int, buffer: torch.Tensor) -> None:
+            if self.before_write is not None:
+                self.before_write("bucket", plan.index)
+            _copy(*_copies(pieces, plan, layout.extents[plan.index], buffer, packed=False))
+            share = layout.shares[plan.index]
+            if not share:  # every byte of the bucket is rank 0's
+                return
+            parts = received[: world_size * share].view(world_size, share)
+            self.group.gather_into(parts[0], list(parts.unbind(0)))
+            runs = layout.runs[plan.index]
+            _copy(
+                [buffer[start : start + n] for start, _, n in runs],
+                [received[at : at + n] for _, at, n in runs],
+            )
+
+        return write_bucket
+
+    def follow(self) -> None:
+        """Ranks > 0: send this rank's shards of every bucket of one sync to rank 0."""
+        layout = self._layout_now()
+        send = self._buffer(max(layout.shares, default=0))
+        pieces = iter(ShardPieces(self.source, rank=self.group.rank))
+        for plan, extents, share in zip(layout.plans, layout.extents, layout.shares):
+            _copy(*_copies(pieces, plan, extents, send, packed=True))
+            if share:
+                self.group.gather_into(send[:share], None)
+
+    def close(self) -> None:
+        self._layout = None

@@ -296,6 +296,25 @@ class ShardPieces:
                 pieces = [(p.name, p.data(), p.offset) for p in self.pieces(name, tensor)]
             yield from pieces
 
+    def extents(self) -> Iterator[tuple[str, int, int]]:
+        """(name, nbytes, byte offset) of each piece `__iter__` yields, in the same order and
+        without gathering anything: how many bytes of each tensor this rank writes, and where.
+        Not a collective."""
+        source = self.source
+        for name, tensor in source._native().items():
+            if self.gathers(name, tensor):
+                for hf_name, meta in source._hf_layout(name, tensor).items():
+                    nbytes = meta.numel() * source._out_dtype(meta).itemsize
+                    yield hf_name, nbytes if self.rank == 0 else 0, 0
+                continue
+            for piece in self.pieces(name, tensor):
+                src = piece.src
+                yield (
+                    piece.name,
+                    0 if src is None else src.numel() * piece.dtype.itemsize,
+                    piece.offset,
+                )
+
     def gathers(self, name: str, tensor: torch.Tensor) -> bool:
         """Whether `pieces(name, tensor)` gathers the tensor (a collective; its pieces are then
         made afresh every sync). Depends only on the layout, so it is the same on every rank."""

@@ -13,8 +13,9 @@ rank 0 talks to engines, the other ranks write their own shards where the path a
             log(report.sync_s, report.engines["vllm"].weight_version)
     sync.close()
 
-Paths, chosen per engine and per sync: buckets (every transport; with `shm` and several ranks
-each rank writes its own shards into the shared bucket) and, with `shm` or `cuda_ipc` from the
+Paths, chosen per engine and per sync: buckets (every transport; with several ranks each rank
+writes its own shards into the shared bucket with `shm`, or sends them to rank 0 in one gather
+per bucket with the others) and, with `shm` or `cuda_ipc` from the
 second sync on, the one-copy path (weightsync/trainer/one_copy/path.py: ranks write straight into the
 engine's parameters).
 """
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from weightsync.trainer.endpoint import Endpoint, RayEndpoint
 from weightsync.trainer.one_copy.path import OneCopyPath
 from weightsync.trainer.sender import DEFAULT_TIMEOUT_S, WeightSender
-from weightsync.trainer.shard_writes import BucketShardWriter
+from weightsync.trainer.shard_writes import BucketGatherWriter, BucketShardWriter
 from weightsync.trainer.source import DTensorV2Source
 from weightsync.trainer.sync_group import SyncGroup
 from weightsync.wire.bucket import DEFAULT_BUCKET_BYTES
@@ -76,8 +77,11 @@ class SyncOptions:
     (`shm`: into CPU engines' parameters; `cuda_ipc`: into GPU engines' parameters by IPC
     handle); True: required (a transport that cannot is refused); False: buckets only."""
     shard_writes: bool = True
-    """With `shm` and several ranks: each rank writes its own shards into the shared buckets
-    (no gather to rank 0)."""
+    """With several ranks, the ranks move their own dim-0 shards in bulk: with `shm` each rank
+    writes them into the shared buckets (no gather); with `cuda_ipc`, `gloo` and `nccl` one
+    gather per bucket brings every rank's shards of it to rank 0 (tensor-parallel and
+    adapter-converted tensors are still gathered one at a time). False: rank 0 sends full
+    tensors, each gathered on its own (`full_tensor()`: one all-gather per tensor)."""
     sync_dtype: str | None = None
     """Send floating-point tensors in this dtype ("bfloat16", ...); None: the training dtype."""
     collective_host: str = "127.0.0.1"
@@ -152,20 +156,14 @@ class TrainerSync:
         self.rank = self.group.rank
         self.log = _RankLog(logger, self.rank)
         self.source = DTensorV2Source(model, dtype=options.sync_dtype)
-        self.shard_writes = options.shard_writes and options.transport == "shm"
-        if options.shard_writes and self.shard_writes and self.group.world_size == 1:
-            self.shard_writes = False
+        self.shard_writes = options.shard_writes and self.group.world_size > 1
         if options.shard_writes and not self.shard_writes and self.rank == 0:
-            self.log.info(
-                "shard_writes off: %s",
-                "one rank"
-                if self.group.world_size == 1
-                else f"transport {options.transport!r} sends from rank 0",
-            )
+            self.log.info("shard_writes off: one rank")
         self.one_copy = options.one_copy is not False and options.transport in ONE_COPY_TRANSPORTS
         if options.one_copy is None and not self.one_copy and self.rank == 0:
             self.log.info("one_copy off: transport %r has no one-copy path", options.transport)
-        self.buckets = BucketShardWriter(self.source, self.group, bucket_bytes=options.bucket_bytes)
+        writer = BucketShardWriter if options.transport == "shm" else BucketGatherWriter
+        self.buckets = writer(self.source, self.group, bucket_bytes=options.bucket_bytes)
         rank_gpus = None
         if self.one_copy and options.transport == "cuda_ipc":  # where each rank's shards are
             rank_gpus = self.group.gather(_gpu_of(model))

@@ -2,7 +2,8 @@
 
 A sync needs a few small collectives among the trainer ranks (rank 0 tells the others which
 engines take which path and where the shared bytes are; the ranks report back what they
-wrote), as JSON (never pickle). They run in a gloo group of their own, bounded by the sync's timeout: a rank that dies
+wrote), as JSON (never pickle); the bucket gather's raw shard bytes go through `gather_into`.
+They run in a gloo group of their own, bounded by the sync's timeout: a rank that dies
 mid-sync fails the others within it, whatever timeout the training collectives have, and a
 hung sync never blocks the training group.
 """
@@ -169,6 +170,22 @@ class SyncGroup:
         if out is None:
             return None
         return [json.loads(b[: int(s[0])].numpy().tobytes()) for b, s in zip(out, sizes)]
+
+    def gather_into(self, tensor: torch.Tensor, out: list[torch.Tensor] | None) -> None:
+        """Every rank's `tensor` (the same size on each) into rank 0's `out` (one tensor per
+        rank, in rank order; None on the other ranks): a sync's bulk bytes. CPU tensors go
+        through this group, bounded by the sync's timeout; GPU tensors through the group the
+        trainer was built on (NCCL: gloo gathers no GPU memory), under its own timeout."""
+        if tensor.device.type == "cpu":
+            dist.gather(tensor, out, group=self.group, group_dst=0)
+            return
+        if dist.get_rank(self._parent) != self.rank:
+            raise RuntimeError(
+                f"sync group rank {self.rank} is rank {dist.get_rank(self._parent)} of the "
+                f"trainer's group: GPU bytes gathered there would land in another rank's place; "
+                f"build the trainer's group with its ranks in ascending order"
+            )
+        dist.gather(tensor, out, group=self._parent, group_dst=0)
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
