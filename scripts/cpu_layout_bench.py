@@ -196,6 +196,7 @@ def _bench_path(
         model,
         options=SyncOptions(
             transport=transport,
+            shard_writes=not args.no_shard_writes,
             bucket_bytes=args.bucket_mb << 20,
             one_copy=path == "one_copy",
             timeout_s=600,
@@ -477,6 +478,11 @@ def main() -> None:
         "and every layer's experts in one parameter each)",
     )
     parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument(
+        "--no-shard-writes",
+        action="store_true",
+        help="SyncOptions(shard_writes=False): rank 0 sends full tensors, one gather each",
+    )
     parser.add_argument(
         "--profile",
         metavar="DIR",

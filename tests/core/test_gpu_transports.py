@@ -235,6 +235,7 @@ def test_one_copy_into_a_gpu_receiver_writes_its_exported_storages():
         device="cuda",
         ranks=1,
         receiver="checkpoint",
+        no_shard_writes=False,
     )
     result = cpu_layout_bench.run(args)["paths"]["one_copy"]
     assert result["unverified_sync_checked"] and result["verified"]

