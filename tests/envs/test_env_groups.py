@@ -4,12 +4,12 @@ of three small packages (built in a temporary folder, seconds), and the engine e
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
+from tests.envs.tiny_env import make_tiny_env, uv
 from weightsync import cli
 from weightsync.driver import envs
 
@@ -29,28 +29,10 @@ package = false
 """
 
 
-def _uv(*args: str, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
-    env.pop("VIRTUAL_ENV", None)
-    return subprocess.run(
-        [*envs.uv_command(), *args], cwd=cwd, env=env, capture_output=True, text=True, check=True
-    )
-
-
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
     """An env "tiny" in a checkout rooted at tmp_path: its definition, its lock, no venv yet."""
-    folder = tmp_path / "envs" / "tiny"
-    folder.mkdir(parents=True)
-    (folder / "pyproject.toml").write_text(TINY_PYPROJECT)
-    _uv("lock", cwd=folder)
-    monkeypatch.setattr(envs, "REPO_ROOT", tmp_path)
-    monkeypatch.setitem(
-        envs.ENVS,
-        "tiny",
-        envs.EnvSpec(name="tiny", engine="packaging", engine_module="packaging", compiled=()),
-    )
-    return "tiny"
+    return make_tiny_env(tmp_path, monkeypatch, TINY_PYPROJECT)
 
 
 def _installed(name: str, module: str) -> bool:
@@ -132,7 +114,7 @@ def test_env_build_with_an_unknown_group_exits_2_naming_the_groups():
 def test_nemo_automodel_and_pytest_are_groups_not_runtime_dependencies_of_an_engine_env(name):
     def exported(*groups: str) -> set[str]:
         args = [a for g in groups for a in ("--group", g)]
-        out = _uv(
+        out = uv(
             "export",
             "--frozen",
             "--no-default-groups",

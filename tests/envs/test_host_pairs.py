@@ -7,13 +7,13 @@ definitions; tests/envs/test_wheel_install.py runs real drivers on other pairs e
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tomllib
 
 import pytest
 
+from tests.envs.tiny_env import make_tiny_env, uv
 from weightsync import cli
 from weightsync.driver import envs
 
@@ -34,28 +34,10 @@ package = false
 """
 
 
-def _uv(*args: str, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
-    env.pop("VIRTUAL_ENV", None)
-    return subprocess.run(
-        [*envs.uv_command(), *args], cwd=cwd, env=env, capture_output=True, text=True, check=True
-    )
-
-
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
     """An env "tiny" in a checkout rooted at tmp_path, locked for this Python with ray 2.60.0."""
-    folder = tmp_path / "envs" / "tiny"
-    folder.mkdir(parents=True)
-    (folder / "pyproject.toml").write_text(TINY_PYPROJECT)
-    _uv("lock", cwd=folder)
-    monkeypatch.setattr(envs, "REPO_ROOT", tmp_path)
-    monkeypatch.setitem(
-        envs.ENVS,
-        "tiny",
-        envs.EnvSpec(name="tiny", engine="packaging", engine_module="packaging", compiled=()),
-    )
-    return "tiny"
+    return make_tiny_env(tmp_path, monkeypatch, TINY_PYPROJECT)
 
 
 def _driver_on(monkeypatch, python: str, ray: str) -> envs.HostPair:
@@ -122,7 +104,7 @@ def test_the_pair_lock_is_cached_until_the_definition_changes(tiny, monkeypatch)
 
     pyproject = envs.definition_dir(tiny) / "pyproject.toml"
     pyproject.write_text(pyproject.read_text().replace('"packaging"', '"packaging", "pluggy"'))
-    _uv("lock", cwd=envs.definition_dir(tiny))
+    uv("lock", cwd=envs.definition_dir(tiny))
     assert envs.state(tiny) == "stale"
     result = envs.build(tiny, quiet=True)
     assert result["action"] == "rebuilt" and result["groups"] == ["test"]
