@@ -188,10 +188,11 @@ def check_failed_verification_is_never_adopted(engine, trainer, name: str) -> No
 
 
 @contextlib.contextmanager
-def open_json_server(routes: dict[str, object]):
-    """A loopback HTTP server that answers GET `path` with `routes[path]` as JSON, to anyone,
-    key or no key (404 elsewhere): what a server started without an API key looks like to
-    weightsync's attach checks. Yields its base URL."""
+def open_json_server(routes: dict[str, object], *, key: str | None = None):
+    """A loopback HTTP server that answers GET `path` with `routes[path]` as JSON (404
+    elsewhere): to anyone without `key` (what a server started without an API key looks like
+    to weightsync's attach checks), else 401 to a request without `Bearer <key>` but on
+    /health. Yields its base URL."""
     import http.server
     import json
     import threading
@@ -199,6 +200,12 @@ def open_json_server(routes: dict[str, object]):
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
             body = routes.get(self.path)
+            authorized = self.headers.get("Authorization") == f"Bearer {key}"
+            if key is not None and self.path != "/health" and not authorized:
+                body = None
+                self.send_response(401)
+                self.end_headers()
+                return
             data = json.dumps(body).encode()
             self.send_response(200 if body is not None else 404)
             self.send_header("Content-Type", "application/json")

@@ -32,7 +32,7 @@ from weightsync.driver.preflight import read_config, refuse_unsupported_sglang
 from weightsync.engine.one_copy.sharing import combine_worker_shares
 from weightsync.engine.replica import sharing_of
 from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
-from weightsync.engine.server import LocalServer, RemoteServer, cli_flags, http_json
+from weightsync.engine.server import LocalServer, RemoteServer, cli_flags
 from weightsync.engine.session import EngineSession
 from weightsync.wire.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer, StageReport
 from weightsync.wire.specs import as_plain, unwrap_all
@@ -201,32 +201,16 @@ class _Http:
         """The client of a server its owner started; refuses one weightsync cannot drive
         safely, naming what to add to its command line."""
         self = cls.__new__(cls)
-        self.server = RemoteServer(url, name="sglang", api_key=api_key)  # type: ignore[assignment]
+        server = RemoteServer(url, name="sglang", api_key=api_key)
+        self.server = server  # type: ignore[assignment]
         self.base, self._request = self.server.base, self.server.request
         fix = f"start it with `{' '.join(attach_flags())} --api-key=<key>`"
-        status, info = self._request("GET", "/server_info", timeout=120)
-        if status == 401:
-            raise PermissionError(
-                f"sglang server at {url} "
-                + (
-                    "demands an API key: pass api_key= the key it was started with"
-                    if api_key is None
-                    else "refused the API key given (401): pass api_key= the key the server "
-                    "was started with (its --api-key)"
-                )
-            )
-        if status != 200 or not isinstance(info, dict):
-            raise RuntimeError(f"sglang server at {url}: /server_info answered {status}: {info}")
+        info = server.info("/server_info", key_name="its --api-key", fix=fix)
         loaders = info.get("custom_weight_loader") or []
         if LOADER not in loaders:
             raise ValueError(
                 f"sglang server at {url} runs custom weight loaders {loaders}, not weightsync's: "
                 f"{fix}"
-            )
-        if api_key is None or http_json("GET", self.base + "/server_info")[0] != 401:
-            raise PermissionError(
-                f"sglang server at {url} answers /server_info without a key, so any local user "
-                f"could drive its weight updates: {fix}, and pass that key as api_key="
             )
         self.tp_size = int(info.get("tp_size") or 1)
         return self

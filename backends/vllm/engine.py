@@ -31,7 +31,7 @@ from weightsync.driver.preflight import (
 )
 from weightsync.engine.one_copy.sharing import combine_worker_shares
 from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
-from weightsync.engine.server import LocalServer, RemoteServer, cli_flags, http_json
+from weightsync.engine.server import LocalServer, RemoteServer, cli_flags
 from weightsync.engine.session import EngineSession
 from weightsync.wire.protocol import (
     EndReport,
@@ -148,38 +148,19 @@ class _Http:
         """The client of a server its owner started; refuses one weightsync cannot drive
         safely, naming what to add to its command line."""
         self = cls.__new__(cls)
-        self.server = RemoteServer(url, name="vllm", api_key=api_key)  # type: ignore[assignment]
+        server = RemoteServer(url, name="vllm", api_key=api_key)
+        self.server = server  # type: ignore[assignment]
         self.base, self._request = self.server.base, self.server.request
         fix = (
             f"start it with VLLM_SERVER_DEV_MODE=1 and VLLM_API_KEY=<key> in its environment and "
             f"`{' '.join(attach_flags())}` on its command line"
         )
-        status, info = self._request("GET", "/server_info?config_format=json", timeout=120)
-        if status == 401 and api_key is None:
-            raise PermissionError(
-                f"vllm server at {url} demands an API key: pass api_key= the key it was started "
-                "with (its VLLM_API_KEY)"
-            )
-        if status == 404:
-            raise ValueError(f"vllm server at {url} has no /server_info (dev routes off): {fix}")
-        if status == 401:
-            raise PermissionError(
-                f"vllm server at {url} refused the API key given (401): pass api_key= the key "
-                "the server was started with (its VLLM_API_KEY)"
-            )
-        if status != 200 or not isinstance(info, dict):
-            raise RuntimeError(f"vllm server at {url}: /server_info answered {status}: {info}")
+        info = server.info("/server_info?config_format=json", key_name="its VLLM_API_KEY", fix=fix)
         config = info["vllm_config"]
         extension = config["parallel_config"].get("worker_extension_cls")
         if extension != EXTENSION:
             raise ValueError(
                 f"vllm server at {url} runs worker extension {extension!r}, not weightsync's: {fix}"
-            )
-        if api_key is None or http_json("GET", self.base + "/server_info")[0] != 401:
-            raise PermissionError(
-                f"vllm server at {url} answers /server_info without a key, so any local user "
-                f"could drive its workers through /collective_rpc: {fix}, and pass that key "
-                "as api_key="
             )
         status, models = self._request("GET", "/v1/models")
         if status != 200:

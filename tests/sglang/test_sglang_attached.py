@@ -126,6 +126,7 @@ def test_a_server_that_answers_without_a_key_is_refused():
     with open_json_server({"/health": {}, "/server_info": info}) as url:
         with pytest.raises(PermissionError, match="answers /server_info without a key"):
             _Http.attach(url, api_key=KEY)
-        info["custom_weight_loader"] = []
+    info["custom_weight_loader"] = []
+    with open_json_server({"/health": {}, "/server_info": info}, key=KEY) as url:
         with pytest.raises(ValueError, match="--custom-weight-loader"):
             _Http.attach(url, api_key=KEY)

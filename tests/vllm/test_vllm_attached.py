@@ -181,6 +181,7 @@ def test_a_server_that_answers_without_a_key_is_refused():
     with open_json_server(routes) as url:
         with pytest.raises(PermissionError, match="answers /server_info without a key"):
             _Http.attach(url, api_key=KEY)
-        config["parallel_config"]["worker_extension_cls"] = None
+    config["parallel_config"]["worker_extension_cls"] = None
+    with open_json_server(routes, key=KEY) as url:
         with pytest.raises(ValueError, match="--worker-extension-cls"):
             _Http.attach(url, api_key=KEY)

@@ -124,6 +124,32 @@ class RemoteServer:
         """(HTTP status, decoded JSON or text)."""
         return http_json(method, self.base + path, body, api_key=self.api_key, timeout=timeout)
 
+    def info(self, path: str, *, key_name: str, fix: str) -> dict[str, Any]:
+        """GET `path` (a route answering what the server runs) with the key, then refuse a server
+        weightsync must not drive: PermissionError when it demands a key and none or another was
+        given (`key_name`: where its key is set), or when it answers `path` without a key (any
+        local user could then drive its updates: `fix` says how to start it instead)."""
+        where = f"{self.name} server at {self.base}"
+        status, out = self.request("GET", path, timeout=120)
+        if status == 401:
+            raise PermissionError(
+                f"{where} demands an API key: pass api_key= the key it was started with "
+                f"({key_name})"
+                if self.api_key is None
+                else f"{where} refused the API key given (401): pass api_key= the key the "
+                f"server was started with ({key_name})"
+            )
+        if status == 404:
+            raise ValueError(f"{where} has no {path.split('?')[0]}: {fix}")
+        if status != 200 or not isinstance(out, dict):
+            raise RuntimeError(f"{where}: {path} answered {status}: {out}")
+        if self.api_key is None or http_json("GET", self.base + path)[0] != 401:
+            raise PermissionError(
+                f"{where} answers {path.split('?')[0]} without a key, so any local user could "
+                f"drive its weight updates: {fix}, and pass that key as api_key="
+            )
+        return out
+
     def shutdown(self) -> None:
         """Nothing: the server is its owner's."""
 
