@@ -260,3 +260,10 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except OSError:
         return None
+
+
+def test_attaching_to_a_url_where_no_server_answers_fails_naming_the_url():
+    """`url=` on an engine actor: a URL with nothing listening is refused at once, naming it."""
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ConnectionError, match=f"vllm server at {url}: no answer to GET /health"):
+        server.RemoteServer(url, name="vllm", api_key="k", timeout_s=5)
