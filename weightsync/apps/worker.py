@@ -92,7 +92,11 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         if answers is None:
             return None
         return {
-            name: {"num_params": a.num_params, "num_receivers": a.num_receivers}
+            name: {
+                "num_params": a.num_params,
+                "num_receivers": a.num_receivers,
+                **({"unverifiable": a.unverifiable} if a.unverifiable else {}),
+            }
             for name, a in answers.items()
         }
 

@@ -38,8 +38,10 @@ ACTORS: dict[str, str] = {
     "weightsync.apps.worker.DTensorV2WeightSyncWorker": "driver",
     "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker": "sglang",
     "weightsync.backends.sglang.engine.SglEngineActor": "sglang",
+    "weightsync.backends.sglang.stock.SglStockEngine": "sglang",
     "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker": "*vllm",
     "weightsync.backends.vllm.engine.VllmEngineActor": "*vllm",
+    "weightsync.backends.vllm.stock.VllmStockEngine": "*vllm",
 }
 
 

@@ -177,6 +177,23 @@ class RefitCheck:
         self.accepted = {s.name: s for s in specs}
 
 
+SAFETENSORS_DTYPES = {
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+    "float64": "F64",
+    "int8": "I8",
+    "uint8": "U8",
+    "int16": "I16",
+    "int32": "I32",
+    "int64": "I64",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+"""weightsync's dtype names -> the dtype codes of a safetensors header."""
+
+
 def checkpoint_specs(path: str) -> dict[str, TensorSpec]:
     """Name, dtype and shape of every tensor in a safetensors checkpoint directory (headers
     only; nothing is loaded)."""
@@ -185,20 +202,7 @@ def checkpoint_specs(path: str) -> dict[str, TensorSpec]:
 
     from safetensors import safe_open
 
-    dtypes = {
-        "BF16": "bfloat16",
-        "F16": "float16",
-        "F32": "float32",
-        "F64": "float64",
-        "I8": "int8",
-        "U8": "uint8",
-        "I16": "int16",
-        "I32": "int32",
-        "I64": "int64",
-        "BOOL": "bool",
-        "F8_E4M3": "float8_e4m3fn",
-        "F8_E5M2": "float8_e5m2",
-    }
+    dtypes = {code: name for name, code in SAFETENSORS_DTYPES.items()}
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {path!r}; cannot check refit info")
@@ -216,10 +220,12 @@ def checkpoint_specs(path: str) -> dict[str, TensorSpec]:
 
 
 def check_against_checkpoint(
-    specs: list[TensorSpec], path: str, *, engine_dtype: str, name: str = "engine"
+    specs: list[TensorSpec], path: str, *, engine_dtype: str | None, name: str = "engine"
 ) -> None:
     """Refit check for engines without a dry run: the trainer's tensors must be the ones the
-    engine was started from (same names and shapes), in the engine's dtype."""
+    engine was started from (same names and shapes), in the engine's dtype (`engine_dtype`
+    None: each in the checkpoint's own dtype, for an engine that loads a checkpoint and casts
+    as it did at start)."""
     known = checkpoint_specs(path)
     seen: set[str] = set()
     for spec in specs:
@@ -237,7 +243,13 @@ def check_against_checkpoint(
                 f"{name}: tensor {spec.name!r}: trainer shape {spec.shape} != "
                 f"engine shape {ref.shape}"
             )
-        if spec.dtype != engine_dtype:
+        if engine_dtype is None and spec.dtype != ref.dtype:
+            raise ValueError(
+                f"{name}: tensor {spec.name!r}: trainer dtype {spec.dtype} != checkpoint dtype "
+                f"{ref.dtype}; send {ref.dtype}, the dtype of the checkpoint the engine was "
+                f"started from (it casts what it loads as it did at start)"
+            )
+        if engine_dtype is not None and spec.dtype != engine_dtype:
             raise ValueError(
                 f"{name}: tensor {spec.name!r}: trainer dtype {spec.dtype} != "
                 f"engine dtype {engine_dtype}; send {engine_dtype} (the worker's "

@@ -99,6 +99,8 @@ class EngineState:
     # Per worker, {tensor: [parameter, patterns]}: where its loader puts the elements of each
     # tensor it holds (weightsync/wire/placement.py); None for a receiver that reports none.
     placements: list[dict[str, Any]] | None = None
+    # Why its weights cannot be read back (a stock engine's `RefitAnswer.unverifiable`).
+    unverifiable: str | None = None
 
 
 # A call submitted to an engine: (engine, method, the endpoint's ticket).

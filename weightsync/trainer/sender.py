@@ -86,10 +86,21 @@ class WeightSender:
                 "check_refit", specs_to_dicts(self.specs), timeout_s=timeout_s or self.timeout_s
             ),
         )
-        self.engines[endpoint.name] = EngineState(endpoint=endpoint, param_of=answer.param_of)
+        self.engines[endpoint.name] = EngineState(
+            endpoint=endpoint, param_of=answer.param_of, unverifiable=answer.unverifiable
+        )
         if self.transport is not None:
             self.transport.forget_replays()  # the new engine holds none of them
         return answer
+
+    def unverifiable(self, names: list[str]) -> str | None:
+        """Why engines among `names` cannot be verified (stock engines), or None."""
+        whys = [
+            f"engine {n!r}: {self.engines[n].unverifiable}"
+            for n in names
+            if n in self.engines and self.engines[n].unverifiable
+        ]
+        return "; ".join(whys) or None
 
     def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """`method(*args)` on engine `name`; its answer as `EngineCalls.wait_all` gives it."""

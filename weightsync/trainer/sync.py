@@ -211,6 +211,12 @@ class TrainerSync:
         for name, engine in engines.items():
             endpoint = engine if isinstance(engine, Endpoint) else RayEndpoint(engine, name=name)
             answers[name] = sender.add_engine(endpoint, timeout_s=opts.connect_timeout_s)
+            if opts.verify and answers[name].unverifiable:
+                del sender.engines[name]
+                raise ValueError(
+                    f"engine {name!r} cannot be verified and this trainer verifies every sync "
+                    f"(verify=True): {answers[name].unverifiable}"
+                )
             if opts.keep_previous:
                 self._keep_previous(sender, name)
         if sender.transport is None and answers:
@@ -274,7 +280,7 @@ class TrainerSync:
         self._num_syncs += 1
         version = version or f"v{self._num_syncs}"
         verify = self.options.verify if verify is None else verify
-        plan = self.group.broadcast(self._plan(engines) if self.rank == 0 else None)
+        plan = self.group.broadcast(self._plan(engines, verify) if self.rank == 0 else None)
         if "error" in plan:
             raise ValueError(plan["error"])
         buckets = list(plan["buckets"])
@@ -331,6 +337,9 @@ class TrainerSync:
             raise ValueError("verify before connect: call connect({name: engine}) first")
         if unknown:
             raise ValueError(f"unknown engine(s) {unknown}; registered: {list(sender.engines)}")
+        why = sender.unverifiable(names)
+        if why:
+            raise ValueError(f"verify refused: {why}")
         return sender.verify(
             sent, engines=names, worker_sent={n: w.result() for n, w in workers.items()}
         )
@@ -359,8 +368,9 @@ class TrainerSync:
         self.buckets.close()
         self.group.close()
 
-    def _plan(self, engines: list[str] | None) -> dict[str, Any]:
-        """Rank 0: which engines take the one-copy path this sync, which take buckets."""
+    def _plan(self, engines: list[str] | None, verify: bool) -> dict[str, Any]:
+        """Rank 0: which engines take the one-copy path this sync, which take buckets; an
+        error, before anything is written, when the sync cannot be made as asked."""
         if self.sender is None or not self.sender.engines:
             return {"error": "sync before connect: call connect({name: engine}) first"}
         names = list(self.sender.engines) if engines is None else list(engines)
@@ -369,6 +379,9 @@ class TrainerSync:
             return {
                 "error": f"unknown engine(s) {unknown}; registered: {list(self.sender.engines)}"
             }
+        why = self.sender.unverifiable(names) if verify else None
+        if why:
+            return {"error": f"sync(verify=True) refused, nothing was written: {why}"}
         one_copy = [n for n in names if self.one_copy_path.takes(n)]
         return {"one_copy": one_copy, "buckets": [n for n in names if n not in one_copy]}
 

@@ -69,14 +69,20 @@ class RefitAnswer:
     """How many processes a sync reaches (an engine's tensor-parallel workers)."""
     tp_size: int = 1
     """The engine's tensor-parallel size."""
+    unverifiable: str | None = None
+    """Why the engine's weights cannot be read back (a stock engine, updated through its own
+    reload: weightsync/engine/stock.py); None when syncs into it can be verified."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "param_of": _param_of(self.param_of),
-            "num_params": self.num_params,
-            "num_receivers": self.num_receivers,
-            "tp_size": self.tp_size,
-        }
+        return _without_none(
+            {
+                "param_of": _param_of(self.param_of),
+                "num_params": self.num_params,
+                "num_receivers": self.num_receivers,
+                "tp_size": self.tp_size,
+                "unverifiable": self.unverifiable,
+            }
+        )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RefitAnswer:
@@ -85,6 +91,7 @@ class RefitAnswer:
             num_params=int(_get(d, cls, "num_params")),
             num_receivers=int(_get(d, cls, "num_receivers", 1)),
             tp_size=int(_get(d, cls, "tp_size", 1)),
+            unverifiable=_get(d, cls, "unverifiable", None),
         )
 
 

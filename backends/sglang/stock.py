@@ -1,0 +1,59 @@
+"""A stock SGLang server (nothing of weightsync's in it) synced through SGLang's own reload.
+
+`SglStockEngine(url=...)` attaches to a framework's own `python -m sglang.launch_server`. Each
+sync's buckets are staged into a checkpoint on this host (weightsync/engine/stock.py), then one
+`/update_weights_from_disk {model_path, weight_version, flush_cache}`: SGLang takes its own
+writer lock (requests in flight finish on the old weights, new ones wait), every TP worker loads
+the staged checkpoint through SGLang's own loader, the prefix cache is flushed and the version
+adopted. Not verified (see the module doc of weightsync/engine/stock.py).
+
+With `--api-key` the server demands the key on every route, its weight routes included; without
+one any local user reaching its port can update its weights.
+"""
+
+from __future__ import annotations
+
+from weightsync.engine.server import RemoteServer
+from weightsync.engine.stock import StockEngine
+
+
+class SglStockEngine(StockEngine):
+    """A Ray actor (env "sglang") on the server's host, syncing a stock SGLang server by
+    reloads. `api_key`: the server's `--api-key`, if it has one."""
+
+    engine_name = "sglang"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        staging_dir: str | None = None,
+        idle_timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__(staging_dir=staging_dir, idle_timeout_s=idle_timeout_s)
+        self.server = RemoteServer(url, name="sglang", api_key=api_key)
+        where = f"sglang server at {self.server.base}"
+        status, info = self.server.request("GET", "/server_info")
+        if status == 401:
+            raise PermissionError(
+                f"{where} refused "
+                + ("the API key given" if api_key else "a request without an API key")
+                + ": pass api_key= the key it was started with (--api-key)"
+            )
+        if status != 200 or not isinstance(info, dict):
+            raise RuntimeError(f"{where}: /server_info answered {status}: {info}")
+        # The startup configuration: the checkpoint it was started from, whatever it reloaded since.
+        self.model_path = str(info["model_path"])
+        self.tp_size = int(info.get("tp_size") or 1)
+        self._check_model_path(where)
+
+    def _reload(self, folder: str, version: str) -> bool:
+        status, out = self.server.request(
+            "POST",
+            "/update_weights_from_disk",
+            {"model_path": folder, "weight_version": version, "flush_cache": True},
+        )
+        if status != 200 or not (isinstance(out, dict) and out.get("success")):
+            raise RuntimeError(f"sglang server /update_weights_from_disk answered {status}: {out}")
+        return True  # flush_cache: flushed inside the update, or the update failed
