@@ -189,17 +189,23 @@ def check_failed_verification_is_never_adopted(engine, trainer, name: str) -> No
 
 @contextlib.contextmanager
 def open_json_server(routes: dict[str, object], *, key: str | None = None):
-    """A loopback HTTP server that answers GET `path` with `routes[path]` as JSON (404
-    elsewhere): to anyone without `key` (what a server started without an API key looks like
-    to weightsync's attach checks), else 401 to a request without `Bearer <key>` but on
-    /health. Yields its base URL."""
+    """A loopback HTTP server that answers GET `path` with `routes[path]` as JSON, POST `path`
+    with `routes["POST " + path]` (404 elsewhere): to anyone without `key` (what a server
+    started without an API key looks like to weightsync's attach checks), else 401 to a request
+    without `Bearer <key>` but on /health. Yields its base URL."""
     import http.server
     import json
     import threading
 
     class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._answer(routes.get("POST " + self.path))
+
         def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
-            body = routes.get(self.path)
+            self._answer(routes.get(self.path))
+
+        def _answer(self, body: object) -> None:
             authorized = self.headers.get("Authorization") == f"Bearer {key}"
             if key is not None and self.path != "/health" and not authorized:
                 body = None

@@ -96,6 +96,23 @@ class _InProcess:
         from vllm import LLM
 
         self.llm = LLM(model=model_path, worker_extension_cls=EXTENSION, **args)
+        self.owned = True
+
+    @classmethod
+    def of(cls, llm: Any) -> _InProcess:
+        """The client of a `vllm.LLM` its owner made (with weightsync's extension); refuses
+        one made without it, naming the argument to add."""
+        config = llm.llm_engine.vllm_config
+        extension = config.parallel_config.worker_extension_cls
+        if extension != EXTENSION:
+            raise ValueError(
+                f"vllm.LLM runs worker extension {extension!r}, not weightsync's: make it with "
+                f"LLM(..., worker_extension_cls={EXTENSION!r})"
+            )
+        self = cls.__new__(cls)
+        self.llm, self.owned = llm, False
+        self.tp_size = int(config.parallel_config.tensor_parallel_size)
+        return self
 
     def rpc(self, method: str, args: tuple) -> list[dict]:
         return self.llm.collective_rpc(method, args=args)
@@ -133,7 +150,8 @@ class _InProcess:
         return samples
 
     def shutdown(self) -> None:
-        del self.llm
+        if self.owned:  # an engine its owner made stays theirs
+            del self.llm
 
 
 def attach_flags() -> list[str]:
@@ -155,18 +173,23 @@ class _Http:
             f"start it with VLLM_SERVER_DEV_MODE=1 and VLLM_API_KEY=<key> in its environment and "
             f"`{' '.join(attach_flags())}` on its command line"
         )
-        info = server.info("/server_info?config_format=json", key_name="its VLLM_API_KEY", fix=fix)
-        config = info["vllm_config"]
-        extension = config["parallel_config"].get("worker_extension_cls")
-        if extension != EXTENSION:
+        # Not /server_info: it shells out for `pip list`, and fails (500) where the server's
+        # venv has no pip and no uv on its PATH.
+        info = server.info("/get_world_size?include_dp=false", key_name="its VLLM_API_KEY", fix=fix)
+        status, out = self._request(
+            "POST", "/collective_rpc", {"method": "weightsync_extension"}, timeout=120
+        )
+        extensions = out.get("results") if status == 200 and isinstance(out, dict) else None
+        if not extensions or any(e != EXTENSION for e in extensions):
             raise ValueError(
-                f"vllm server at {url} runs worker extension {extension!r}, not weightsync's: {fix}"
+                f"vllm server at {url} runs no weightsync worker extension (/collective_rpc "
+                f"weightsync_extension answered {status}: {str(out)[:300]}): {fix}"
             )
         status, models = self._request("GET", "/v1/models")
         if status != 200:
             raise RuntimeError(f"vllm server at {url}: /v1/models answered {status}: {models}")
         self.model = str(models["data"][0]["id"])  # the name it serves, --served-model-name's
-        self.tp_size = int(config["parallel_config"]["tensor_parallel_size"])
+        self.tp_size = int(info["world_size"])
         return self
 
     def __init__(self, model_path: str, args: dict[str, Any], *, api_key: str) -> None:
@@ -266,6 +289,10 @@ class _Http:
 class VllmEngineActor(EngineSession):
     """A Ray actor (env "vllm"/"vllm-cpu") holding one vLLM engine. Order: see WeightReceiver.
 
+    Or a plain object inside a framework's own actor, wrapping the `vllm.LLM` the framework
+    made with weightsync's extension (`llm=`; the framework's actor forwards the trainer's calls
+    to it: `RayEndpoint(handle, name=..., dispatch=...)`); it leaves that engine running.
+
     `dtype` defaults to the checkpoint's (`_checkpoint_dtype`), `max_model_len` to vLLM's
     reading of the model's config (max_position_embeddings); `engine_args` go to vLLM as they
     are and win over both."""
@@ -277,6 +304,7 @@ class VllmEngineActor(EngineSession):
         model_path: str | None = None,
         *,
         url: str | None = None,
+        llm: Any = None,
         mode: str = "engine",
         dtype: str | None = None,
         max_model_len: int | None = None,
@@ -291,6 +319,17 @@ class VllmEngineActor(EngineSession):
         super().__init__(idle_timeout_s=idle_timeout_s)
         self.keep_previous = keep_previous
         self._api_key: str | None = None
+        if llm is not None:
+            # A framework's own in-process engine: this object lives in the framework's actor,
+            # which hands it the trainer's calls (`RayEndpoint(..., dispatch=...)`).
+            if url is not None or model_path is not None or engine_args or mode != "engine":
+                raise ValueError(
+                    "llm= wraps an engine its owner made, whose own arguments decide its model "
+                    "and shape; leave out model_path, url, mode and engine_args"
+                )
+            in_process = _InProcess.of(llm)
+            self.mode, self.client, self.tp_size = "engine", in_process, in_process.tp_size
+            return
         if url is not None:
             shaping = {
                 "model_path": model_path,

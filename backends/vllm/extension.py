@@ -47,6 +47,10 @@ class WeightsyncWorkerExtension:
         model_runner: Any
         vllm_config: Any
 
+    def weightsync_extension(self) -> str:
+        """This class's qualified name: what an attaching actor checks the server runs."""
+        return f"{__name__}.WeightsyncWorkerExtension"
+
     def _ws_state(self) -> dict[str, Any]:
         state = getattr(self, "_weightsync", None)
         if state is None:

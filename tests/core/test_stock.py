@@ -27,7 +27,13 @@ class DiskReloadEngine(StockEngine):
         self.model_path = model_path
         self.module = module
         self.fail_reload = False
+        self.fail_load = False
         self.reloads: list[str] = []
+
+    def _engine_load(self, descriptor: dict):
+        if self.fail_load and self._loaded >= 1:  # the first bucket of the update is staged
+            raise RuntimeError("transport failed after a bucket")
+        return super()._engine_load(descriptor)
 
     def _reload(self, folder: str, version: str) -> bool:
         from safetensors.torch import load_file
@@ -135,6 +141,7 @@ def _stock_rank(rank: int, port: int, results, options: dict) -> None:
         engine = DiskReloadEngine(options["checkpoint"], served, options["staging"])
         out["connect"] = sync.connect({"disk": LocalEndpoint(engine, name="disk")})
         out["folder"] = engine.staged_folder()
+        out["folder_mode"] = os.stat(out["folder"]).st_mode & 0o777
         # A trainer that verifies every sync is refused at connect, naming the engine.
         try:
             strict.connect({"disk": LocalEndpoint(engine, name="disk")})
@@ -149,6 +156,10 @@ def _stock_rank(rank: int, port: int, results, options: dict) -> None:
         out["verify_error"] = str(exc)
     out["after_refusal"] = engine.weight_version() if engine else None
     out["report"] = sync.sync("v1")
+    try:
+        sync.verify()  # every rank takes part in the gathers; rank 0 refuses after them
+    except ValueError as exc:
+        out["verify_call_error"] = str(exc)
     full = dict(sync.source.tensors())
     if engine is not None:
         params = dict(engine.module.named_parameters())
@@ -158,7 +169,18 @@ def _stock_rank(rank: int, port: int, results, options: dict) -> None:
             engine.fingerprints()
         except RuntimeError as exc:
             out["fingerprints_error"] = str(exc)
-        engine.fail_reload = True
+        engine.fail_load = True
+    try:
+        sync.sync("v1-partial")
+    except RuntimeError as exc:
+        out["failed_load"] = str(exc)
+    if engine is not None:
+        # Aborted before the reload: the engine still serves v1, its weights untouched.
+        engine.check_serving()
+        out["after_failed_load"] = engine.weight_version()
+        params = dict(engine.module.named_parameters())
+        out["still_equal"] = all(torch.equal(params[n], t) for n, t in full.items())
+        engine.fail_load, engine.fail_reload = False, True
     try:
         sync.sync("v2")
     except RuntimeError as exc:
@@ -183,12 +205,14 @@ def test_trainer_sync_into_a_stock_engine_stages_reloads_and_refuses_verificatio
     out = _run_two_ranks_of(_stock_rank, {"checkpoint": checkpoint, "staging": str(tmp_path)})
     assert out["connect"]["disk"].unverifiable.startswith("disk runs nothing of weightsync's")
     assert out["folder"].startswith(str(tmp_path))
+    assert out["folder_mode"] == 0o700  # the staged weights: owner-only
     assert (
         "engine 'disk' cannot be verified and this trainer verifies every sync"
         in (out["strict_error"])
     )
     assert "sync(verify=True) refused, nothing was written: engine 'disk'" in out["verify_error"]
     assert out["after_refusal"] is None
+    assert out["verify_call_error"].startswith("verify refused: engine 'disk': disk runs nothing")
     report = out["report"]
     assert report.path == "buckets" and report.verify is None
     assert report.engines["disk"].weight_version == "v1"
@@ -198,6 +222,8 @@ def test_trainer_sync_into_a_stock_engine_stages_reloads_and_refuses_verificatio
         "why": "disk: a stock engine has no one-copy path",
     }
     assert "its weights cannot be read back" in out["fingerprints_error"]
+    assert "transport failed after a bucket" in out["failed_load"]
+    assert out["after_failed_load"] == "v1" and out["still_equal"]
     # A reload that failed half way: the engine refuses to serve until a later sync completes.
     assert "reload failed half way" in out["failed_reload"]
     assert out["reloads"] == ["v1"]

@@ -6,7 +6,8 @@ completions the server's own OpenAI-compatible API answers equal the trainer's f
 reference. Attaching refuses a missing or wrong key before anything is written; the server keeps
 running when the attached actor goes. (The one-copy path through a server: SGLang's attached
 test, and tests/reliability/test_vllm_pause.py through a server the actor starts; GPT-2's
-transposed weights keep vLLM on buckets.)"""
+transposed weights keep vLLM on buckets.) In-process too: a framework's own actor holding its own
+`vllm.LLM` with the extension, reached through its dispatch method (`RayEndpoint(dispatch=)`)."""
 
 from __future__ import annotations
 
@@ -168,20 +169,67 @@ def test_an_attached_actor_leaves_the_server_running(attached, server):
 
 def test_a_server_that_answers_without_a_key_is_refused():
     """vLLM's own --api-key guards /v1 routes only: a server started without weightsync's guard
-    answers /server_info and /collective_rpc to anyone, and attaching to it is refused."""
+    answers its dev routes (/get_world_size, /collective_rpc) to anyone, and attaching to it is refused."""
     from tests.engine_checks import open_json_server
     from weightsync.backends.vllm.engine import EXTENSION, _Http
 
-    config = {
-        "parallel_config": {"worker_extension_cls": EXTENSION, "tensor_parallel_size": 1},
-        "model_config": {"model": "m"},
+    routes: dict[str, object] = {
+        "/health": {},
+        "/get_world_size?include_dp=false": {"world_size": 1},
+        "POST /collective_rpc": {"results": [EXTENSION]},
     }
-    info = {"vllm_config": config}
-    routes = {"/health": {}, "/server_info?config_format=json": info, "/server_info": info}
     with open_json_server(routes) as url:
-        with pytest.raises(PermissionError, match="answers /server_info without a key"):
+        with pytest.raises(PermissionError, match="answers /get_world_size without a key"):
             _Http.attach(url, api_key=KEY)
-    config["parallel_config"]["worker_extension_cls"] = None
+    routes["POST /collective_rpc"] = {"results": ["some.other.Extension"]}
     with open_json_server(routes, key=KEY) as url:
-        with pytest.raises(ValueError, match="--worker-extension-cls"):
+        with pytest.raises(ValueError, match="runs no weightsync worker extension.*--worker-ext"):
             _Http.attach(url, api_key=KEY)
+
+
+def test_a_framework_actor_holding_its_own_llm_is_synced_through_its_dispatch_method(
+    attached, server
+):
+    """In-process: the framework's own actor makes `vllm.LLM(worker_extension_cls=...)` and
+    forwards weightsync's calls through one method; a 1-rank trainer syncs it by buckets over
+    shared memory, verified, and the framework's own generate then equals the reference."""
+    from weightsync import RayEndpoint
+
+    rollout_class = "tests.vllm.framework_rollout.FrameworkRollout"
+    launcher.register_actor(rollout_class, "*vllm")
+    path = server[1]  # the server's checkpoint
+    rollout = launcher.launch(rollout_class, path)
+    trainer = launcher.TrainerGroup(
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+        model_path=path,
+        world_size=1,
+        bucket_bytes=1 << 20,
+        seed=0,
+    )
+    try:
+        endpoint = RayEndpoint(rollout, name="framework-llm", dispatch="weightsync")
+        trainer.call("connect", {"framework-llm": endpoint})
+        trainer.call("train_step", [[5, 6, 7, 8, 9]] * 2)
+        report = trainer.sync("own-1", verify=True)
+        assert report.verify is not None and report.verify["framework-llm"].verified
+        assert ray.get(rollout.weightsync.remote("weight_version")) == "own-1"
+        ray.get(rollout.weightsync.remote("settle"), timeout=300)
+        want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
+        assert ray.get(rollout.rollout.remote(prompt_ids(), MAX_NEW_TOKENS)) == want["tokens"]
+    finally:
+        trainer.kill()
+
+
+def test_an_llm_made_without_weightsyncs_extension_is_refused_naming_the_argument():
+    from types import SimpleNamespace
+
+    from weightsync.backends.vllm.engine import VllmEngineActor
+
+    parallel = SimpleNamespace(worker_extension_cls="", tensor_parallel_size=1)
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel))
+    )
+    with pytest.raises(ValueError, match="worker_extension_cls='weightsync.backends.vllm"):
+        VllmEngineActor(llm=llm)
+    with pytest.raises(ValueError, match="llm= wraps an engine its owner made"):
+        VllmEngineActor("some/model", llm=llm)

@@ -60,13 +60,18 @@ class LocalEndpoint(Endpoint):
 
 
 class RayEndpoint(Endpoint):
-    """A Ray actor implementing `WeightReceiver`."""
+    """A Ray actor implementing `WeightReceiver`; or, with `dispatch`, a framework's own actor
+    holding one (e.g. `VllmEngineActor(llm=its_llm)`) whose method `dispatch(method, *args)`
+    returns `getattr(receiver, method)(*args)`."""
 
-    def __init__(self, actor: Any, *, name: str) -> None:
+    def __init__(self, actor: Any, *, name: str, dispatch: str | None = None) -> None:
         self.actor = actor
         self.name = name
+        self.dispatch = dispatch
 
     def submit(self, method: str, *args: Any) -> Any:
+        if self.dispatch is not None:
+            return getattr(self.actor, self.dispatch).remote(method, *args)
         return getattr(self.actor, method).remote(*args)
 
     def wait(self, ticket: Any, *, timeout_s: float) -> Any:
