@@ -97,6 +97,7 @@ class _InProcess:
 
         self.llm = LLM(model=model_path, worker_extension_cls=EXTENSION, **args)
         self.owned = True
+        self.tp_size = int(args.get("tensor_parallel_size", 1))
 
     @classmethod
     def of(cls, llm: Any) -> _InProcess:
@@ -327,8 +328,8 @@ class VllmEngineActor(EngineSession):
                     "llm= wraps an engine its owner made, whose own arguments decide its model "
                     "and shape; leave out model_path, url, mode and engine_args"
                 )
-            in_process = _InProcess.of(llm)
-            self.mode, self.client, self.tp_size = "engine", in_process, in_process.tp_size
+            self.client: _InProcess | _Http = _InProcess.of(llm)
+            self.mode, self.tp_size = "engine", self.client.tp_size
             return
         if url is not None:
             shaping = {
@@ -344,7 +345,7 @@ class VllmEngineActor(EngineSession):
                     f"its model and shape; leave out {', '.join(given) or 'tensor_parallel_size'}"
                 )
             self.mode, self._api_key = "http", api_key
-            self.client: _InProcess | _Http = _Http.attach(url, api_key=api_key)
+            self.client = _Http.attach(url, api_key=api_key)
             self.tp_size = self.client.tp_size
             return
         if model_path is None:
