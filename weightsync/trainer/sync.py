@@ -86,6 +86,10 @@ class SyncOptions:
     """Send floating-point tensors in this dtype ("bfloat16", ...); None: the training dtype."""
     collective_host: str = "127.0.0.1"
     """`gloo` / `nccl`: the address of rank 0 that engine processes connect to."""
+    check_finite: bool = False
+    """Before each sync every rank reads its own shards once: a NaN or an infinity (or a value
+    the sending dtype cannot hold) refuses the sync, naming the tensors, before anything is
+    written."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -280,7 +284,13 @@ class TrainerSync:
         self._num_syncs += 1
         version = version or f"v{self._num_syncs}"
         verify = self.options.verify if verify is None else verify
-        plan = self.group.broadcast(self._plan(engines, verify) if self.rank == 0 else None)
+        nonfinite: list[str] = []
+        if self.options.check_finite:  # every rank its own shards, before anything is written
+            found = self.group.gather(self.source.nonfinite())
+            nonfinite = sorted({name for names in found or [] for name in names})
+        plan = self.group.broadcast(
+            self._plan(engines, verify, nonfinite) if self.rank == 0 else None
+        )
         if "error" in plan:
             raise ValueError(plan["error"])
         buckets = list(plan["buckets"])
@@ -368,7 +378,9 @@ class TrainerSync:
         self.buckets.close()
         self.group.close()
 
-    def _plan(self, engines: list[str] | None, verify: bool) -> dict[str, Any]:
+    def _plan(
+        self, engines: list[str] | None, verify: bool, nonfinite: list[str]
+    ) -> dict[str, Any]:
         """Rank 0: which engines take the one-copy path this sync, which take buckets; an
         error, before anything is written, when the sync cannot be made as asked."""
         if self.sender is None or not self.sender.engines:
@@ -378,6 +390,12 @@ class TrainerSync:
         if unknown:
             return {
                 "error": f"unknown engine(s) {unknown}; registered: {list(self.sender.engines)}"
+            }
+        if nonfinite:
+            return {
+                "error": f"sync refused, nothing was written: {len(nonfinite)} tensor(s) hold a "
+                f"NaN or an infinity (check_finite=True), e.g. {nonfinite[:5]}; check the "
+                f"training step (its loss, its learning rate) before syncing"
             }
         why = self.sender.unverifiable(names) if verify else None
         if why:

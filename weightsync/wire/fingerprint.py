@@ -3,7 +3,10 @@
 A tensor's bytes are read as signed 16-bit words (unsigned bytes for 1-byte dtypes), in the
 tensor's logical (row-major) order: x_0, x_1, ... A fingerprint is three integers:
 
-- `s`: the sum of the words, mod 2**64. One changed element always changes it.
+- `s`: the sum of the words, mod 2**64. One changed 16-bit word always changes it; a changed
+  float32 element (two words) may keep it (+d in one word, -d in the other), and then moves h1
+  and h2 by d * r**j * (1 - r), never 0 mod p: one changed element of up to 4 bytes always
+  changes the fingerprint. Wider elements have the hashes' odds only.
 - `h1`, `h2`: polynomial hashes, sum of x_j * r**j mod p, for two primes p just under 2**21 and a
   primitive root r of each. Moving an element moves its weight: a transposed tensor, two swapped
   rows, or q and k swapped inside a fused QKV parameter change them (unless the moved words are
