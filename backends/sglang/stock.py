@@ -13,7 +13,6 @@ one any local user reaching its port can update its weights.
 
 from __future__ import annotations
 
-from weightsync.engine.server import RemoteServer
 from weightsync.engine.stock import StockEngine
 
 
@@ -32,21 +31,12 @@ class SglStockEngine(StockEngine):
         idle_timeout_s: float = 60.0,
     ) -> None:
         super().__init__(staging_dir=staging_dir, idle_timeout_s=idle_timeout_s)
-        self.server = RemoteServer(url, name="sglang", api_key=api_key)
-        where = f"sglang server at {self.server.base}"
-        status, info = self.server.request("GET", "/server_info")
-        if status == 401:
-            raise PermissionError(
-                f"{where} refused "
-                + ("the API key given" if api_key else "a request without an API key")
-                + ": pass api_key= the key it was started with (--api-key)"
-            )
-        if status != 200 or not isinstance(info, dict):
-            raise RuntimeError(f"{where}: /server_info answered {status}: {info}")
+        self._attach(url, api_key)
+        info = self._get("/server_info")
         # The startup configuration: the checkpoint it was started from, whatever it reloaded since.
         self.model_path = str(info["model_path"])
         self.tp_size = int(info.get("tp_size") or 1)
-        self._check_model_path(where)
+        self._check_model_path()
 
     def _reload(self, folder: str, version: str) -> bool:
         status, out = self.server.request(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightsync.engine.server import RemoteServer
 from weightsync.engine.stock import StockEngine
 
 
@@ -38,30 +37,21 @@ class VllmStockEngine(StockEngine):
         idle_timeout_s: float = 60.0,
     ) -> None:
         super().__init__(staging_dir=staging_dir, idle_timeout_s=idle_timeout_s)
-        self.server = RemoteServer(url, name="vllm", api_key=api_key)
-        where = f"vllm server at {self.server.base}"
-        status, models = self.server.request("GET", "/v1/models")
-        if status == 401:
-            raise PermissionError(
-                f"{where} refused "
-                + ("the API key given" if api_key else "a request without an API key")
-                + " on /v1/models: pass api_key= the key it was started with (--api-key)"
-            )
-        if status != 200:
-            raise RuntimeError(f"{where}: /v1/models answered {status}: {models}")
+        self._attach(url, api_key)
+        models = self._get("/v1/models")
         self.served_name = str(models["data"][0]["id"])
         self.model_path = str(models["data"][0]["root"])  # the checkpoint it was started from
         # Its dev routes answer a body without a method 400, and are absent (404) without dev mode.
         status, out = self.server.request("POST", "/collective_rpc", {})
         if status == 404:
             raise ValueError(
-                f"{where} serves no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1 in its "
+                f"{self.where} serves no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1 in its "
                 f"environment, which serves the routes a reload needs (/collective_rpc, "
                 f"/pause, /resume)"
             )
         status, out = self.server.request("GET", "/get_world_size?include_dp=false")
         self.tp_size = int(out["world_size"]) if status == 200 else 1
-        self._check_model_path(where)
+        self._check_model_path()
 
     def _post(self, path: str, body: Any = None) -> Any:
         status, out = self.server.request("POST", path, body)

@@ -229,3 +229,20 @@ def test_trainer_sync_into_a_stock_engine_stages_reloads_and_refuses_verificatio
     assert out["reloads"] == ["v1"]
     assert "does not serve: update 'v2' was aborted" in out["serving_error"]
     assert not out["folder_left"]
+
+
+def test_a_stock_server_on_another_host_or_without_its_reload_routes_is_refused(tmp_path):
+    """Refused when the actor starts, naming the fix (stand-in HTTP servers, not engines):
+    the served checkpoint is not a folder here; vLLM without VLLM_SERVER_DEV_MODE=1."""
+    from tests.engine_checks import open_json_server
+    from weightsync.backends.sglang.stock import SglStockEngine
+    from weightsync.backends.vllm.stock import VllmStockEngine
+
+    elsewhere = {"/health": {}, "/server_info": {"model_path": "/models/on-another-host"}}
+    with open_json_server(elsewhere) as url:
+        with pytest.raises(ValueError, match="not a folder on this host.*run this actor on the"):
+            SglStockEngine(url)
+    no_dev_mode = {"/health": {}, "/v1/models": {"data": [{"id": "m", "root": str(tmp_path)}]}}
+    with open_json_server(no_dev_mode) as url:
+        with pytest.raises(ValueError, match="start it with VLLM_SERVER_DEV_MODE=1"):
+            VllmStockEngine(url)

@@ -41,6 +41,7 @@ from weightsync.engine.refit import (
     copy_loader,
 )
 from weightsync.engine.replica import ModelReceiver
+from weightsync.engine.server import RemoteServer
 from weightsync.engine.session import EngineSession
 from weightsync.wire.protocol import EndReport, LoadReport, StageReport
 from weightsync.wire.specs import BucketDescriptor, TensorSpec, dtype_from_str, specs_from_dicts
@@ -144,8 +145,29 @@ class StockEngine(EngineSession):
         self._receiver: ModelReceiver | None = None
         self._reloading = False
 
-    def _check_model_path(self, where: str) -> None:
+    def _attach(self, url: str, api_key: str | None) -> None:
+        """Reach the server at `url` (`self.server`; `self.where` names it in errors)."""
+        self.server = RemoteServer(url, name=self.engine_name, api_key=api_key)
+        self.where = f"{self.engine_name} server at {self.server.base}"
+        self._keyed = api_key is not None
+
+    def _get(self, path: str) -> Any:
+        """GET `path`'s JSON; PermissionError naming the fix when the server refuses the key
+        (or its absence), RuntimeError for any other status but 200."""
+        status, out = self.server.request("GET", path)
+        if status == 401:
+            raise PermissionError(
+                f"{self.where} refused "
+                + ("the API key given" if self._keyed else "a request without an API key")
+                + f" on {path}: pass api_key= the key it was started with (--api-key)"
+            )
+        if status != 200 or not isinstance(out, dict):
+            raise RuntimeError(f"{self.where}: {path} answered {status}: {out}")
+        return out
+
+    def _check_model_path(self) -> None:
         """Refuse a server whose checkpoint this actor cannot read: it is on another host."""
+        where = self.where
         if not os.path.isdir(self.model_path):
             raise ValueError(
                 f"{where} serves {self.model_path!r}, which is not a folder on this host: the "
