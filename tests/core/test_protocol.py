@@ -208,9 +208,11 @@ def test_sync_report_metrics_are_one_flat_dict_of_plain_scalars():
         "weightsync/vllm/verified": 1,
         "weightsync/vllm/num_checked": 12,
         "weightsync/vllm/num_mismatched": 0,
+        "weightsync/vllm/num_unchecked": 0,
         "weightsync/sgl/verified": 0,
         "weightsync/sgl/num_checked": 12,
         "weightsync/sgl/num_mismatched": 2,
+        "weightsync/sgl/num_unchecked": 0,
     }
     buckets = SyncReport(
         version="step-1",
@@ -282,12 +284,15 @@ def test_verify_report_metrics_for_sync_verify_under_a_prefix_of_their_own():
         "weightsync/check/a/verified": 1,
         "weightsync/check/a/num_checked": 3,
         "weightsync/check/a/num_mismatched": 0,
+        "weightsync/check/a/num_unchecked": 0,
         "weightsync/check/tp/verified": 0,
         "weightsync/check/tp/num_checked": 4,
         "weightsync/check/tp/num_mismatched": 1,
+        "weightsync/check/tp/num_unchecked": 0,
         "weightsync/check/p/verified": 0,  # pending: not verified (yet)
         "weightsync/check/p/num_checked": 0,
         "weightsync/check/p/num_mismatched": 0,
+        "weightsync/check/p/num_unchecked": 0,
     }
     assert VerifyReport().metrics() == {"weightsync/verify_s": 0.0, "weightsync/verified": 0}
 

@@ -119,3 +119,29 @@ def test_a_loader_that_misplaces_elements_fails_verification(fault, param):
         assert again.mismatched == [f"worker 0: {param}"] and again.num_checked == 3
     finally:
         sender.close()
+
+
+def test_a_parameter_whose_loader_does_not_copy_verbatim_is_reported_unchecked():
+    """A loader that writes something else than the tensor (here 123.0 everywhere) from the
+    first sync gives verification no placement for that parameter: the report names it as
+    unchecked instead of counting it verified."""
+    trainer = torch.nn.Module()
+    torch.manual_seed(0)
+    trainer.register_parameter("a", torch.nn.Parameter(torch.randn(4, 4)))
+    trainer.register_parameter("b", torch.nn.Parameter(torch.randn(4, 4)))
+    engine = torch.nn.Module()
+    for name in ("a", "b"):
+        engine.register_parameter(name, torch.nn.Parameter(torch.zeros(4, 4), requires_grad=False))
+    engine.b.weight_loader = lambda param, tensor: param.data.fill_(123.0)
+    receiver = ModuleWeightReceiver(engine, name="engine", sliced=True)
+    source = DTensorV2Source(trainer)
+    sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=1 << 10)
+    try:
+        sender.add_engine(LocalEndpoint(receiver, name="engine"))
+        report = sender.sync(source.tensors(), version="v1", verify=True)
+        checked = report.verify["engine"]
+        assert checked.num_checked == 1 and checked.unchecked == ["worker 0: b"], checked
+        assert report.verify.metrics()["weightsync/engine/num_unchecked"] == 1
+        assert report.verify.to_dict()["engine"]["unchecked"] == ["worker 0: b"]
+    finally:
+        sender.close()

@@ -166,19 +166,24 @@ class Verifier:
             expected = expected_fingerprints(state.param_of, sent)
             bad = _mismatched(expected, workers[0])
             return EngineVerification(
-                verified=not bad and bool(expected), mismatched=bad, num_checked=len(expected)
+                verified=not bad and bool(expected),
+                mismatched=bad,
+                num_checked=len(expected),
+                unchecked=sorted(set(workers[0]) - set(expected)),
             )
-        bad, checked = [], 0
+        bad, checked, unchecked = [], 0, []
         for rank, (placements, wanted, got) in enumerate(zip(state.placements, want, workers)):
             placed = placed_params(state.param_of, placements)
             expected = {p: fp for p, fp in wanted.items() if p in placed}
             bad += [f"worker {rank}: {p}" for p in _mismatched(expected, got)]
             checked += len(expected)
+            unchecked += [f"worker {rank}: {p}" for p in sorted(set(got) - set(expected))]
         return EngineVerification(
             verified=not bad and checked > 0,
             mismatched=bad,
             num_checked=checked,
             num_workers=len(workers),
+            unchecked=unchecked,
         )
 
     def verify_one_copy(self, written: dict[str, Any], *, engines: list[str]) -> VerifyReport:

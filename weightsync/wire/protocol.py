@@ -357,6 +357,11 @@ class EngineVerification:
     pending: bool = False
     """Not checked yet: the engine's workers hold slices, whose expected fingerprints need the
     tensors again (`TrainerSync` verifies such engines right after the sync)."""
+    unchecked: list[str] = field(default_factory=list)
+    """Engine parameters some trainer tensor lands in that this check did not compare (where a
+    loader does not put a tensor's bytes into its parameter as they are, or puts them where
+    weightsync learned no placement): `verified` says nothing of them. "worker <i>: <name>"
+    where workers are compared one by one."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -368,6 +373,8 @@ class EngineVerification:
             out["num_workers"] = self.num_workers
         if self.pending:
             out["pending"] = True
+        if self.unchecked:
+            out["unchecked"] = list(self.unchecked)
         return out
 
     @classmethod
@@ -379,6 +386,7 @@ class EngineVerification:
             num_checked=int(_get(d, cls, "num_checked", 0)),
             num_workers=None if num_workers is None else int(num_workers),
             pending=bool(_get(d, cls, "pending", False)),
+            unchecked=[str(p) for p in _get(d, cls, "unchecked", [])],
         )
 
 
@@ -432,7 +440,9 @@ class VerifyReport:
           `verified`; an engine still `pending` counts as not verified).
         - per engine, `<engine>/verified`: 1 or 0 (pending: 0); `<engine>/num_checked`: how many
           parameters (one-copy path: written pieces) were compared; `<engine>/num_mismatched`:
-          how many differed (their names stay in `engines[name].mismatched`).
+          how many differed (their names stay in `engines[name].mismatched`);
+          `<engine>/num_unchecked`: how many parameters a tensor lands in were not compared
+          (names in `engines[name].unchecked`).
 
         Seconds are not kept per engine: engines are checked together. To log `sync.verify()`
         beside a sync's metrics, give it a prefix of its own (`metrics("weightsync/check/")`)."""
@@ -444,6 +454,7 @@ class VerifyReport:
             out[f"{prefix}{name}/verified"] = int(engine.verified is True)
             out[f"{prefix}{name}/num_checked"] = int(engine.num_checked)
             out[f"{prefix}{name}/num_mismatched"] = len(engine.mismatched)
+            out[f"{prefix}{name}/num_unchecked"] = len(engine.unchecked)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -524,7 +535,7 @@ class SyncReport:
           `sync_s` (once: the sync by buckets before its first one-copy sync).
         - with verify, `VerifyReport.metrics` under the same prefix: `verify_s` (all engines
           together, not per engine), `verified`, and per engine `<engine>/verified`,
-          `<engine>/num_checked`, `<engine>/num_mismatched`.
+          `<engine>/num_checked`, `<engine>/num_mismatched`, `<engine>/num_unchecked`.
 
         Left out: each engine's `weight_version` (it is `version`: a sync that fails raises)
         and `status` (always "ok"), and the names of mismatched parameters. A TensorBoard
