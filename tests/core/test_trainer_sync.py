@@ -382,3 +382,54 @@ def test_check_finite_refuses_a_nan_on_any_rank_before_anything_is_written():
     assert "model.decoder.final_layer_norm.bias" in out["error"]
     assert out["version"] is None
     assert out["report"].engines["ref"].weight_version == "v2"
+
+
+def _grown_rank(rank: int, port: int, results, options: dict) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    from weightsync import SyncOptions, TrainerSync
+    from weightsync.apps.models import build_model
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
+    from weightsync.trainer.endpoint import LocalEndpoint
+    from weightsync.trainer.process_group import (
+        close_trainer_group,
+        init_trainer_group,
+        shard_model,
+    )
+
+    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    model = shard_model(build_model("opt", "tiny", seed=3), device="cpu")
+    sync = TrainerSync(model, options=SyncOptions())
+    engine = ModuleWeightReceiver(build_model("opt", "tiny", seed=99)) if rank == 0 else None
+    sync.connect({"ref": LocalEndpoint(engine, name="ref")} if rank == 0 else {})
+    out: dict = {"first": sync.sync("v1")}  # by buckets; the one-copy path from now on
+    fc1 = model.model.decoder.layers[0].fc1
+    old = fc1.weight
+    grown = torch.zeros(old.shape[0] + 8, old.shape[1])  # a tensor that grew after connect
+    fc1.weight = torch.nn.Parameter(distribute_tensor(grown, old.device_mesh, old.placements))
+    before = (
+        {n: p.detach().clone() for n, p in engine.receiver.model.named_parameters()}
+        if (engine)
+        else {}
+    )
+    try:
+        sync.sync("v2")
+    except ValueError as exc:
+        out["error"] = str(exc)
+    if engine is not None:
+        after = dict(engine.receiver.model.named_parameters())
+        out["untouched"] = all(torch.equal(after[n], t) for n, t in before.items())
+        out["version"] = engine.weight_version()
+        results.put(out)
+    sync.close()
+    close_trainer_group()
+
+
+def test_a_tensor_that_changed_shape_after_connect_is_refused_before_any_write():
+    out = _run_two_ranks_of(_grown_rank, {})
+    assert out["error"].startswith("sync refused, nothing was written: the model's tensors")
+    assert (
+        "'model.decoder.layers.0.fc1.weight' is float32 (1032, 256), agreed float32"
+        in (out["error"])
+    )
+    assert out["untouched"] and out["version"] == "v1"

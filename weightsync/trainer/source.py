@@ -141,6 +141,10 @@ def _transformers_revert(model: nn.Module):
     return revert_weight_conversion
 
 
+Layout = list[tuple[str, tuple[tuple[int, ...], str]]]
+"""(name, (shape, dtype name)) of a model's tensors, in order: `DTensorV2Source.layout`."""
+
+
 class DTensorV2Source:
     """Names, specs and gathered tensors of a (possibly sharded) model, in HF naming.
 
@@ -219,6 +223,14 @@ class DTensorV2Source:
             TensorSpec(name=hf_name, dtype=dtype_to_str(self._out_dtype(t)), shape=_global_shape(t))
             for name, native in self._native().items()
             for hf_name, t in self._hf_layout(name, native).items()
+        ]
+
+    def layout(self) -> Layout:
+        """(training name, (global shape, dtype)) of every tensor, in order: cheap enough to
+        compare before each sync (no TensorSpec made, nothing gathered)."""
+        return [
+            (name, (_global_shape(t), str(t.dtype).removeprefix("torch.")))
+            for name, t in self._native().items()
         ]
 
     def nonfinite(self) -> list[str]:

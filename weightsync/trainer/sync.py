@@ -31,7 +31,7 @@ from weightsync.trainer.endpoint import Endpoint, RayEndpoint
 from weightsync.trainer.one_copy.path import OneCopyPath
 from weightsync.trainer.sender import DEFAULT_TIMEOUT_S, WeightSender
 from weightsync.trainer.shard_writes import BucketGatherWriter, BucketShardWriter
-from weightsync.trainer.source import DTensorV2Source
+from weightsync.trainer.source import DTensorV2Source, Layout
 from weightsync.trainer.sync_group import SyncGroup
 from weightsync.wire.bucket import DEFAULT_BUCKET_BYTES
 from weightsync.wire.fingerprint import FingerprintBatch
@@ -184,6 +184,7 @@ class TrainerSync:
             rank_gpus=rank_gpus,
         )
         self.sender: WeightSender | None = None
+        self._agreed: Layout = []  # the model's tensors at connect (rank 0)
         self._num_syncs = 0
 
     def refit_info(self) -> list[dict]:
@@ -200,6 +201,7 @@ class TrainerSync:
         opts = self.options
         sender = self.sender
         if sender is None:
+            self._agreed = self.source.layout()  # what every later sync is checked against
             sender = self.sender = WeightSender(
                 self.source.specs(),
                 transport=None,
@@ -391,6 +393,9 @@ class TrainerSync:
             return {
                 "error": f"unknown engine(s) {unknown}; registered: {list(self.sender.engines)}"
             }
+        changed = _changed_since_connect(self._agreed, self.source.layout())
+        if changed:
+            return {"error": f"sync refused, nothing was written: {changed}"}
         if nonfinite:
             return {
                 "error": f"sync refused, nothing was written: {len(nonfinite)} tensor(s) hold a "
@@ -422,6 +427,27 @@ class TrainerSync:
                 pass
             return None
         return self._connected().sync(tensors, version=version, engines=names, verify=verify)
+
+
+def _changed_since_connect(agreed: Layout, now: Layout) -> str | None:
+    """What differs between the tensors the engines agreed to at connect and the model's now
+    (a tensor added, gone, or of another shape or dtype), or None. Every write, by buckets or
+    into shared parameters, is sized by what was agreed."""
+    if agreed == now:
+        return None
+    before, after = dict(agreed), dict(now)
+    problems = [f"{n!r} is new" for n in after if n not in before]
+    problems += [f"{n!r} is gone" for n in before if n not in after]
+    problems += [
+        f"{n!r} is {after[n][1]} {after[n][0]}, agreed {was[1]} {was[0]}"
+        for n, was in before.items()
+        if n in after and after[n] != was
+    ]
+    return (
+        f"the model's tensors changed since connect: {'; '.join(problems[:5])}"
+        + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+        + "; a changed model needs a new TrainerSync, connected again"
+    )
 
 
 def _merge(one_copy: SyncReport | None, buckets: SyncReport | None) -> SyncReport:
