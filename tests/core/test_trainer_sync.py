@@ -255,9 +255,9 @@ def _fail_then_sync_again(rank: int, port: int, results, options: dict) -> None:
                 raise RuntimeError("engine failed mid-sync (test)")
             return super().load_bucket(descriptor)
 
-        def begin(self, version: str, one_copy: bool = False) -> dict:
+        def begin(self, version: str, one_copy: bool = False, owner: str | None = None) -> dict:
             self.loads = 0
-            return super().begin(version, one_copy)
+            return super().begin(version, one_copy, owner)
 
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     model = shard_model(build_model("opt", "tiny", seed=3), device="cpu")

@@ -209,9 +209,14 @@ def test_update_aborted_midway_is_never_served_and_the_next_sync_recovers(setup,
     ray.get(engine.set_keep_previous.remote(False))
 
 
-def test_an_update_left_open_by_a_dead_sender_is_aborted_by_the_next(setup):
+def test_an_update_left_open_by_another_trainer_is_refused_until_it_expires(setup):
     engine, trainer, _ = setup
-    ray.get(engine.begin.remote("orphan"))  # its sender never comes back
+    version = ray.get(engine.weight_version.remote())
+    ray.get(engine.begin.remote("orphan", False, "a trainer gone silent"))  # it never comes back
+    with pytest.raises(Exception, match="update 'orphan' of another trainer .a trainer gone"):
+        trainer.call("sync", "while-orphan-open")
+    assert ray.get(engine.weight_version.remote()) == version
+    time.sleep(IDLE_TIMEOUT_S + 1)  # silent for idle_timeout_s: the orphan expires
     report = trainer.call("sync", "after-orphan", verify=True)
     assert report["verify"][NAME]["verified"]
     assert ray.get(engine.weight_version.remote()) == "after-orphan"

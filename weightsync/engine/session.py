@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from weightsync.wire.errors import BucketRejected
+from weightsync.wire.errors import BucketRejected, EngineBusy
 from weightsync.wire.protocol import (
     BeginAnswer,
     EndReport,
@@ -54,9 +54,12 @@ class WeightReceiver(ABC):
         """
 
     @abstractmethod
-    def begin(self, version: str, one_copy: bool | list[str] = False) -> dict:
+    def begin(
+        self, version: str, one_copy: bool | list[str] = False, owner: str | None = None
+    ) -> dict:
         """Open an update session (the engine stops taking new requests until `end`): a
-        `BeginAnswer`.
+        `BeginAnswer`. `owner` names the trainer (its sender) that opens it: while its update
+        is open, another owner's `begin` is refused until the update ends or expires.
 
         With `one_copy` the trainer will write into the shared parameters (weightsync/trainer/one_copy/targets.py)
         instead of sending buckets; the answer says `one_copy=False` and why, without opening
@@ -66,7 +69,8 @@ class WeightReceiver(ABC):
 
     @abstractmethod
     def load_bucket(self, descriptor: dict) -> dict:
-        """Load one bucket's tensors: a `LoadReport`."""
+        """Load one bucket's tensors: a `LoadReport`. A descriptor naming another update
+        (`"update"`, the version its sender opened) is refused before anything is read."""
 
     @abstractmethod
     def end(self, version: str) -> dict:
@@ -74,8 +78,10 @@ class WeightReceiver(ABC):
         `EndReport`."""
 
     @abstractmethod
-    def abort(self, reason: str) -> None:
-        """Close a session that failed; the engine keeps its previous version tag."""
+    def abort(self, reason: str, owner: str | None = None) -> None:
+        """Close a session that failed; the engine keeps its previous version tag. An `owner`
+        other than the open update's closes nothing (a trainer gone silent cannot abort the
+        update of the trainer that followed it)."""
 
     @abstractmethod
     def fingerprints(self) -> dict[str, list[int]]:
@@ -106,9 +112,11 @@ class WeightReceiver(ABC):
 class EngineSession(WeightReceiver):
     """The update-session rules every engine actor follows, around engine-specific hooks.
 
-    One update is open at a time; one still open when the next `begin` arrives was left by a
-    sender that died, and is aborted. So is one whose sender has made no call for
-    `idle_timeout_s` (checked whenever the engine is asked to serve or report its version):
+    One update is open at a time, and it belongs to the sender that opened it (`owner`):
+    another sender's `begin` is refused (`EngineBusy`), its buckets (`"update"` naming another
+    version) and its `abort` touch nothing, while the same sender's `begin` takes its own
+    unfinished update over. An update whose sender has made no call for `idle_timeout_s`
+    (checked whenever the engine is asked to begin, serve or report its version) is aborted:
     nothing waits on a sender that is gone. An update aborted once weights may be mixed leaves
     the engine refusing requests (`check_serving`) until a later sync completes, unless the
     engine kept and put back its previous weights (`keep_previous=True`): then it goes on
@@ -135,6 +143,7 @@ class EngineSession(WeightReceiver):
         self.idle_timeout_s = idle_timeout_s
         self._version: str | None = None
         self._open: str | None = None
+        self._owner: str | None = None  # who opened `_open` (its sender's name)
         self._loaded = 0
         self._broken: str | None = None
         self._begin_t = 0.0
@@ -175,10 +184,22 @@ class EngineSession(WeightReceiver):
     def _engine_stage(self) -> StageReport:
         return StageReport(fingerprints=[self.fingerprints()])
 
-    def begin(self, version: str, one_copy: bool | list[str] = False) -> dict:
+    def begin(
+        self, version: str, one_copy: bool | list[str] = False, owner: str | None = None
+    ) -> dict:
         with self._lock:
+            self._expire_idle()
+            if self._open is not None and owner != self._owner:
+                # Another trainer's update: refused, not taken over, until it ends or expires.
+                idle = time.perf_counter() - self._last_call
+                raise EngineBusy(
+                    f"{self.engine_name}: update {self._open!r} of another trainer "
+                    f"({self._owner or 'unnamed'}) is open, its last call {idle:.0f} s ago; "
+                    f"{version!r} is refused until it ends or goes {self.idle_timeout_s:g} s "
+                    f"without a call (idle_timeout_s). Only one trainer drives an engine."
+                )
             if self._open is not None:
-                # Only one trainer drives an engine: an update still open means its sender died.
+                # The same trainer again: its earlier update failed without an abort reaching us.
                 self.abort(f"update {self._open!r} never ended; a new update {version!r} began")
             self._loaded = 0
             self._begin_t = self._last_call = time.perf_counter()
@@ -191,7 +212,7 @@ class EngineSession(WeightReceiver):
             if why is not None:
                 self._resume_generation()
                 return BeginAnswer(one_copy=False, why=why).to_dict()
-            self._open, self._one_copy = version, bool(one_copy)
+            self._open, self._one_copy, self._owner = version, bool(one_copy), owner
             if one_copy:
                 self._loaded = 1  # the trainer writes into the parameters from now on
             return BeginAnswer(one_copy=bool(one_copy)).to_dict()
@@ -201,6 +222,12 @@ class EngineSession(WeightReceiver):
             if self._open is None:
                 raise RuntimeError(
                     f"{self.engine_name}: load_bucket outside an update; call begin first"
+                )
+            update = descriptor.get("update")
+            if update is not None and update != self._open:
+                raise BucketRejected(
+                    f"{self.engine_name}: a bucket of update {update!r} arrived while update "
+                    f"{self._open!r} is open; refused, nothing of it was read"
                 )
             self._last_call = time.perf_counter()
             try:
@@ -246,8 +273,18 @@ class EngineSession(WeightReceiver):
                 session_s=time.perf_counter() - self._begin_t,
             ).to_dict()
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, owner: str | None = None) -> None:
         with self._lock:
+            if self._open is not None and owner is not None and owner != self._owner:
+                logger.warning(
+                    "%s: an abort from %s left update %r of %s open: %s",
+                    self.engine_name,
+                    owner,
+                    self._open,
+                    self._owner,
+                    reason,
+                )
+                return
             try:
                 if self._open is not None:
                     logger.warning(

@@ -141,11 +141,12 @@ class EngineCalls:
         """`method(*args)` on every engine of `names` at once; their answers, in order."""
         return self.wait_all([self.submit(n, method, *args) for n in names])
 
-    def abort(self, names: list[str], reason: str) -> None:
-        """Abort the session on each engine of `names`, going on past any that fails."""
+    def abort(self, names: list[str], reason: str, owner: str | None = None) -> None:
+        """Abort the session on each engine of `names`, going on past any that fails; `owner`:
+        the sender's name, so an engine whose open update is another trainer's keeps it."""
         for name in names:
             endpoint = self.engines[name].endpoint
             try:
-                endpoint.call("abort", reason, timeout_s=min(self.timeout_s, 10.0))
+                endpoint.call("abort", reason, owner, timeout_s=min(self.timeout_s, 10.0))
             except Exception as exc:  # the engine may be the thing that failed
                 logger.warning("abort on engine %r failed too: %s", name, exc)

@@ -13,6 +13,9 @@ Every engine's answer becomes its weightsync/wire/protocol.py class where it arr
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -71,6 +74,9 @@ class WeightSender:
         self.engines: dict[str, EngineState] = {}
         self.calls = EngineCalls(self.engines, timeout_s=timeout_s)
         self.verifier = Verifier(self.calls, specs)
+        # This sender's name on the engines: an update it opened is refused to other senders,
+        # and their buckets and aborts do not touch it (weightsync/engine/session.py).
+        self.owner = f"trainer {socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._last_names: list[str] = []
         self.num_syncs = 0
 
@@ -144,7 +150,7 @@ class WeightSender:
         sent = SentPrints(self.engines, names, self.verifier.specs) if verify else None
         load_s: dict[str, float] = {}
         start = time.perf_counter()
-        self.calls.call_all("begin", version, names=names)
+        self.calls.call_all("begin", version, False, self.owner, names=names)
         try:
 
             def wait_slot(plan: BucketPlan) -> int:
@@ -175,6 +181,7 @@ class WeightSender:
                     if handle.get("same")
                     else plan.descriptor(handle)
                 ).to_dict()
+                descriptor["update"] = version  # engines refuse another update's buckets
                 in_flight[slot] = [self.calls.submit(n, "load_bucket", descriptor) for n in names]
                 transport.send(slot, plan.nbytes)
                 if sent and attach is None:
@@ -203,7 +210,7 @@ class WeightSender:
                     self.engines[name].placements = end.placements
         except BaseException as exc:
             transport.forget_replays()
-            self.calls.abort(names, f"{type(exc).__name__}: {exc}")
+            self.calls.abort(names, f"{type(exc).__name__}: {exc}", self.owner)
             raise
         sync_s = time.perf_counter() - start
         self.num_syncs += 1
@@ -251,7 +258,10 @@ class WeightSender:
         try:
             sharing = sharing or {}
             answers: list[BeginAnswer] = self.calls.wait_all(
-                [self.calls.submit(n, "begin", version, sharing.get(n, True)) for n in engines]
+                [
+                    self.calls.submit(n, "begin", version, sharing.get(n, True), self.owner)
+                    for n in engines
+                ]
             )
             phases["begin"] = time.perf_counter() - start
             for name, answer in zip(engines, answers):
@@ -261,7 +271,7 @@ class WeightSender:
                     logger.info("engine %r takes buckets this sync: %s", name, answer.why)
         except BaseException as exc:
             failure, one_copy = exc, []
-            self.calls.abort(engines, f"{type(exc).__name__}: {exc}")
+            self.calls.abort(engines, f"{type(exc).__name__}: {exc}", self.owner)
         fallback = [n for n in engines if n not in one_copy] if failure is None else []
         checked: VerifyReport | None = None
         try:
@@ -278,7 +288,7 @@ class WeightSender:
             )
         except BaseException as exc:
             if failure is None:
-                self.calls.abort(one_copy, f"{type(exc).__name__}: {exc}")
+                self.calls.abort(one_copy, f"{type(exc).__name__}: {exc}", self.owner)
             raise
         if not one_copy:
             return None, fallback

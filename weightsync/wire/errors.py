@@ -33,6 +33,11 @@ class CollectiveFailed(RuntimeError):
     (weightsync/transports/collective.py)."""
 
 
+class EngineBusy(RuntimeError):
+    """`begin` refused: another trainer's update is open on the engine (weightsync/engine/
+    session.py); it is refused until that update ends or expires."""
+
+
 class VerificationFailed(RuntimeError):
     """An update whose staged weights differ from what the trainer sent: it was aborted
     before any engine adopted it (weightsync/trainer/verify.py). `results`: the verification results
