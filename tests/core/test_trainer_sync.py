@@ -433,3 +433,65 @@ def test_a_tensor_that_changed_shape_after_connect_is_refused_before_any_write()
         in (out["error"])
     )
     assert out["untouched"] and out["version"] == "v1"
+
+
+def _dying_rank(rank: int, port: int, results, options: dict) -> None:
+    from weightsync import SyncOptions, TrainerSync
+    from weightsync.apps.models import build_model
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
+    from weightsync.trainer.endpoint import LocalEndpoint
+    from weightsync.trainer.process_group import (
+        close_trainer_group,
+        init_trainer_group,
+        shard_model,
+    )
+    from weightsync.wire.errors import EngineDied
+
+    class DyingEndpoint(LocalEndpoint):
+        """An engine whose process goes away once `gone` is set, as a killed Ray actor does
+        (`RayEndpoint` raises EngineDied for Ray's actor-died error)."""
+
+        gone = False
+
+        def wait(self, ticket, *, timeout_s: float):
+            if self.gone:
+                raise EngineDied(f"engine {self.name!r} died: its process is gone", self.name)
+            return super().wait(ticket, timeout_s=timeout_s)
+
+    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    model = shard_model(build_model("opt", "tiny", seed=3), device="cpu")
+    sync = TrainerSync(model, options=SyncOptions(one_copy=False, timeout_s=8.0))
+    out: dict = {}
+    engines: dict = {}
+    if rank == 0:
+        dying = DyingEndpoint(ModuleWeightReceiver(build_model("opt", "tiny", seed=9)), name="b")
+        keeps = ModuleWeightReceiver(build_model("opt", "tiny", seed=99))
+        engines = {"a": LocalEndpoint(keeps, name="a"), "b": dying}
+    sync.connect(engines)
+    out["first"] = sync.sync("v1")
+    if rank == 0:
+        dying.gone = True
+    try:
+        sync.sync("v2")
+    except RuntimeError as exc:
+        out["died"] = str(exc)
+    out["next"] = sync.sync("v3", verify=True)  # the living engine only, saying so
+    try:
+        sync.sync("v4", engines=["a", "b"])
+    except ValueError as exc:
+        out["named_dead"] = str(exc)
+    if rank == 0:
+        results.put(out)
+    sync.close()
+    close_trainer_group()
+
+
+def test_an_engine_that_died_is_left_out_of_later_syncs_and_the_report_says_so():
+    out = _run_two_ranks_of(_dying_rank, {})
+    assert sorted(out["first"].engines) == ["a", "b"]
+    assert "engine 'b' died" in out["died"]
+    report = out["next"]
+    assert sorted(report.engines) == ["a"] and report.verify["a"].verified
+    assert report.dropped == {"b": "engine 'b' died: its process is gone"}
+    assert report.metrics()["weightsync/num_dropped"] == 1
+    assert "engine(s) ['b'] died in an earlier sync" in out["named_dead"]

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.wire.errors import crosses_as_itself
+from weightsync.wire.errors import EngineDied, crosses_as_itself
 from weightsync.wire.protocol import from_wire
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class RayEndpoint(Endpoint):
                 f"engine {self.name!r} did not answer within {timeout_s:.0f} s; is it alive?"
             ) from None
         except RayActorError as exc:
-            raise RuntimeError(f"engine {self.name!r} died: {exc}") from None
+            raise EngineDied(f"engine {self.name!r} died: {exc}", self.name) from None
         except RayTaskError as exc:
             cause = exc.as_instanceof_cause()
             if crosses_as_itself(cause):
@@ -119,6 +119,8 @@ class EngineCalls:
     def __init__(self, engines: dict[str, EngineState], *, timeout_s: float) -> None:
         self.engines = engines
         self.timeout_s = timeout_s
+        # Engines whose process is gone (`EngineDied`), and why: later syncs leave them out.
+        self.dead: dict[str, str] = {}
 
     def submit(self, name: str, method: str, *args: Any) -> Call:
         return name, method, self.engines[name].endpoint.submit(method, *args)
@@ -126,13 +128,17 @@ class EngineCalls:
     def wait_all(self, calls: list[Call], *, timeout_s: float | None = None) -> list[Any]:
         """The answers to `submit`'s calls, in order, each turned into its
         weightsync/wire/protocol.py class as it comes off the wire."""
-        return [
-            from_wire(
-                method,
-                self.engines[name].endpoint.wait(ticket, timeout_s=timeout_s or self.timeout_s),
-            )
-            for name, method, ticket in calls
-        ]
+        answers = []
+        for name, method, ticket in calls:
+            try:
+                answer = self.engines[name].endpoint.wait(
+                    ticket, timeout_s=timeout_s or self.timeout_s
+                )
+            except EngineDied as exc:
+                self.dead[exc.engine] = str(exc).splitlines()[0][:300]
+                raise
+            answers.append(from_wire(method, answer))
+        return answers
 
     def call(self, name: str, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         return self.wait_all([self.submit(name, method, *args)], timeout_s=timeout_s)[0]
@@ -145,6 +151,8 @@ class EngineCalls:
         """Abort the session on each engine of `names`, going on past any that fails; `owner`:
         the sender's name, so an engine whose open update is another trainer's keeps it."""
         for name in names:
+            if name in self.dead:
+                continue  # nothing is left to abort
             endpoint = self.engines[name].endpoint
             try:
                 endpoint.call("abort", reason, owner, timeout_s=min(self.timeout_s, 10.0))

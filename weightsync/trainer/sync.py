@@ -308,6 +308,8 @@ class TrainerSync:
             if bucket_report is not None and self.one_copy:
                 bucket_report = self.one_copy_path.share(self._connected(), buckets, bucket_report)
         report = _merge(one_copy_report, bucket_report) if self.rank == 0 else None
+        if report is not None and plan.get("dropped"):
+            report = replace(report, dropped=plan["dropped"])
         if verify:
             report = self._verify_pending(report)
         if report is None:  # every rank but 0
@@ -387,12 +389,27 @@ class TrainerSync:
         error, before anything is written, when the sync cannot be made as asked."""
         if self.sender is None or not self.sender.engines:
             return {"error": "sync before connect: call connect({name: engine}) first"}
-        names = list(self.sender.engines) if engines is None else list(engines)
+        dead = self.sender.calls.dead
+        names = [n for n in self.sender.engines if n not in dead] if engines is None else engines
         unknown = [n for n in names if n not in self.sender.engines]
         if unknown:
             return {
                 "error": f"unknown engine(s) {unknown}; registered: {list(self.sender.engines)}"
             }
+        if dead and self.options.transport in ("gloo", "nccl"):
+            return {
+                "error": f"engine(s) {sorted(dead)} died in an earlier sync, and transport "
+                f"{self.options.transport!r} formed one group with every engine: make a new "
+                f"TrainerSync and connect the living engines ({dict(dead)})"
+            }
+        gone = {n: dead[n] for n in names if n in dead}
+        if gone:
+            return {
+                "error": f"engine(s) {sorted(gone)} died in an earlier sync ({gone}); leave them "
+                f"out (engines=None syncs the living ones) or connect a new engine"
+            }
+        if not names:
+            return {"error": f"every connected engine died: {dict(dead)}; connect a new engine"}
         changed = _changed_since_connect(self._agreed, self.source.layout())
         if changed:
             return {"error": f"sync refused, nothing was written: {changed}"}
@@ -406,7 +423,11 @@ class TrainerSync:
         if why:
             return {"error": f"sync(verify=True) refused, nothing was written: {why}"}
         one_copy = [n for n in names if self.one_copy_path.takes(n)]
-        return {"one_copy": one_copy, "buckets": [n for n in names if n not in one_copy]}
+        return {
+            "one_copy": one_copy,
+            "buckets": [n for n in names if n not in one_copy],
+            "dropped": {n: dead[n] for n in self.sender.engines if n in dead} or None,
+        }
 
     def _sync_buckets(self, version: str, names: list[str], *, verify: bool) -> SyncReport | None:
         if self.shard_writes:

@@ -38,6 +38,15 @@ class EngineBusy(RuntimeError):
     session.py); it is refused until that update ends or expires."""
 
 
+class EngineDied(RuntimeError):
+    """An engine's process is gone (its Ray actor died): `engine` names it. The trainer drops
+    it from later syncs (weightsync/trainer/sender.py)."""
+
+    def __init__(self, message: str, engine: str) -> None:
+        super().__init__(message)
+        self.engine = engine
+
+
 class VerificationFailed(RuntimeError):
     """An update whose staged weights differ from what the trainer sent: it was aborted
     before any engine adopted it (weightsync/trainer/verify.py). `results`: the verification results

@@ -500,6 +500,9 @@ class SyncReport:
     all engines' workers."""
     verify: VerifyReport | None = None
     """With verify: what each engine holds, compared with what was sent."""
+    dropped: dict[str, str] | None = None
+    """Engines left out of this sync because their process died during an earlier one (engine
+    -> what was seen); None when none was."""
 
     @property
     def gbps(self) -> float:
@@ -536,6 +539,7 @@ class SyncReport:
         - with verify, `VerifyReport.metrics` under the same prefix: `verify_s` (all engines
           together, not per engine), `verified`, and per engine `<engine>/verified`,
           `<engine>/num_checked`, `<engine>/num_mismatched`, `<engine>/num_unchecked`.
+        - `num_dropped`, only when engines were left out because they died (names in `dropped`).
 
         Left out: each engine's `weight_version` (it is `version`: a sync that fails raises)
         and `status` (always "ok"), and the names of mismatched parameters. A TensorBoard
@@ -565,6 +569,8 @@ class SyncReport:
             _put_seconds(out, f"{prefix}{name}/share_s", engine.share_s)
         if self.verify is not None:
             out.update(self.verify.metrics(prefix))
+        if self.dropped:
+            out[f"{prefix}num_dropped"] = len(self.dropped)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -581,6 +587,7 @@ class SyncReport:
                     "phases_s": self.phases_s,
                     "bytes_written": self.bytes_written,
                     "verify": None if self.verify is None else self.verify.to_dict(),
+                    "dropped": self.dropped,
                 }
             ),
         }
@@ -599,4 +606,5 @@ class SyncReport:
             phases_s=_get(d, cls, "phases_s", None),
             bytes_written=_get(d, cls, "bytes_written", None),
             verify=None if verify is None else VerifyReport.from_dict(verify),
+            dropped=_get(d, cls, "dropped", None),
         )
