@@ -501,11 +501,17 @@ class SglEngineActor(EngineSession):
         # The version rides on a last, empty control call, so SGLang's own tag moves too.
         commits = self._control_all("commit", weight_version=version, one_copy=self._one_copy)
         self._session("end")
+        # Still paused (generation resumes once `end` returns): no answer after this update may
+        # reuse KV cache computed under the previous weights, so a flush that fails fails the
+        # update (the sender aborts it; the engine then refuses to serve until a later sync).
+        if not self.client.flush_cache():
+            raise RuntimeError(
+                f"sglang: the prefix cache could not be flushed after update {version!r}; the "
+                f"update fails rather than serve cache of old weights"
+            )
         # Where each scheduler's loader puts each tensor (slices at TP > 1), for verification.
         placements = [c["placements"] for c in commits]
-        return EndReport(
-            weight_version=version, cache_flushed=self.client.flush_cache(), placements=placements
-        )
+        return EndReport(weight_version=version, cache_flushed=True, placements=placements)
 
     def set_keep_previous(self, on: bool) -> None:
         """Turn keeping (and restoring) the previous weights on or off for later updates."""

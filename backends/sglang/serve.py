@@ -16,6 +16,25 @@ def server_argv(argv: list[str], key: str | None) -> list[str]:
     return argv + ([f"--api-key={key}"] if key else [])
 
 
+def _keep_the_key_out_of_the_log() -> None:
+    """SGLang logs its server arguments as it starts, its API key among them (measured with
+    SGLang 0.5.23: one `server_args={...}` line on stderr): log them with the key redacted.
+    tests/sglang/test_sglang_server.py greps every log of the Ray session for the key."""
+    from sglang.srt.entrypoints import engine
+
+    shown = getattr(engine, "_server_args_for_logging", None)
+    if shown is None:
+        return  # another SGLang: the test above says whether it logs the key
+
+    def without_key(server_args: object) -> object:
+        out = shown(server_args)
+        if isinstance(out, dict):
+            out = {k: "<redacted>" if "api_key" in k and v else v for k, v in out.items()}
+        return out
+
+    engine._server_args_for_logging = without_key
+
+
 def main(argv: list[str]) -> None:
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins
@@ -23,6 +42,7 @@ def main(argv: list[str]) -> None:
     from sglang.srt.utils import kill_process_tree
 
     key = os.environ.pop(KEY_VARIABLE, None)
+    _keep_the_key_out_of_the_log()
     load_plugins()
     server_args = prepare_server_args(server_argv(argv, key))
     try:

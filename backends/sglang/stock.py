@@ -39,6 +39,7 @@ class SglStockEngine(StockEngine):
         self._check_model_path()
 
     def _reload(self, folder: str, version: str) -> bool:
+        self._reloading = True
         status, out = self.server.request(
             "POST",
             "/update_weights_from_disk",

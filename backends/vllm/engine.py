@@ -119,7 +119,7 @@ class _InProcess:
         return self.llm.collective_rpc(method, args=args)
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self.llm.reset_prefix_cache())
+        return _retried(lambda: bool(self.llm.reset_prefix_cache()))
 
     def set_version(self, version: str) -> None:
         if hasattr(self.llm, "update_weight_version"):
@@ -153,6 +153,28 @@ class _InProcess:
     def shutdown(self) -> None:
         if self.owned:  # an engine its owner made stays theirs
             del self.llm
+
+
+def _retried(reset: Any, attempts: int = 5) -> bool:
+    """`reset()` until it answers True, `attempts` times at most: vLLM refuses to reset its prefix
+    cache while blocks are still held (a request finishing), and says to retry."""
+    for attempt in range(attempts):
+        if reset():
+            return True
+        if attempt + 1 < attempts:
+            time.sleep(0.2)
+    return False
+
+
+def reset_prefix_cache(request: Any) -> bool:
+    """vLLM's server's `/reset_prefix_cache` (`request(method, path)` -> (status, JSON)): whether
+    it was reset. The route answers 200 either way, with {"success": ...}."""
+
+    def once() -> bool:
+        status, out = request("POST", "/reset_prefix_cache")
+        return status == 200 and isinstance(out, dict) and bool(out.get("success"))
+
+    return _retried(once)
 
 
 def attach_flags() -> list[str]:
@@ -229,8 +251,7 @@ class _Http:
         return out["results"]
 
     def reset_prefix_cache(self) -> bool:
-        status, out = self._request("POST", "/reset_prefix_cache")
-        return status == 200
+        return reset_prefix_cache(self._request)
 
     def set_version(self, version: str) -> None:
         self._request("POST", "/update_weight_version", {"new_version": version})
@@ -415,14 +436,21 @@ class VllmEngineActor(EngineSession):
         return LoadReport.from_dict(self._rpc("weightsync_load", descriptor))
 
     def _engine_end(self, version: str) -> EndReport:
+        # Still paused, before the update is committed: no answer after it may reuse KV cache
+        # computed under the previous weights, and a reset that fails fails the update (the
+        # sender aborts it: rolled back with keep_previous).
+        if not self.client.reset_prefix_cache():
+            raise RuntimeError(
+                f"vllm: the prefix cache could not be reset for update {version!r} (blocks still "
+                f"held after 5 tries); the update fails rather than serve cache of old weights"
+            )
         results = self._rpc_all("weightsync_end")
-        flushed = self.client.reset_prefix_cache()
         self.client.set_version(version)
         # Where each worker's loader puts each tensor (slices at TP > 1), for verification.
         placements = [r["placements"] for r in results]
         return EndReport(
             weight_version=version,
-            cache_flushed=flushed,
+            cache_flushed=True,
             param_of=results[0]["param_of"],
             placements=as_plain(placements),
         )

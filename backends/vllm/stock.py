@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from weightsync.backends.vllm.engine import reset_prefix_cache
 from weightsync.engine.stock import StockEngine
 
 
@@ -62,15 +63,22 @@ class VllmStockEngine(StockEngine):
     def _reload(self, folder: str, version: str) -> bool:
         self._post("/pause?mode=wait")
         try:
+            # Paused, before the reload: nothing computed under the old weights stays cached,
+            # and a reset that fails fails the sync with the engine untouched.
+            if not reset_prefix_cache(self.server.request):
+                raise RuntimeError(
+                    f"{self.where}: the prefix cache could not be reset (blocks still held after "
+                    f"5 tries); the sync fails before the reload, the engine serves on"
+                )
+            self._reloading = True
             self._post(
                 "/collective_rpc",
                 {"method": "reload_weights", "kwargs": {"weights_path": folder}},
             )
-            flushed = self.server.request("POST", "/reset_prefix_cache")[0] == 200
             self._post("/update_weight_version", {"new_version": version})
         finally:
             self._post("/resume")
-        return flushed
+        return True
 
     def served_model(self) -> str:
         """The name the server serves its model under (for its /v1 requests)."""

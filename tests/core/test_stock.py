@@ -38,6 +38,8 @@ class DiskReloadEngine(StockEngine):
     def _reload(self, folder: str, version: str) -> bool:
         from safetensors.torch import load_file
 
+        self._reloading = True
+
         params = dict(self.module.named_parameters())
         for name, tensor in load_file(os.path.join(folder, "model.safetensors")).items():
             if name in params:

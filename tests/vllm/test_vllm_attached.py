@@ -240,3 +240,17 @@ def test_an_llm_made_without_weightsyncs_extension_is_refused_naming_the_argumen
         VllmEngineActor(llm=llm)
     with pytest.raises(ValueError, match="llm= wraps an engine its owner made"):
         VllmEngineActor("some/model", llm=llm)
+
+
+def test_a_prefix_cache_reset_counts_only_when_vllm_says_it_succeeded():
+    """vLLM's /reset_prefix_cache answers 200 either way, with {"success": ...} (it refuses
+    while blocks are held): a refusal, retried, counts as not reset, which fails the update."""
+    from tests.engine_checks import open_json_server
+    from weightsync.backends.vllm.engine import reset_prefix_cache
+    from weightsync.engine.server import RemoteServer
+
+    for success in (True, False):
+        routes = {"/health": {}, "POST /reset_prefix_cache": {"success": success}}
+        with open_json_server(routes) as url:
+            server = RemoteServer(url, name="vllm")
+            assert reset_prefix_cache(server.request) is success

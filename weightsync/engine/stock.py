@@ -236,8 +236,7 @@ class StockEngine(EngineSession):
     def _engine_end(self, version: str) -> EndReport:
         if self._staged is None:
             raise RuntimeError(f"{self.engine_name}: no staged checkpoint; connect first")
-        self._reloading = True
-        flushed = self._reload(self._staged.folder, version)
+        flushed = self._reload(self._staged.folder, version)  # sets `_reloading` as it starts
         self._reloading = False
         return EndReport(weight_version=version, cache_flushed=flushed)
 
@@ -260,7 +259,8 @@ class StockEngine(EngineSession):
     def _reload(self, folder: str, version: str) -> bool:
         """Have the engine load the checkpoint in `folder` as `version`, with requests in flight
         finished on the old weights and new ones held until it is done, and its prefix cache
-        reset; whether the cache was reset."""
+        reset; whether the cache was reset. Sets `_reloading` once the engine's weights may
+        change (a failure before that leaves it serving its previous weights)."""
 
     def _close_staging(self) -> None:
         if self._receiver is not None:
