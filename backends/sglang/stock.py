@@ -18,25 +18,16 @@ from weightsync.engine.stock import StockEngine
 
 class SglStockEngine(StockEngine):
     """A Ray actor (env "sglang") on the server's host, syncing a stock SGLang server by
-    reloads. `api_key`: the server's `--api-key`, if it has one."""
+    reloads: `SglStockEngine(url, api_key=..., staging_dir=...)`, `api_key` the server's
+    `--api-key` if it has one (`StockEngine`'s arguments)."""
 
     engine_name = "sglang"
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        api_key: str | None = None,
-        staging_dir: str | None = None,
-        idle_timeout_s: float = 60.0,
-    ) -> None:
-        super().__init__(staging_dir=staging_dir, idle_timeout_s=idle_timeout_s)
-        self._attach(url, api_key)
+    def _describe(self) -> None:
         info = self._get("/server_info")
         # The startup configuration: the checkpoint it was started from, whatever it reloaded since.
         self.model_path = str(info["model_path"])
         self.tp_size = int(info.get("tp_size") or 1)
-        self._check_model_path()
 
     def _reload(self, folder: str, version: str) -> bool:
         self._reloading = True

@@ -25,20 +25,12 @@ from weightsync.engine.stock import StockEngine
 
 class VllmStockEngine(StockEngine):
     """A Ray actor (env "vllm"/"vllm-cpu") on the server's host, syncing a stock vLLM server by
-    reloads. `api_key`: the server's `--api-key`/VLLM_API_KEY, if it has one."""
+    reloads: `VllmStockEngine(url, api_key=..., staging_dir=...)`, `api_key` the server's
+    `--api-key`/VLLM_API_KEY if it has one (`StockEngine`'s arguments)."""
 
     engine_name = "vllm"
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        api_key: str | None = None,
-        staging_dir: str | None = None,
-        idle_timeout_s: float = 60.0,
-    ) -> None:
-        super().__init__(staging_dir=staging_dir, idle_timeout_s=idle_timeout_s)
-        self._attach(url, api_key)
+    def _describe(self) -> None:
         models = self._get("/v1/models")
         self.served_name = str(models["data"][0]["id"])
         self.model_path = str(models["data"][0]["root"])  # the checkpoint it was started from
@@ -52,7 +44,6 @@ class VllmStockEngine(StockEngine):
             )
         status, out = self.server.request("GET", "/get_world_size?include_dp=false")
         self.tp_size = int(out["world_size"]) if status == 200 else 1
-        self._check_model_path()
 
     def _post(self, path: str, body: Any = None) -> Any:
         status, out = self.server.request("POST", path, body)

@@ -138,18 +138,31 @@ class StockEngine(EngineSession):
     model_path: str
     tp_size: int = 1
 
-    def __init__(self, *, staging_dir: str | None = None, idle_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        api_key: str | None = None,
+        staging_dir: str | None = None,
+        idle_timeout_s: float = 60.0,
+    ) -> None:
+        """`url`: the server's (`api_key` its key, if it has one); the backend's `_describe`
+        then reads from it what it serves. None for a subclass that sets those itself."""
         super().__init__(idle_timeout_s=idle_timeout_s)
         self.staging_dir = staging_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
         self._staged: StagedCheckpoint | None = None
         self._receiver: ModelReceiver | None = None
         self._reloading = False
+        if url is not None:
+            self.server = RemoteServer(url, name=self.engine_name, api_key=api_key)
+            self.where = f"{self.engine_name} server at {self.server.base}"
+            self._keyed = api_key is not None
+            self._describe()
+            self._check_model_path()
 
-    def _attach(self, url: str, api_key: str | None) -> None:
-        """Reach the server at `url` (`self.server`; `self.where` names it in errors)."""
-        self.server = RemoteServer(url, name=self.engine_name, api_key=api_key)
-        self.where = f"{self.engine_name} server at {self.server.base}"
-        self._keyed = api_key is not None
+    def _describe(self) -> None:
+        """Set `model_path` and `tp_size` from the server (a backend's)."""
+        raise NotImplementedError(f"{type(self).__name__} reads no server")
 
     def _get(self, path: str) -> Any:
         """GET `path`'s JSON; PermissionError naming the fix when the server refuses the key
