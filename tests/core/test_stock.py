@@ -134,7 +134,8 @@ def _stock_rank(rank: int, port: int, results, options: dict) -> None:
 
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     model = shard_model(build_model("opt", "tiny", seed=3), device="cpu")
-    sync = TrainerSync(model, options=SyncOptions(bucket_bytes=1 << 16))
+    # timeout_s: a failed sync leaves rank 1 waiting in a collective until then
+    sync = TrainerSync(model, options=SyncOptions(bucket_bytes=1 << 16, timeout_s=8.0))
     strict = TrainerSync(model, options=SyncOptions(verify=True))  # every rank makes one
     out: dict = {}
     engine = None
