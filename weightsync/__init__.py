@@ -1,10 +1,10 @@
 """weightsync: keep inference engines in step with a sharded PyTorch trainer across environments.
 
 The public API, imported lazily (the CLI starts without torch):
-  trainer side:  TrainerSync, SyncOptions, init_trainer_group, host_store, shard_model,
+  trainer side:  TrainerSync, SyncOptions, Probe, init_trainer_group, host_store, shard_model,
                  close_trainer_group, DTensorV2Source
   engines:       init_ray, launch, register_actor, TrainerGroup (Ray actors in their own envs)
-  results:       SyncReport, VerifyReport (typed; to_dict()/from_dict() for plain data,
+  results:       SyncReport, VerifyReport, ProbeFailed (typed; to_dict()/from_dict() for plain data,
                  metrics() as one flat dict for a metrics logger)
   building your own: WeightSyncWorker, WeightSender, WeightReceiver, ModuleWeightReceiver,
                  Endpoint, RayEndpoint
@@ -26,6 +26,8 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "TrainerSync": "weightsync.trainer.sync",
     "SyncOptions": "weightsync.trainer.sync",
+    "Probe": "weightsync.trainer.probe",
+    "ProbeFailed": "weightsync.wire.errors",
     "init_trainer_group": "weightsync.trainer.process_group",
     "shard_model": "weightsync.trainer.process_group",
     "close_trainer_group": "weightsync.trainer.process_group",
@@ -50,6 +52,8 @@ __all__ = [
     "shard_model",
     "Endpoint",
     "ModuleWeightReceiver",
+    "Probe",
+    "ProbeFailed",
     "RayEndpoint",
     "SyncOptions",
     "SyncReport",
@@ -71,6 +75,7 @@ if TYPE_CHECKING:
     from weightsync.engine.module_receiver import ModuleWeightReceiver
     from weightsync.engine.session import WeightReceiver
     from weightsync.trainer.endpoint import Endpoint, RayEndpoint
+    from weightsync.trainer.probe import Probe
     from weightsync.trainer.process_group import (
         close_trainer_group,
         init_trainer_group,
@@ -81,6 +86,7 @@ if TYPE_CHECKING:
     from weightsync.trainer.sync import SyncOptions, TrainerSync
     from weightsync.trainer.worker import WeightSyncWorker
     from weightsync.transports.rendezvous import host_store
+    from weightsync.wire.errors import ProbeFailed
     from weightsync.wire.protocol import SyncReport, VerifyReport
 
 

@@ -150,6 +150,22 @@ class _InProcess:
                 )
         return samples
 
+    def score(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Per prompt, vLLM's log-probability of each token after the first given the ones
+        before it (prompt log-probs: one forward over the prompt, every worker taking part)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        scores = []
+        for prompt, out in zip(prompts, outs):
+            steps = out.prompt_logprobs or []
+            scores.append([float(step[t].logprob) for step, t in zip(steps[1:], prompt[1:])])
+        return scores
+
     def shutdown(self) -> None:
         if self.owned:  # an engine its owner made stays theirs
             del self.llm
@@ -455,6 +471,23 @@ class VllmEngineActor(EngineSession):
             placements=as_plain(placements),
         )
 
+    def probe_support(self) -> str | None:
+        if isinstance(self.client, _Http):
+            return (
+                "vllm: a server's generation is paused during an update, so its forward cannot "
+                "score a probe on the staged weights; probe an in-process engine (mode='engine' "
+                "or llm=)"
+            )
+        return None
+
+    def _engine_probe(self, tokens: list[list[int]]) -> list[list[float]]:
+        if not isinstance(self.client, _InProcess):
+            raise RuntimeError(self.probe_support())
+        # The staged weights as the model computes with them (experts packed, layers reading
+        # their parameters), the previous ones still kept for a rollback.
+        self._rpc_all("weightsync_finish")
+        return self.client.score(tokens)
+
     def _engine_abort(self, reason: str) -> bool:
         # Loading is in place: weights are mixed once a bucket was loaded, unless every worker
         # put back what it had kept.
@@ -464,6 +497,10 @@ class VllmEngineActor(EngineSession):
                 restored = all(r["restored"] >= 0 for r in self._rpc_all("weightsync_rollback"))
             except Exception as exc:  # the engine itself may be what failed
                 logger.warning("vllm: rolling back update %r failed: %s", self._open, exc)
+        if self._loaded and not self.client.reset_prefix_cache():
+            # A probe may have cached KV of the aborted weights (a restored engine serves on).
+            logger.warning("vllm: the prefix cache could not be reset after aborting an update")
+            restored = False
         return self._loaded > 0 and not restored
 
     def fingerprints(self) -> dict[str, list[int]]:

@@ -125,6 +125,7 @@ class WeightsyncWorkerExtension:
                 experts.pack()  # nothing is left open: the engine serves on
                 return {"why": why}
         state["open"], state["one_copy"], state["keep"] = True, bool(one_copy), keep_previous
+        state["finished"] = False
         return {"why": None}
 
     def _ws_experts(self) -> Any:
@@ -148,8 +149,10 @@ class WeightsyncWorkerExtension:
         compute from the restored parameters until re-packed."""
         state = self._ws_state()
         receiver = state["receiver"]
+        experts = self._ws_experts()
+        experts.unpack()  # a finished update packed them; the kept weights are unpacked
         restored = receiver.restore_previous()
-        self._ws_experts().pack()
+        experts.pack()
         state["gemms"].mark_stale({n for n, _ in receiver.model.named_parameters()})
         state["open"], state["one_copy"], state["keep"] = False, False, False
         state["gemms"].start()
@@ -194,14 +197,30 @@ class WeightsyncWorkerExtension:
         return report.to_dict()
 
     @_guard
-    def weightsync_end(self) -> dict[str, Any]:
+    def weightsync_finish(self) -> dict[str, Any]:
+        """Inside the open update: the model computes with its staged weights from now on
+        (one-copy writes confirmed, their layers reading the parameters, experts packed), the
+        previous weights still kept, so a probe can score them and `weightsync_rollback` can
+        still put the previous ones back. `weightsync_end` does this too where it was not done."""
+        self._ws_finish()
+        return {}
+
+    def _ws_finish(self) -> None:
         state = self._ws_state()
+        if state.get("finished"):
+            return
         if state.get("one_copy"):
             state["receiver"].end_one_copy()  # raises if a parameter no longer is those bytes
             # The trainer wrote into the shared parameters: their layers compute from them
             # until re-packed, as after a load.
             state["gemms"].mark_stale(set(state["receiver"].one_copy_params()))
         self._ws_experts().pack()  # before the engine serves again
+        state["finished"] = True
+
+    @_guard
+    def weightsync_end(self) -> dict[str, Any]:
+        state = self._ws_state()
+        self._ws_finish()
         state["open"], state["one_copy"], state["keep"] = False, False, False
         state["receiver"].drop_previous()
         state["gemms"].start()

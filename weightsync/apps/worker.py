@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from weightsync import (
+    Probe,
     SyncOptions,
     TrainerSync,
     close_trainer_group,
@@ -55,7 +56,11 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         model_builder: Literal["transformers", "nemo_automodel"] = "transformers",
         **sync_options: Any,
     ) -> None:
-        options = SyncOptions(**sync_options)  # bad options fail before anything starts
+        # A probe arrives as plain data (its fields, or True) across the environment boundary.
+        probe = Probe.of(sync_options.pop("probe", None))
+        options = SyncOptions(
+            **sync_options, probe=probe
+        )  # bad options fail before anything starts
         torch.manual_seed(seed)
         self.rank = rank
         self.device = init_trainer_group(

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from weightsync.engine.refit import copy_loader
 from weightsync.engine.replica import ModelReceiver, sharing_of
 from weightsync.engine.session import EngineSession
+from weightsync.wire.probe import score_causal_lm
 from weightsync.wire.protocol import (
     EndReport,
     LoadReport,
@@ -115,6 +116,10 @@ class ModuleWeightReceiver(EngineSession):
         return StageReport(
             fingerprints=[self.receiver.fingerprints()], placements=self._placements()
         )
+
+    def _engine_probe(self, tokens: list[list[int]]) -> list[list[float]]:
+        """The module's own forward (a causal LM: `model(input_ids=...)` gives logits)."""
+        return score_causal_lm(self.receiver.model, tokens)
 
     def fingerprints(self) -> dict[str, list[int]]:
         return self.receiver.fingerprints()

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from weightsync.wire.errors import BucketRejected, EngineBusy
+from weightsync.wire.probe import ProbeRequest, check_probe
 from weightsync.wire.protocol import (
     BeginAnswer,
     EndReport,
@@ -73,9 +74,12 @@ class WeightReceiver(ABC):
         (`"update"`, the version its sender opened) is refused before anything is read."""
 
     @abstractmethod
-    def end(self, version: str) -> dict:
+    def end(self, version: str, probe: dict | None = None) -> dict:
         """Finish: post-process the weights, reset the prefix cache, adopt `version`: an
-        `EndReport`."""
+        `EndReport`. With `probe` (weightsync/wire/probe.py `ProbeRequest.to_dict()`), first
+        score its tokens with the engine's forward on the staged weights and refuse to adopt
+        them (`ProbeFailed`; the update stays open for the sender's abort) when the scores are
+        too far from the trainer's."""
 
     @abstractmethod
     def abort(self, reason: str, owner: str | None = None) -> None:
@@ -184,6 +188,21 @@ class EngineSession(WeightReceiver):
     def _engine_stage(self) -> StageReport:
         return StageReport(fingerprints=[self.fingerprints()])
 
+    def _engine_probe(self, tokens: list[list[int]]) -> list[list[float]]:
+        """Inside the open update, after its last write and before `_engine_end`: per prompt,
+        the engine's log-probability of each token after the first given the ones before it,
+        from its own forward on the staged weights (every tensor-parallel worker taking part),
+        the update still able to roll back. Its answers must not outlive a rollback (an engine
+        that caches the probe's KV drops it at `_engine_abort`)."""
+        raise NotImplementedError(self.probe_support())
+
+    def probe_support(self) -> str | None:
+        """Why this engine cannot score a probe (weightsync/wire/probe.py), or None when it can.
+        Asked at connect by a trainer that probes, so an engine that cannot is refused there."""
+        if type(self)._engine_probe is EngineSession._engine_probe:
+            return f"{type(self).__name__} has no forward to score a probe with"
+        return None
+
     def begin(
         self, version: str, one_copy: bool | list[str] = False, owner: str | None = None
     ) -> dict:
@@ -255,7 +274,7 @@ class EngineSession(WeightReceiver):
             finally:
                 self._last_call = time.perf_counter()
 
-    def end(self, version: str) -> dict:
+    def end(self, version: str, probe: dict | None = None) -> dict:
         with self._lock:
             if self._open != version:
                 raise RuntimeError(
@@ -264,7 +283,12 @@ class EngineSession(WeightReceiver):
             start = time.perf_counter()
             # A failed end leaves the update open, and so paused: the sender's `abort` (or the
             # idle expiry) resumes, once the engine's weights are whole or it refuses to serve.
+            # The probe scores the staged weights before the engine finishes the update (and
+            # drops what it kept of the previous weights): a failed probe is rolled back.
+            probed = None if probe is None else self._probe(version, probe)
             report = self._engine_end(version)
+            if probed is not None:
+                report = replace(report, probe=probed)
             self._open, self._broken, self._version = None, None, version
             self._resume_generation()
             return replace(
@@ -272,6 +296,23 @@ class EngineSession(WeightReceiver):
                 end_s=time.perf_counter() - start,
                 session_s=time.perf_counter() - self._begin_t,
             ).to_dict()
+
+    def _probe(self, version: str, probe: dict) -> dict:
+        """Score the probe on the staged weights; `ProbeFailed` when too far off."""
+        request = ProbeRequest.from_dict(probe)
+        self._last_call = start = time.perf_counter()
+        try:
+            got = self._engine_probe(request.tokens)
+        finally:
+            self._last_call = time.perf_counter()
+        checked = check_probe(
+            request,
+            got,
+            engine=self.engine_name,
+            version=version,
+            probe_s=time.perf_counter() - start,
+        )
+        return checked.to_dict()
 
     def abort(self, reason: str, owner: str | None = None) -> None:
         with self._lock:

@@ -126,11 +126,14 @@ class WeightSender:
         engines: list[str] | None = None,
         verify: bool = False,
         write_bucket: Callable[[BucketPlan, int, torch.Tensor], None] | None = None,
+        probe: dict[str, dict] | None = None,
     ) -> SyncReport:
         """Send every tensor of `tensors` (in refit-info order) to `engines` (default: all).
 
         Instead of `tensors`, `write_bucket(plan, slot, buffer)` may fill each bucket itself
-        (the trainer's ranks writing their own shards into shared memory)."""
+        (the trainer's ranks writing their own shards into shared memory). `probe`: {engine:
+        `ProbeRequest.to_dict()`} for the engines that score a probe at `end`
+        (weightsync/wire/probe.py)."""
         transport = self.transport
         if transport is None:
             raise ValueError("sync without a transport; set WeightSender.transport first")
@@ -201,7 +204,7 @@ class WeightSender:
                     version=version,
                     worker_sent=sent.worker_results(),
                 )
-            ends: list[EndReport] = self.calls.call_all("end", version, names=names)
+            ends = self._end_all(version, names, probe)
             for name, end in zip(names, ends):
                 # Engines that learn the tensor -> parameter map while loading report it here.
                 if end.param_of is not None:
@@ -237,6 +240,7 @@ class WeightSender:
         engines: list[str],
         verify: bool = False,
         sharing: dict[str, list[str]] | None = None,
+        probe: dict[str, dict] | None = None,
     ) -> tuple[SyncReport | None, list[str]]:
         """The one-copy path (weightsync/trainer/one_copy/targets.py) into engines whose parameters are shared.
 
@@ -283,9 +287,7 @@ class WeightSender:
             if one_copy and verify:
                 # Checked before `end`: an engine whose bytes differ is aborted, never served.
                 checked = self.verifier.check_one_copy(written, engines=one_copy, version=version)
-            ends: list[EndReport] = (
-                self.calls.call_all("end", version, names=one_copy) if one_copy else []
-            )
+            ends = self._end_all(version, one_copy, probe)
         except BaseException as exc:
             if failure is None:
                 self.calls.abort(one_copy, f"{type(exc).__name__}: {exc}", self.owner)
@@ -309,6 +311,20 @@ class WeightSender:
             engines={n: EngineSyncReport.of(e, path="one_copy") for n, e in zip(one_copy, ends)},
         )
         return report, fallback
+
+    def _end_all(
+        self, version: str, names: list[str], probe: dict[str, dict] | None
+    ) -> list[EndReport]:
+        """`end` on every engine of `names` at once, with its probe where it has one."""
+        probe = probe or {}
+        return self.calls.wait_all(
+            [
+                self.calls.submit(n, "end", version, probe[n])
+                if n in probe
+                else self.calls.submit(n, "end", version)
+                for n in names
+            ]
+        )
 
     def verify_one_copy(self, written: dict[str, Any], *, engines: list[str]) -> VerifyReport:
         """The ranks' read-back comparison of the bytes (each engine's `end` then confirms its

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from weightsync.trainer.endpoint import Endpoint, RayEndpoint
 from weightsync.trainer.one_copy.path import OneCopyPath
+from weightsync.trainer.probe import Probe, ProbeScorer
 from weightsync.trainer.sender import DEFAULT_TIMEOUT_S, WeightSender
 from weightsync.trainer.shard_writes import BucketGatherWriter, BucketShardWriter
 from weightsync.trainer.source import DTensorV2Source, Layout
@@ -90,6 +91,12 @@ class SyncOptions:
     """Before each sync every rank reads its own shards once: a NaN or an infinity (or a value
     the sending dtype cannot hold) refuses the sync, naming the tensors, before anything is
     written."""
+    probe: Probe | None = None
+    """An end-to-end check independent of the engines' loaders (weightsync/trainer/probe.py):
+    on each engine's first sync after `connect` (and every `probe.every`-th), the engine
+    scores fixed tokens with its own forward on the staged weights, the trainer with its
+    model; a gap above `probe.bound` fails the sync before the engine commits. Engines that
+    cannot score one are refused at `connect`."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -108,6 +115,10 @@ class SyncOptions:
                 f"the one-copy path needs transport='shm' or 'cuda_ipc' (engines "
                 f"on this host); set one_copy=None or "
                 f"False for {self.transport!r}"
+            )
+        if self.probe is not None and not isinstance(self.probe, Probe):
+            raise ValueError(
+                f"SyncOptions.probe={self.probe!r:.100}: expected a weightsync.Probe (or None)"
             )
         if self.sync_dtype is not None:
             try:
@@ -184,6 +195,7 @@ class TrainerSync:
             rank_gpus=rank_gpus,
         )
         self.sender: WeightSender | None = None
+        self.probe = None if options.probe is None else ProbeScorer(options.probe, model)
         self._agreed: Layout = []  # the model's tensors at connect (rank 0)
         self._num_syncs = 0
 
@@ -223,6 +235,8 @@ class TrainerSync:
                     f"engine {name!r} cannot be verified and this trainer verifies every sync "
                     f"(verify=True): {answers[name].unverifiable}"
                 )
+            if self.probe is not None:
+                self._check_probe_support(sender, name)
             if opts.keep_previous:
                 self._keep_previous(sender, name)
         if sender.transport is None and answers:
@@ -237,6 +251,21 @@ class TrainerSync:
                 f"connect({{name: engine}})"
             )
         return self.sender
+
+    def _check_probe_support(self, sender: WeightSender, name: str) -> None:
+        """Refuse, at connect, an engine that cannot score this trainer's probe."""
+        try:
+            why = sender.call(name, "probe_support")
+        except (AttributeError, RuntimeError) as exc:
+            why = f"it answers no probe_support ({str(exc).splitlines()[0][:200]})"
+        if why:
+            del sender.engines[name]
+            raise ValueError(
+                f"engine {name!r} cannot score this trainer's probe (SyncOptions.probe): {why}; "
+                f"connect it from a TrainerSync without a probe"
+            )
+        if self.probe is not None:
+            self.probe.probed.discard(name)  # connected anew: probed on its next sync
 
     def _keep_previous(self, sender: WeightSender, name: str) -> None:
         try:
@@ -296,18 +325,24 @@ class TrainerSync:
         if "error" in plan:
             raise ValueError(plan["error"])
         buckets = list(plan["buckets"])
+        probe = None
+        if plan.get("probe") and self.probe is not None:  # every rank runs the forward
+            request = self.probe.request()
+            probe = {name: request for name in plan["probe"]}
         one_copy_report = None
         if plan["one_copy"]:
             one_copy_report, fallback = self.one_copy_path.sync(
-                self.sender, version, plan["one_copy"], verify=verify
+                self.sender, version, plan["one_copy"], verify=verify, probe=probe
             )
             buckets += fallback
         bucket_report = None
         if buckets:
-            bucket_report = self._sync_buckets(version, buckets, verify=verify)
+            bucket_report = self._sync_buckets(version, buckets, verify=verify, probe=probe)
             if bucket_report is not None and self.one_copy:
                 bucket_report = self.one_copy_path.share(self._connected(), buckets, bucket_report)
         report = _merge(one_copy_report, bucket_report) if self.rank == 0 else None
+        if self.probe is not None:
+            self.probe.probed.update(plan.get("probe") or [])
         if report is not None and plan.get("dropped"):
             report = replace(report, dropped=plan["dropped"])
         if verify:
@@ -424,12 +459,15 @@ class TrainerSync:
             return {"error": f"sync(verify=True) refused, nothing was written: {why}"}
         one_copy = [n for n in names if self.one_copy_path.takes(n)]
         return {
+            "probe": self.probe.due(names, self._num_syncs) if self.probe is not None else [],
             "one_copy": one_copy,
             "buckets": [n for n in names if n not in one_copy],
             "dropped": {n: dead[n] for n in self.sender.engines if n in dead} or None,
         }
 
-    def _sync_buckets(self, version: str, names: list[str], *, verify: bool) -> SyncReport | None:
+    def _sync_buckets(
+        self, version: str, names: list[str], *, verify: bool, probe: dict[str, dict] | None
+    ) -> SyncReport | None:
         if self.shard_writes:
             if self.rank != 0:
                 self.buckets.follow()
@@ -441,13 +479,16 @@ class TrainerSync:
                 engines=names,
                 verify=verify,
                 write_bucket=self.buckets.sender_hook(sender.transport),
+                probe=probe,
             )
         tensors = self.source.tensors()
         if self.rank != 0:
             for _ in tensors:  # take part in every gather
                 pass
             return None
-        return self._connected().sync(tensors, version=version, engines=names, verify=verify)
+        return self._connected().sync(
+            tensors, version=version, engines=names, verify=verify, probe=probe
+        )
 
 
 def _changed_since_connect(agreed: Layout, now: Layout) -> str | None:

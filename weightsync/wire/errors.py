@@ -57,8 +57,13 @@ class VerificationFailed(RuntimeError):
         self.results = results
 
 
+class ProbeFailed(RuntimeError):
+    """An engine's forward on an update's staged weights scored the probe tokens too far from
+    the trainer's (weightsync/wire/probe.py): the engine did not commit the update."""
+
+
 WIRE_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (BucketRejected, ValueError, TypeError)
+    cls.__name__: cls for cls in (BucketRejected, ProbeFailed, ValueError, TypeError)
 }
 """The errors that reach the caller as themselves (a subclass as the first of these it derives
 from, most specific first): the caller's bad input. Any other failure of a peer reaches the

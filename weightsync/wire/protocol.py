@@ -175,6 +175,9 @@ class EndReport:
     placements: list[dict[str, Any]] | None = None
     """Per tensor-parallel worker, which elements of each tensor it holds
     (weightsync/wire/placement.py); None where every worker holds all."""
+    probe: dict[str, Any] | None = None
+    """With a probe asked for: how close the engine's scores came (`wire.probe.ProbeReport`'s
+    `to_dict()`); an update whose probe failed raises instead of ending."""
 
     def to_dict(self) -> dict[str, Any]:
         return _without_none(
@@ -185,6 +188,7 @@ class EndReport:
                 "cache_flushed": self.cache_flushed,
                 "param_of": None if self.param_of is None else _param_of(self.param_of),
                 "placements": self.placements,
+                "probe": self.probe,
             }
         )
 
@@ -198,6 +202,7 @@ class EndReport:
             cache_flushed=_get(d, cls, "cache_flushed", None),
             param_of=None if param_of is None else _param_of(param_of),
             placements=_get(d, cls, "placements", None),
+            probe=_get(d, cls, "probe", None),
         )
 
 
@@ -292,9 +297,15 @@ class EngineSyncReport:
     """Whether its prefix cache was reset."""
     share_s: float | None = None
     """Seconds it took to share its parameters after this sync (once, for the one-copy path)."""
+    probe_gap: float | None = None
+    """Where this sync was probed (weightsync/wire/probe.py): the mean absolute log-prob gap
+    between the engine's forward and the trainer's, in nats."""
+    probe_max_gap: float | None = None
+    """The largest gap of one probe token."""
 
     @classmethod
     def of(cls, end: EndReport, *, path: str, load_s: float | None = None) -> EngineSyncReport:
+        probe = end.probe or {}
         return cls(
             path=path,
             weight_version=end.weight_version,
@@ -302,6 +313,8 @@ class EngineSyncReport:
             end_s=end.end_s,
             session_s=end.session_s,
             cache_flushed=end.cache_flushed,
+            probe_gap=probe.get("mean_gap"),
+            probe_max_gap=probe.get("max_gap"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -316,6 +329,8 @@ class EngineSyncReport:
                     "session_s": self.session_s,
                     "cache_flushed": self.cache_flushed,
                     "share_s": self.share_s,
+                    "probe_gap": self.probe_gap,
+                    "probe_max_gap": self.probe_max_gap,
                 }
             ),
         }
@@ -334,6 +349,8 @@ class EngineSyncReport:
                     "session_s",
                     "cache_flushed",
                     "share_s",
+                    "probe_gap",
+                    "probe_max_gap",
                 )
             },
         )
@@ -535,7 +552,10 @@ class SyncReport:
           `<engine>/session_s`: seconds from its `begin` to the end of its `end`;
           `<engine>/cache_flushed`: 1 if its prefix cache was reset, else 0;
           `<engine>/share_s`: seconds it took to share its parameters after this sync, outside
-          `sync_s` (once: the sync by buckets before its first one-copy sync).
+          `sync_s` (once: the sync by buckets before its first one-copy sync);
+          `<engine>/probe_gap`, `<engine>/probe_max_gap` (a probed sync, `SyncOptions.probe`):
+          the mean and the largest absolute log-prob gap, in nats, between its forward and the
+          trainer's.
         - with verify, `VerifyReport.metrics` under the same prefix: `verify_s` (all engines
           together, not per engine), `verified`, and per engine `<engine>/verified`,
           `<engine>/num_checked`, `<engine>/num_mismatched`, `<engine>/num_unchecked`.
@@ -567,6 +587,8 @@ class SyncReport:
             if engine.cache_flushed is not None:
                 out[f"{prefix}{name}/cache_flushed"] = int(engine.cache_flushed)
             _put_seconds(out, f"{prefix}{name}/share_s", engine.share_s)
+            _put_seconds(out, f"{prefix}{name}/probe_gap", engine.probe_gap)
+            _put_seconds(out, f"{prefix}{name}/probe_max_gap", engine.probe_max_gap)
         if self.verify is not None:
             out.update(self.verify.metrics(prefix))
         if self.dropped:

@@ -113,7 +113,13 @@ class OneCopyPath:
         return replace(report, engines=engines)
 
     def sync(
-        self, sender: WeightSender | None, version: str, names: list[str], *, verify: bool
+        self,
+        sender: WeightSender | None,
+        version: str,
+        names: list[str],
+        *,
+        verify: bool,
+        probe: dict[str, dict] | None = None,
     ) -> tuple[SyncReport | None, list[str]]:
         """Every rank writes its own shards into the engines' shared parameters (`sender`:
         rank 0's). Returns rank 0's report and the engines to sync by buckets instead."""
@@ -150,6 +156,7 @@ class OneCopyPath:
             engines=names,
             verify=verify,
             sharing={n: sharings(n) for n in names if n in self._shared},
+            probe=probe,
         )
         if report is not None:
             report = replace(

@@ -1,0 +1,141 @@
+"""The log-prob probe (`SyncOptions.probe`, weightsync/wire/probe.py) on a real 2-process gloo
+FSDP2 trainer syncing into the reference receiver, whose loader is planted wrong from the first
+sync: q and k swapped, a transposed tensor, a dropped tensor. Verification by fingerprints
+passes each (the placements are learned from the same wrong loader); the probe fails each
+before the receiver commits, naming the gap, and a right loader passes with a gap of ~1e-6."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.core.test_trainer_sync import _run_two_ranks_of
+from weightsync import Probe, SyncOptions
+from weightsync.wire.errors import ProbeFailed
+from weightsync.wire.probe import ProbeRequest, check_probe
+
+LAYER = "model.decoder.layers.0.self_attn"
+
+
+def _plant(receiver, kind: str) -> None:
+    """Make the receiver's loader wrong for one tensor, as a buggy engine loader would be."""
+    params = dict(receiver.receiver.model.named_parameters())
+    q, k = params[f"{LAYER}.q_proj.weight"], params[f"{LAYER}.k_proj.weight"]
+    if kind == "qk_swapped":
+        q.weight_loader = lambda _p, t: k.data.copy_(t)
+        k.weight_loader = lambda _p, t: q.data.copy_(t)
+    elif kind == "transposed":
+        q.weight_loader = lambda p, t: p.data.copy_(t.t())
+    elif kind == "dropped":
+        q.weight_loader = lambda p, t: None
+
+
+def _probe_rank(rank: int, port: int, results, options: dict) -> None:
+    from weightsync import TrainerSync
+    from weightsync.apps.models import build_model
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
+    from weightsync.trainer.endpoint import LocalEndpoint
+    from weightsync.trainer.process_group import (
+        close_trainer_group,
+        init_trainer_group,
+        shard_model,
+    )
+
+    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    model = shard_model(build_model("opt", "tiny", seed=3), device="cpu")
+    with torch.no_grad():  # sharper attention than a fresh init's, as a trained model's
+        for name, param in model.named_parameters():
+            if "q_proj.weight" in name or "k_proj.weight" in name:
+                param.to_local().mul_(20.0)
+    out: dict = {}
+    for kind in ("right", "qk_swapped", "transposed", "dropped"):
+        sync = TrainerSync(model, options=SyncOptions(probe=Probe(every=3, length=24)))
+        receiver = None
+        if rank == 0:
+            receiver = ModuleWeightReceiver(build_model("opt", "tiny", seed=99), name=kind)
+            _plant(receiver, kind)
+        sync.connect({kind: LocalEndpoint(receiver, name=kind)} if rank == 0 else {})
+        reports = []
+        for version in ("v1", "v2", "v3"):  # the other rank takes part and answers None
+            try:
+                reports.append(sync.sync(version))
+            except ProbeFailed as exc:  # rank 0 raises what failed
+                out.setdefault(kind, {"error": str(exc), "type": type(exc).__name__})
+        if receiver is not None:
+            out.setdefault(kind, {})["reports"] = [r.to_dict() for r in reports]
+            out[kind]["version"] = receiver.weight_version()
+        sync.close()
+    if rank == 0:
+        results.put(out)
+    close_trainer_group()
+
+
+@pytest.fixture(scope="module")
+def probed() -> dict:
+    return _run_two_ranks_of(_probe_rank, {})
+
+
+def test_a_right_loader_passes_the_probe_on_the_first_sync_and_at_its_cadence(probed):
+    right = [r["engines"]["right"] for r in probed["right"]["reports"]]
+    assert "error" not in probed["right"] and probed["right"]["version"] == "v3"
+    assert right[0]["probe_gap"] < 1e-4 and right[0]["probe_max_gap"] < 1e-3
+    assert "probe_gap" not in right[1]  # Probe(every=3): due again on the third sync
+    assert right[2]["probe_gap"] < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["qk_swapped", "transposed", "dropped"])
+def test_a_loader_wrong_from_the_first_sync_fails_the_probe_before_commit(probed, kind):
+    result = probed[kind]
+    assert result.get("type") == "ProbeFailed", result
+    assert f"{kind}: update 'v1' failed the log-prob probe" in result["error"]
+    assert "The update is not committed" in result["error"]
+    gap = float(result["error"].split("probe tokens ")[1].split(" nats")[0])
+    assert gap > 1e-2  # far above the right loader's
+    # Never committed: each sync probes it again (it was never probed right) and fails again.
+    assert result["version"] is None and result["reports"] == []
+
+
+def test_probe_values_are_checked_when_made():
+    with pytest.raises(ValueError, match="Probe.bound=0: must be a positive number"):
+        Probe(bound=0)
+    with pytest.raises(ValueError, match="Probe.every=-1: must be an int >= 0"):
+        Probe(every=-1)
+    with pytest.raises(ValueError, match="at least 2 token ids each"):
+        Probe(tokens=[[5]])
+    with pytest.raises(ValueError, match="expected a weightsync.Probe"):
+        SyncOptions(probe={"every": 1})  # type: ignore[arg-type]
+    assert Probe.of({"every": 2}) == Probe(every=2) and Probe.of(None) is None
+
+
+def test_a_non_finite_or_misshaped_score_fails_the_probe():
+    request = ProbeRequest(tokens=[[1, 2, 3]], expected=[[-1.0, -2.0]], bound=0.1)
+    ok = check_probe(request, [[-1.01, -2.0]], engine="e", version="v")
+    assert ok.max_gap == pytest.approx(0.01) and ok.worst == (0, 1)
+    with pytest.raises(ProbeFailed, match="failed the log-prob probe"):
+        check_probe(request, [[float("nan"), -2.0]], engine="e", version="v")
+    with pytest.raises(ProbeFailed, match=r"scored \[1\] tokens per prompt, expected \[2\]"):
+        check_probe(request, [[-1.0]], engine="e", version="v")
+
+
+def test_an_engine_that_cannot_score_a_probe_is_refused_at_connect():
+    """A receiver without a forward to score with is refused at connect, before any sync."""
+    from tests.conftest import free_port
+    from weightsync import TrainerSync
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
+    from weightsync.engine.session import EngineSession
+    from weightsync.trainer.endpoint import LocalEndpoint
+    from weightsync.trainer.process_group import close_trainer_group, init_trainer_group
+
+    class NoForward(ModuleWeightReceiver):
+        _engine_probe = EngineSession._engine_probe
+
+    init_trainer_group(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
+    model = torch.nn.Linear(4, 4)
+    sync = TrainerSync(model, options=SyncOptions(probe=Probe(tokens=[[1, 2]])))
+    try:
+        with pytest.raises(ValueError, match="engine 'plain' cannot score this trainer's probe"):
+            sync.connect({"plain": LocalEndpoint(NoForward(model), name="plain")})
+        assert sync.sender is not None and "plain" not in sync.sender.engines
+    finally:
+        sync.close()
+        close_trainer_group()

@@ -1,0 +1,149 @@
+"""Loader faults planted in a real vLLM engine's own weight loaders, for the probe tests.
+
+`plant(worker, kind)` runs inside each of vLLM's workers (`llm.collective_rpc`) and wraps the
+`weight_loader` vLLM's model calls for one parameter of layer 0, so that from the first sync the
+engine loads that tensor wrong, consistently: the placements weightsync learns from the loader
+follow the fault, and fingerprints agree with it. `unplant` puts vLLM's loaders back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+KINDS = ("qk_swapped", "transposed", "dropped", "gate_up_swapped")
+
+
+def _param(model: Any, suffix: str) -> Any:
+    for name, param in model.named_parameters():
+        if name.endswith(f"layers.0.{suffix}"):
+            return param
+    raise KeyError(suffix)
+
+
+def plant(worker: Any, kind: str) -> str:
+    import torch
+
+    model = worker.model_runner.model
+    if kind == "qk_swapped":
+        param = _param(model, "self_attn.qkv_proj.weight")
+        original = param.weight_loader
+        layer = original.__self__  # this worker's QKVParallelLinear
+        q_rows = layer.num_heads * layer.head_size
+        kv_rows = layer.num_kv_heads * layer.head_size
+
+        def qk_swapped(p: Any, loaded: Any, shard_id: Any = None) -> None:
+            if shard_id not in ("q", "k"):
+                return original(p, loaded, shard_id)
+            # vLLM's loader into a scratch parameter (its own tensor-parallel narrowing), then
+            # q's first heads go where k belongs and k where those q heads belong: the same
+            # places every sync, whatever order the shards come in.
+            live, scratch = p.data, torch.zeros_like(p.data)
+            p.data = scratch
+            try:
+                original(p, loaded, shard_id)
+            finally:
+                p.data = live
+            with torch.no_grad():
+                if shard_id == "q":
+                    live[kv_rows:q_rows] = scratch[kv_rows:q_rows]
+                    live[q_rows : q_rows + kv_rows] = scratch[:kv_rows]
+                else:
+                    live[:kv_rows] = scratch[q_rows : q_rows + kv_rows]
+
+        param.weight_loader = qk_swapped
+    elif kind == "transposed":
+        param = _param(model, "self_attn.o_proj.weight")
+        original = param.weight_loader
+        param.weight_loader = lambda p, loaded, *a: original(p, loaded.t().contiguous(), *a)
+    elif kind == "dropped":
+        param = _param(model, "mlp.down_proj.weight")
+        original = param.weight_loader
+        param.weight_loader = lambda p, loaded, *a: None
+    elif kind == "gate_up_swapped":
+        param = _param(model, "mlp.gate_up_proj.weight")
+        original = param.weight_loader
+
+        def gate_up_swapped(p: Any, loaded: Any, shard_id: Any = None) -> None:
+            original(p, loaded, None if shard_id is None else 1 - shard_id)
+
+        param.weight_loader = gate_up_swapped
+    else:
+        raise ValueError(kind)
+    worker._planted = (param, original)
+    return kind
+
+
+def unplant(worker: Any) -> bool:
+    planted = getattr(worker, "_planted", None)
+    if planted is None:
+        return False
+    param, original = planted
+    param.weight_loader = original
+    worker._planted = None
+    # weightsync learns how each tensor is loaded once, on first sight (where it lands, the
+    # copies a replayed bucket repeats without calling the loader): a fresh receiver, as in an
+    # engine started afresh, which the trainer connects under a new name.
+    from weightsync.engine.refit import copy_loader
+    from weightsync.engine.replica import ModelReceiver
+
+    model = worker.model_runner.model
+    worker._ws_state()["receiver"] = ModelReceiver(
+        model, load_fn=model.load_weights, default_loader=copy_loader, name="vllm"
+    )
+    return True
+
+
+class PlantedRollout:
+    """A framework's own rollout actor (as tests/vllm/framework_rollout.py) over a `vllm.LLM`
+    of `tensor_parallel_size` workers, whose loaders the test can plant faults in."""
+
+    def __init__(self, model_path: str, tensor_parallel_size: int = 1) -> None:
+        import os
+        import sys
+
+        import cloudpickle
+        from vllm import LLM
+
+        from weightsync.backends.vllm.engine import EXTENSION, VllmEngineActor
+        from weightsync.driver.preflight import cpu_binding
+
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # The planting functions travel to vLLM's workers pickled: this test's engine only.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        args: dict[str, Any] = {}
+        if tensor_parallel_size > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(tensor_parallel_size))
+            args = {
+                "tensor_parallel_size": tensor_parallel_size,
+                "distributed_executor_backend": "mp",
+            }
+        self.llm = LLM(
+            model=model_path,
+            worker_extension_cls=EXTENSION,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            **args,
+        )
+        self.weights = VllmEngineActor(llm=self.llm, keep_previous=True)
+
+    def weightsync(self, method: str, *args: Any) -> Any:
+        return getattr(self.weights, method)(*args)
+
+    def plant(self, kind: str) -> list[str]:
+        return self.llm.collective_rpc(plant, args=(kind,))
+
+    def unplant(self) -> list[bool]:
+        return self.llm.collective_rpc(unplant)
+
+    def rollout(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        self.weights.check_serving()
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        return [list(out.outputs[0].token_ids) for out in outs]

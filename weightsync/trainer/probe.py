@@ -1,0 +1,112 @@
+"""`Probe`: how a `TrainerSync` checks engines end to end, independent of their loaders.
+
+On the first sync into each engine after `connect` (and every `every`-th sync after that), every
+trainer rank runs the model's forward on fixed token ids (a collective, as FSDP2's forward
+gathers its shards), and each probed engine scores the same ids with its own forward on the
+staged weights before it commits them (weightsync/wire/probe.py). A mean absolute log-prob gap
+above `bound` fails the sync with `ProbeFailed`; the update is aborted (rolled back with
+keep_previous).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.wire.probe import ProbeRequest, score_causal_lm
+
+Scorer = Callable[[list[list[int]]], list[list[float]]]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Probe:
+    """`SyncOptions.probe`. Checked when made: a bad value raises ValueError."""
+
+    tokens: Sequence[Sequence[int]] | None = None
+    """The prompts to score (token ids, each at least 2 long). None: `num_prompts` prompts of
+    `length` ids drawn with `seed` from the model's vocabulary (`model.config.vocab_size`)."""
+    num_prompts: int = 2
+    length: int = 32
+    seed: int = 0
+    every: int = 0
+    """0: probe each engine on its first sync after `connect` only; n > 0: also every n-th
+    sync (counted by this `TrainerSync`)."""
+    bound: float = 0.1
+    """The largest mean absolute gap (nats) between the engine's and the trainer's log-probs.
+    Two forwards in float32 agree to ~1e-5 on the test models; bfloat16 engines differ from a
+    float32 trainer by more, growing with depth: set it from a sync known to be right."""
+    score: Scorer | None = None
+    """The trainer's scores for `tokens` (per prompt, each token's log-prob after the first),
+    called on every rank at once. None: the model called as `model(input_ids=ids)`, its
+    logits in float32 (`wire.probe.score_causal_lm`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "length", "every", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Probe.{name}={value!r}: must be an int >= 0")
+        if self.length < 2 or self.num_prompts < 1:
+            raise ValueError(
+                f"Probe(num_prompts={self.num_prompts}, length={self.length}): a probe needs "
+                f"at least one prompt of at least 2 tokens"
+            )
+        if not (
+            isinstance(self.bound, int | float) and self.bound > 0 and math.isfinite(self.bound)
+        ):
+            raise ValueError(f"Probe.bound={self.bound!r}: must be a positive number of nats")
+        if self.tokens is not None and (not self.tokens or any(len(p) < 2 for p in self.tokens)):
+            raise ValueError(
+                f"Probe.tokens={self.tokens!r:.200}: give prompts of at least 2 token ids each"
+            )
+
+    @classmethod
+    def of(cls, value: Probe | dict[str, Any] | bool | None) -> Probe | None:
+        """A `Probe` from what a caller passes across an environment boundary: a `Probe`, its
+        fields as a dict, True (the defaults) or None/False (no probe)."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, dict):
+            return cls(**value)
+        if isinstance(value, cls):
+            return value
+        raise ValueError(f"probe={value!r}: expected a Probe, a dict of its fields, or True")
+
+    def prompts(self, model: Any) -> list[list[int]]:
+        if self.tokens is not None:
+            return [[int(t) for t in prompt] for prompt in self.tokens]
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if not isinstance(vocab, int) or vocab < 2:
+            raise ValueError(
+                f"Probe(tokens=None) draws token ids from model.config.vocab_size, which this "
+                f"{type(model).__name__} lacks: give Probe(tokens=[[...], ...])"
+            )
+        rng = random.Random(self.seed)
+        return [[rng.randrange(vocab) for _ in range(self.length)] for _ in range(self.num_prompts)]
+
+
+class ProbeScorer:
+    """One `TrainerSync`'s probe: its prompts and when each engine is due."""
+
+    def __init__(self, probe: Probe, model: Any) -> None:
+        self.probe = probe
+        self.model = model
+        self.tokens = probe.prompts(model)
+        self.probed: set[str] = set()  # engines probed since they were connected
+
+    def due(self, names: list[str], sync_number: int) -> list[str]:
+        """The engines of this sync (`sync_number`: 1 for the first) that score the probe."""
+        every = self.probe.every
+        return [
+            n for n in names if n not in self.probed or (every > 0 and sync_number % every == 0)
+        ]
+
+    def request(self) -> dict[str, Any]:
+        """The trainer's scores (every rank at once) as the engines' `ProbeRequest`."""
+        score = self.probe.score or (lambda tokens: score_causal_lm(self.model, tokens))
+        expected = score(self.tokens)
+        return ProbeRequest(tokens=self.tokens, expected=expected, bound=self.probe.bound).to_dict()
