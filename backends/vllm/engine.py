@@ -497,10 +497,15 @@ class VllmEngineActor(EngineSession):
                 restored = all(r["restored"] >= 0 for r in self._rpc_all("weightsync_rollback"))
             except Exception as exc:  # the engine itself may be what failed
                 logger.warning("vllm: rolling back update %r failed: %s", self._open, exc)
-        if self._loaded and not self.client.reset_prefix_cache():
+        if self._loaded:
             # A probe may have cached KV of the aborted weights (a restored engine serves on).
-            logger.warning("vllm: the prefix cache could not be reset after aborting an update")
-            restored = False
+            try:
+                reset = self.client.reset_prefix_cache()
+            except Exception as exc:  # the engine itself may be what failed
+                logger.warning("vllm: resetting the prefix cache after an abort failed: %s", exc)
+                reset = False
+            if not reset:
+                restored = False  # it refuses to serve rather than serve stale cache
         return self._loaded > 0 and not restored
 
     def fingerprints(self) -> dict[str, list[int]]:

@@ -2,7 +2,7 @@
 FSDP2 trainer syncing into the reference receiver, whose loader is planted wrong from the first
 sync: q and k swapped, a transposed tensor, a dropped tensor. Verification by fingerprints
 passes each (the placements are learned from the same wrong loader); the probe fails each
-before the receiver commits, naming the gap, and a right loader passes with a gap of ~1e-6."""
+before the receiver commits, naming the gap, and a right loader passes with a gap below 1e-4."""
 
 from __future__ import annotations
 

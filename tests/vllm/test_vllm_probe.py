@@ -1,15 +1,15 @@
 """The log-prob probe against loader faults planted in the real vLLM engine's own loaders.
 
 A Qwen2-shaped model (rope, GQA, untied head; q/k sharpened as a trained model's attention is)
-in a framework's own in-process `vllm.LLM` (tests/vllm/planted.py), on one worker and on two
-tensor-parallel workers, synced from a 2-rank FSDP2 trainer (gloo) with verification and the
+in a framework's own in-process `vllm.LLM` (tests/vllm/planted.py) on two tensor-parallel
+workers, synced from a 2-rank FSDP2 trainer (gloo) with verification and the
 probe. From the first sync, vLLM's loader of one layer-0 parameter is wrapped wrong: q and k
 swapped inside qkv, o_proj transposed, down_proj dropped, gate and up swapped. Fingerprints pass
 each (placements are learned from the same loader; a dropped tensor lands nowhere to check);
 the probe fails each before commit, the update is rolled back (keep_previous), and the engine
 still serves the checkpoint's weights. Each fault meets a receiver that has seen no sync (the
 loader is learned on first sight), connected under the fault's name. With
-vLLM's loaders put back, the same trainer syncs, the probe passes with a float32 gap of ~1e-6,
+vLLM's loaders put back, the same trainer syncs, the probe passes (a float32 gap below 1e-4),
 and the engine's greedy tokens equal the trainer's reference."""
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def _sharp_checkpoint(path: str) -> str:
     return save_model(model, path)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+# Two tensor-parallel workers (the probe's forward takes both; TP=1 took the same path in
+# 2.5 min more of CI: the project's receiver covers one worker in tests/core/test_probe.py).
+@pytest.fixture(scope="module", params=[2], ids=["tp2"])
 def planted(request, tmp_path_factory):
     path = _sharp_checkpoint(str(tmp_path_factory.mktemp("qwen2-sharp")))
     launcher.init_ray(num_cpus=2)
