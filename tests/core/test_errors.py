@@ -11,6 +11,7 @@ from weightsync.wire.errors import (
     WIRE_ERRORS,
     BucketRejected,
     NotShared,
+    ProbeFailed,
     crosses_as_itself,
     error_from_wire,
     error_to_wire,
@@ -26,9 +27,10 @@ def _over_the_wire(exc: BaseException) -> dict:
 
 
 def test_the_callers_bad_input_crosses_as_itself():
-    assert list(WIRE_ERRORS) == ["BucketRejected", "ValueError", "TypeError"]
+    assert list(WIRE_ERRORS) == ["BucketRejected", "ProbeFailed", "ValueError", "TypeError"]
     for exc in (
         BucketRejected("bucket 3: bad layout"),
+        ProbeFailed("vllm: update 'v1' failed the log-prob probe"),
         ValueError("tensor 'w': shape"),
         TypeError("not a dict"),
     ):

@@ -2,8 +2,7 @@
 
 A Qwen2-shaped model (rope, GQA, untied head; q/k sharpened as a trained model's attention is)
 in a framework's own in-process `vllm.LLM` (tests/vllm/planted.py) on two tensor-parallel
-workers, synced from a 2-rank FSDP2 trainer (gloo) with verification and the
-probe. From the first sync, vLLM's loader of one layer-0 parameter is wrapped wrong: q and k
+workers, synced from a 1-rank FSDP2 trainer with verification and the probe. From the first sync, vLLM's loader of one layer-0 parameter is wrapped wrong: q and k
 swapped inside qkv, o_proj transposed, down_proj dropped, gate and up swapped. Fingerprints pass
 each (placements are learned from the same loader; a dropped tensor lands nowhere to check);
 the probe fails each before commit, the update is rolled back (keep_previous), and the engine
@@ -48,11 +47,12 @@ def planted(request, tmp_path_factory):
     trainer = launcher.TrainerGroup(
         "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
         model_path=path,
+        # One rank: a failed sync on rank 0 would hold a second rank until `timeout_s` (the
+        # probe from a 2-rank FSDP2 trainer: tests/core/test_probe.py).
+        world_size=1,
         bucket_bytes=1 << 20,
         seed=0,
         lr=0.02,
-        # A failed sync holds the other rank until this deadline before it learns of it.
-        timeout_s=15.0,
         probe={"bound": 1e-3, "length": 24},
     )
     from weightsync import RayEndpoint

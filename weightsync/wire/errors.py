@@ -66,7 +66,8 @@ WIRE_ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (BucketRejected, ProbeFailed, ValueError, TypeError)
 }
 """The errors that reach the caller as themselves (a subclass as the first of these it derives
-from, most specific first): the caller's bad input. Any other failure of a peer reaches the
+from, most specific first): the caller's bad input, and an update an engine refused to commit
+because its probe failed. Any other failure of a peer reaches the
 caller as RuntimeError."""
 
 
