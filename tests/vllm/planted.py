@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.vllm.framework_rollout import FrameworkRollout
+
 KINDS = ("qk_swapped", "transposed", "dropped", "gate_up_swapped")
 
 
@@ -93,9 +95,10 @@ def unplant(worker: Any) -> bool:
     return True
 
 
-class PlantedRollout:
-    """A framework's own rollout actor (as tests/vllm/framework_rollout.py) over a `vllm.LLM`
-    of `tensor_parallel_size` workers, whose loaders the test can plant faults in."""
+class PlantedRollout(FrameworkRollout):
+    """A framework's own rollout actor (tests/vllm/framework_rollout.py: its `weightsync` and
+    `rollout`) over a `vllm.LLM` of `tensor_parallel_size` workers, keeping its previous weights
+    during updates, whose loaders the test can plant faults in."""
 
     def __init__(self, model_path: str, tensor_parallel_size: int = 1) -> None:
         import os
@@ -128,22 +131,8 @@ class PlantedRollout:
         )
         self.weights = VllmEngineActor(llm=self.llm, keep_previous=True)
 
-    def weightsync(self, method: str, *args: Any) -> Any:
-        return getattr(self.weights, method)(*args)
-
     def plant(self, kind: str) -> list[str]:
         return self.llm.collective_rpc(plant, args=(kind,))
 
     def unplant(self) -> list[bool]:
         return self.llm.collective_rpc(unplant)
-
-    def rollout(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        self.weights.check_serving()
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-        )
-        return [list(out.outputs[0].token_ids) for out in outs]

@@ -264,7 +264,7 @@ class TrainerSync:
                 f"engine {name!r} cannot score this trainer's probe (SyncOptions.probe): {why}; "
                 f"connect it from a TrainerSync without a probe"
             )
-        if self.probe is not None:
+        if self.probe is not None:  # always, when called: narrowed for the type checker
             self.probe.probed.discard(name)  # connected anew: probed on its next sync
 
     def _keep_previous(self, sender: WeightSender, name: str) -> None:
