@@ -18,12 +18,12 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from weightsync.trainer.endpoint import Call, Endpoint, EngineCalls, EngineState
-from weightsync.trainer.verify import SentPrints, Verifier
+from weightsync.trainer.verify import SentPrints, Verifier, WorkerSent
 from weightsync.transports import SenderTransport
 from weightsync.wire.bucket import (
     BucketPlan,
@@ -49,6 +49,20 @@ from weightsync.wire.specs import BucketDescriptor, TensorSpec, specs_to_dicts
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
+
+
+class SyncPeers(Protocol):
+    """What a verified bucket sync needs from the trainer's other ranks (`TrainerSync` on rank 0),
+    beyond the tensors it streams."""
+
+    def filled(self) -> None:
+        """Every bucket was sent: the other ranks have done their part of the stream."""
+
+    def worker_prints(self, engines: list[str]) -> WorkerSent:
+        """For `engines`, whose workers hold slices placed as the engines' `stage` answers said
+        (`EngineState.placements`): each worker's expected fingerprints, from the tensors
+        read again (every rank takes part)."""
+        ...
 
 
 class WeightSender:
@@ -127,13 +141,17 @@ class WeightSender:
         verify: bool = False,
         write_bucket: Callable[[BucketPlan, int, torch.Tensor], None] | None = None,
         probe: dict[str, dict] | None = None,
+        peers: SyncPeers | None = None,
     ) -> SyncReport:
         """Send every tensor of `tensors` (in refit-info order) to `engines` (default: all).
 
         Instead of `tensors`, `write_bucket(plan, slot, buffer)` may fill each bucket itself
         (the trainer's ranks writing their own shards into shared memory). `probe`: {engine:
         `ProbeRequest.to_dict()`} for the engines that score a probe at `end`
-        (weightsync/wire/probe.py)."""
+        (weightsync/wire/probe.py). With `verify`, an engine whose workers hold slices and whose
+        placements were not known when the sync began (its first sync) is checked before `end`
+        from `peers.worker_prints` (the tensors read again); without `peers` it is left
+        pending, checked only after it committed."""
         transport = self.transport
         if transport is None:
             raise ValueError("sync without a transport; set WeightSender.transport first")
@@ -193,17 +211,29 @@ class WeightSender:
                         [meta.name for meta in plan.tensors],
                         [tensor_view(buffer, meta) for meta in plan.tensors],
                     )
+            if peers is not None:
+                peers.filled()
             for slot in list(in_flight):
                 self._wait_loads(in_flight.pop(slot), load_s)
             checked = None
             if sent:  # stage, verify, then commit: nothing failed is ever adopted
-                staged = self.calls.call_all("stage", version, names=names)
+                staged = dict(zip(names, self.calls.call_all("stage", version, names=names)))
+                prints, worker_sent = sent.result(), sent.worker_results()
                 checked = self.verifier.check_staged(
-                    dict(zip(names, staged)),
-                    sent.result(),
-                    version=version,
-                    worker_sent=sent.worker_results(),
+                    staged, prints, version=version, worker_sent=worker_sent
                 )
+                if checked.pending and peers is not None:  # placements learned just now
+                    read = time.perf_counter()
+                    worker_sent.update(peers.worker_prints(checked.pending))
+                    read_s = time.perf_counter() - read
+                    again = self.verifier.check_staged(
+                        {n: staged[n] for n in checked.pending},
+                        prints,
+                        version=version,
+                        worker_sent=worker_sent,
+                    )
+                    checked = checked.merged(again)
+                    checked = VerifyReport(engines=checked.engines, verify_s=checked.verify_s + read_s)
             ends = self._end_all(version, names, probe)
             for name, end in zip(names, ends):
                 # Engines that learn the tensor -> parameter map while loading report it here.

@@ -345,8 +345,6 @@ class TrainerSync:
             self.probe.probed.update(plan.get("probe") or [])
         if report is not None and plan.get("dropped"):
             report = replace(report, dropped=plan["dropped"])
-        if verify:
-            report = self._verify_pending(report)
         if report is None:  # every rank but 0
             return None
         self.log.info(
@@ -392,21 +390,6 @@ class TrainerSync:
         return sender.verify(
             sent, engines=names, worker_sent={n: w.result() for n, w in workers.items()}
         )
-
-    def _verify_pending(self, report: SyncReport | None) -> SyncReport | None:
-        """After a verified sync: engines whose workers hold slices were left "pending" (their
-        expected fingerprints need the tensors again); verify those now, on every rank. Rank 0's
-        report with their results."""
-        pending = None
-        if report is not None and report.verify is not None:  # rank 0
-            pending = report.verify.pending
-        pending = self.group.broadcast(pending)
-        if not pending:
-            return report
-        again = self.verify(engines=pending)
-        if report is None or report.verify is None or again is None:  # every rank but 0
-            return report
-        return replace(report, verify=report.verify.merged(again))
 
     def close(self) -> None:
         """Free the transport, the mapped segments and the sync group (all ranks)."""
@@ -468,27 +451,94 @@ class TrainerSync:
     def _sync_buckets(
         self, version: str, names: list[str], *, verify: bool, probe: dict[str, dict] | None
     ) -> SyncReport | None:
-        if self.shard_writes:
-            if self.rank != 0:
-                self.buckets.follow()
-                return None
-            sender = self._connected()
-            return sender.sync(
-                None,
-                version=version,
-                engines=names,
-                verify=verify,
-                write_bucket=self.buckets.sender_hook(sender.transport),
-                probe=probe,
-            )
-        tensors = self.source.tensors()
         if self.rank != 0:
-            for _ in tensors:  # take part in every gather
-                pass
+            if self.shard_writes:
+                self.buckets.follow()
+            else:
+                for _ in self.source.tensors():  # take part in every gather
+                    pass
+            if verify:
+                self._follow_checks()
             return None
-        return self._connected().sync(
-            tensors, version=version, engines=names, verify=verify, probe=probe
-        )
+        sender = self._connected()
+        peers = _RankZeroSteps(self) if verify else None
+        try:
+            if self.shard_writes:
+                report = sender.sync(
+                    None,
+                    version=version,
+                    engines=names,
+                    verify=verify,
+                    write_bucket=self.buckets.sender_hook(sender.transport),
+                    probe=probe,
+                    peers=peers,
+                )
+            else:
+                report = sender.sync(
+                    self.source.tensors(),
+                    version=version,
+                    engines=names,
+                    verify=verify,
+                    probe=probe,
+                    peers=peers,
+                )
+        except BaseException as exc:
+            if peers is not None:
+                peers.failed(exc)
+            raise
+        if peers is not None:
+            peers.done()
+        return report
+
+    def _follow_checks(self) -> None:
+        """Every rank but 0, after its part of a verified bucket sync: read the tensors again
+        while rank 0 checks engines whose placements it learned only now, then raise if rank 0
+        failed the sync (`_RankZeroSteps` on rank 0)."""
+        while True:
+            step = self.group.broadcast(None)
+            if "pending" in step:
+                for _ in self.source.tensors():  # take part in every gather
+                    pass
+            elif "error" in step:
+                raise RuntimeError(f"rank 0 failed this sync: {step['error']}")
+            else:
+                return
+
+
+class _RankZeroSteps:
+    """Rank 0's side of `TrainerSync._follow_checks` during a verified bucket sync (the
+    sender's `SyncPeers`): once every bucket is sent, the other ranks wait for one of
+    {"pending": engines} (read the tensors again with rank 0, which computes those engines'
+    worker fingerprints before they commit), {"error": ...} (the sync failed on rank 0) or
+    {"done": True}."""
+
+    def __init__(self, sync: TrainerSync) -> None:
+        self.sync = sync
+        self.waiting = False  # the other ranks are at `_follow_checks`
+
+    def filled(self) -> None:
+        self.waiting = True
+
+    def worker_prints(self, engines: list[str]) -> dict[str, list[dict[str, Any]]]:
+        sync, sender = self.sync, self.sync._connected()
+        self.waiting = False  # until the pass is over, the others are not at a broadcast
+        sync.group.broadcast({"pending": engines})
+        workers = {n: WorkerPrints(sender.engines[n].placements or []) for n in engines}
+        for name, tensor in sync.source.tensors():  # every rank takes part in each gather
+            for prints in workers.values():
+                prints.add(name, tensor)
+        self.waiting = True
+        return {n: w.result() for n, w in workers.items()}
+
+    def failed(self, exc: BaseException) -> None:
+        if self.waiting:
+            self.waiting = False
+            self.sync.group.broadcast({"error": f"{type(exc).__name__}: {str(exc)[:2000]}"})
+
+    def done(self) -> None:
+        if self.waiting:
+            self.waiting = False
+            self.sync.group.broadcast({"done": True})
 
 
 def _changed_since_connect(agreed: Layout, now: Layout) -> str | None:
