@@ -121,10 +121,14 @@ def test_a_loader_that_misplaces_elements_fails_verification(fault, param):
         sender.close()
 
 
-def test_a_parameter_whose_loader_does_not_copy_verbatim_is_reported_unchecked():
+@pytest.mark.parametrize("allow_unchecked", [False, True])
+def test_a_parameter_whose_loader_does_not_copy_verbatim_fails_verification_unless_allowed(
+    allow_unchecked,
+):
     """A loader that writes something else than the tensor (here 123.0 everywhere) from the
-    first sync gives verification no placement for that parameter: the report names it as
-    unchecked instead of counting it verified."""
+    first sync gives verification no placement for that parameter: a verified sync fails before
+    the engine commits, naming it; a sender that allows partial checks passes the sync with the
+    parameter named unchecked, not counted verified."""
     trainer = torch.nn.Module()
     torch.manual_seed(0)
     trainer.register_parameter("a", torch.nn.Parameter(torch.randn(4, 4)))
@@ -135,9 +139,23 @@ def test_a_parameter_whose_loader_does_not_copy_verbatim_is_reported_unchecked()
     engine.b.weight_loader = lambda param, tensor: param.data.fill_(123.0)
     receiver = ModuleWeightReceiver(engine, name="engine", sliced=True)
     source = DTensorV2Source(trainer)
-    sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=1 << 10)
+    sender = WeightSender(
+        source.specs(),
+        transport=ShmSender(),
+        capacity_bytes=1 << 10,
+        allow_unchecked=allow_unchecked,
+    )
     try:
         sender.add_engine(LocalEndpoint(receiver, name="engine"))
+        if not allow_unchecked:
+            with pytest.raises(VerificationFailed) as err:
+                sender.sync(source.tensors(), version="v1", verify=True)
+            assert "verification incomplete, update 'v1' aborted" in str(err.value)
+            assert "'engine': ['worker 0: b']" in str(err.value)
+            assert "SyncOptions(allow_unchecked=True)" in str(err.value)
+            assert err.value.results["engine"]["unchecked"] == ["worker 0: b"]
+            assert receiver.weight_version() is None
+            return
         report = sender.sync(source.tensors(), version="v1", verify=True)
         checked = report.verify["engine"]
         assert checked.num_checked == 1 and checked.unchecked == ["worker 0: b"], checked

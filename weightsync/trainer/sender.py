@@ -75,9 +75,11 @@ class WeightSender:
         transport: SenderTransport | None,
         capacity_bytes: int,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        allow_unchecked: bool = False,
     ) -> None:
         """`transport` may be set later (`self.transport = ...`), e.g. once the engines are
-        known, as a collective transport needs their number."""
+        known, as a collective transport needs their number. `allow_unchecked`: a verified
+        sync passes with parameters it could not compare (else it fails naming them)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be positive")
         self.specs = specs
@@ -87,7 +89,7 @@ class WeightSender:
         self.timeout_s = timeout_s
         self.engines: dict[str, EngineState] = {}
         self.calls = EngineCalls(self.engines, timeout_s=timeout_s)
-        self.verifier = Verifier(self.calls, specs)
+        self.verifier = Verifier(self.calls, specs, allow_unchecked=allow_unchecked)
         # This sender's name on the engines: an update it opened is refused to other senders,
         # and their buckets and aborts do not touch it (weightsync/engine/session.py).
         self.owner = f"trainer {socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -233,7 +235,9 @@ class WeightSender:
                         worker_sent=worker_sent,
                     )
                     checked = checked.merged(again)
-                    checked = VerifyReport(engines=checked.engines, verify_s=checked.verify_s + read_s)
+                    checked = VerifyReport(
+                        engines=checked.engines, verify_s=checked.verify_s + read_s
+                    )
             ends = self._end_all(version, names, probe)
             for name, end in zip(names, ends):
                 # Engines that learn the tensor -> parameter map while loading report it here.

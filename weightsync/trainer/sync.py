@@ -70,6 +70,10 @@ class SyncOptions:
     """Deadline of `connect`, which also waits for engines that are still starting."""
     verify: bool = False
     """Default of `sync(verify=...)`: compare what each engine holds with what was sent."""
+    allow_unchecked: bool = False
+    """A verified sync by buckets fails, before any engine commits, when an engine holds a
+    parameter that could not be compared (its loader does not copy the tensors verbatim),
+    naming it; True lets it pass, listed in `report.verify[engine].unchecked`."""
     keep_previous: bool = False
     """Engines that can (SGLang, vLLM) keep a copy of their weights during an update and put
     it back when the update fails; engines that cannot are logged and go on without."""
@@ -219,6 +223,7 @@ class TrainerSync:
                 transport=None,
                 capacity_bytes=opts.bucket_bytes,
                 timeout_s=opts.timeout_s,
+                allow_unchecked=opts.allow_unchecked,
             )
         elif engines and opts.transport in ("gloo", "nccl"):
             raise ValueError(

@@ -73,10 +73,14 @@ class SentPrints:
 class Verifier:
     """Compares engines' parameter fingerprints, or the ranks' read-back, with what was sent."""
 
-    def __init__(self, calls: EngineCalls, specs: list[TensorSpec]) -> None:
+    def __init__(
+        self, calls: EngineCalls, specs: list[TensorSpec], *, allow_unchecked: bool = False
+    ) -> None:
         self.calls = calls
         self.engines = calls.engines
         self.specs = {spec.name: spec for spec in specs}
+        # False: a verified sync fails when an engine holds a parameter it could not compare.
+        self.allow_unchecked = allow_unchecked
 
     def verify(
         self,
@@ -112,8 +116,9 @@ class Verifier:
         worker_sent: WorkerSent | None = None,
     ) -> VerifyReport:
         """Compare what each engine's open update holds (its `stage` answer) with what was
-        sent; raise `VerificationFailed` naming the engines and parameters that differ (an
-        engine with nothing it could check is reported unverified, not failed)."""
+        sent; raise `VerificationFailed` naming the engines and parameters that differ, and,
+        unless `allow_unchecked`, those that could not be compared (a parameter a tensor lands
+        in whose loader does not copy verbatim)."""
         start = time.perf_counter()
         out: dict[str, EngineVerification] = {}
         for name, report in staged.items():
@@ -132,6 +137,16 @@ class Verifier:
             raise VerificationFailed(
                 f"verification failed, update {version!r} aborted before any engine adopted "
                 f"it: the staged bytes differ from the trainer's in {bad}",
+                checked.to_dict(),
+            )
+        unchecked = {n: r.unchecked for n, r in out.items() if r.unchecked}
+        if unchecked and not self.allow_unchecked:
+            raise VerificationFailed(
+                f"verification incomplete, update {version!r} aborted before any engine adopted "
+                f"it: parameters the trainer's tensors land in could not be compared (their "
+                f"loaders do not copy the tensors verbatim, so no check knows what they must "
+                f"hold): {_first(unchecked)}; SyncOptions(allow_unchecked=True) accepts a "
+                f"partial check (the report lists them as `unchecked`)",
                 checked.to_dict(),
             )
         return checked
@@ -212,6 +227,15 @@ class Verifier:
                 checked.to_dict(),
             )
         return checked
+
+
+def _first(by_engine: dict[str, list[str]], most: int = 8) -> str:
+    """{engine: names} for a message: the first `most` names of each, with how many more."""
+    return "; ".join(
+        f"{engine!r}: {names[:most]}"
+        + (f" and {len(names) - most} more" if len(names) > most else "")
+        for engine, names in by_engine.items()
+    )
 
 
 def _pending() -> EngineVerification:
