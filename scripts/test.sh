@@ -39,7 +39,7 @@ for suite in "${suites[@]}"; do
   fi
   echo "== suite $suite ($py)"
   start=$(date +%s)
-  "$py" -m pytest "tests/$suite" -q -p no:cacheprovider || status=1
+  "$py" -m pytest "tests/$suite" -q -p no:cacheprovider --durations=12 || status=1
   echo "== suite $suite: $(( $(date +%s) - start )) s"
 done
 exit $status

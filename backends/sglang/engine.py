@@ -199,6 +199,22 @@ class _InProcess:
             **({"top_logprobs_num": top_logprobs} if top_logprobs else {}),
         )
 
+    def score(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Per prompt, SGLang's log-probability of each token after the first given the ones
+        before it (input log-probs from position 0: one forward over the prompt, every
+        scheduler taking part)."""
+        outs = self.engine.generate(
+            input_ids=prompts,
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+        scores = []
+        for out in outs:
+            steps = out["meta_info"]["input_token_logprobs"]  # (logprob, id, text); first None
+            scores.append([float(step[0]) for step in steps[1:]])
+        return scores
+
     def weight_version(self) -> str | None:
         return self.engine.get_model_info().get("weight_version")
 
@@ -414,6 +430,7 @@ class SglEngineActor(EngineSession):
 
     def _ready(self) -> None:
         self.sessions = self.client.has_session()
+        self._finished = False  # the open update's session ended for its probe (`_engine_probe`)
         # Named like the shared-memory segments, so a sender sweeps it if this actor dies.
         self.reply_dir = tempfile.mkdtemp(prefix=f"weightsync-{os.getpid()}-reply-", dir="/dev/shm")
         logger.info("sglang engine up (%s), update sessions: %s", self.mode, self.sessions)
@@ -478,6 +495,7 @@ class SglEngineActor(EngineSession):
         return replace(first, num_receivers=len(answers), tp_size=self.tp_size).to_dict()
 
     def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
+        self._finished = False
         self._session("begin")
         if one_copy:
             whys = [
@@ -497,9 +515,35 @@ class SglEngineActor(EngineSession):
             self._control("load", descriptor=descriptor, keep_previous=self.keep_previous)
         )
 
+    def probe_support(self) -> str | None:
+        if isinstance(self.client, _Http):
+            return (
+                "sglang: a server's generation is paused during an update, so its forward cannot "
+                "score a probe on the staged weights; probe an in-process engine (mode='engine' "
+                "or engine=)"
+            )
+        return None
+
+    def _engine_probe(self, tokens: list[list[int]]) -> list[list[float]]:
+        if not isinstance(self.client, _InProcess):
+            raise RuntimeError(self.probe_support())
+        # The staged weights as the model computes with them: the one-copy writes over and the
+        # session ended (SGLang post-processes the weights there), the previous weights still
+        # kept for a rollback; no KV cache of the previous weights may serve the probe.
+        self._control_all("finish", one_copy=self._one_copy)
+        self._session("end")
+        self._finished = True
+        if not self.client.flush_cache():
+            raise RuntimeError("sglang: the prefix cache could not be flushed before the probe")
+        return self.client.score(tokens)
+
     def _engine_end(self, version: str) -> EndReport:
+        if self._finished:  # the probe ended the session: a short one carries the commit
+            self._session("begin")
         # The version rides on a last, empty control call, so SGLang's own tag moves too.
-        commits = self._control_all("commit", weight_version=version, one_copy=self._one_copy)
+        commits = self._control_all(
+            "commit", weight_version=version, one_copy=self._one_copy and not self._finished
+        )
         self._session("end")
         # Still paused (generation resumes once `end` returns): no answer after this update may
         # reuse KV cache computed under the previous weights, so a flush that fails fails the
@@ -521,12 +565,24 @@ class SglEngineActor(EngineSession):
 
     def _engine_abort(self, reason: str) -> bool:
         restored = False
+        finished, self._finished = self._finished, False
+        if finished:  # the probe ended the session: the rollback needs one
+            self._session("begin", needed=False)
         if self.keep_previous and self._loaded:
             try:
                 restored = self._control("rollback")["restored"] >= 0
             except Exception as exc:  # the engine itself may be what failed
                 logger.warning("sglang: rolling back update %r failed: %s", self._open, exc)
         self._session("end", needed=False)
+        if finished:
+            # The probe cached KV of the aborted weights (a restored engine serves on).
+            try:
+                flushed = self.client.flush_cache()
+            except Exception as exc:  # the engine itself may be what failed
+                logger.warning("sglang: flushing the prefix cache after an abort failed: %s", exc)
+                flushed = False
+            if not flushed:
+                restored = False  # it refuses to serve rather than serve stale cache
         return bool(self._loaded) and not restored
 
     def fingerprints(self) -> dict[str, list[int]]:

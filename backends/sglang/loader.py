@@ -2,7 +2,7 @@
 
 SGLang calls `weightsync_load(model, named_tensors)` from `update_weights_from_tensor` when the
 request's load_format names it. We pass one control item: its name is a JSON message
-{"op": "check"|"load"|"commit"|"rollback"|"fingerprints"|"share"|"begin_one_copy",
+{"op": "check"|"load"|"finish"|"commit"|"rollback"|"fingerprints"|"share"|"begin_one_copy",
 "reply": dir, ...} and its tensor is empty; the weights
 themselves are in a transport buffer that the message's descriptor points at. SGLang ignores
 what a custom loader returns and an exception kills the scheduler (and with it the caller), so
@@ -76,6 +76,10 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
                 keep_previous=bool(message.get("keep_previous")), sharing=message.get("sharing")
             )
         }
+    if op == "finish":  # the staged weights made live for a probe, the previous still kept
+        if message.get("one_copy"):
+            receiver.end_one_copy()
+        return {}
     if op == "commit":
         if message.get("one_copy"):
             receiver.end_one_copy()

@@ -69,3 +69,19 @@ def test_the_first_failed_reply_is_raised_and_otherwise_every_result_returned():
     with pytest.raises(ValueError, match="second") as info:
         unwrap_all([ok_reply(1), _over_the_wire(ValueError("second"))])
     assert "from engine worker 1 of 2" in info.value.__notes__
+
+
+def test_errors_with_fields_survive_pickling_as_a_trainer_actors_error_does():
+    """Ray pickles an actor's exception to its caller: one whose constructor takes more than the
+    message must come back whole (else the caller gets Ray's "failed to deserialize")."""
+    import pickle
+
+    from weightsync.wire.errors import EngineDied, VerificationFailed
+
+    failed = pickle.loads(
+        pickle.dumps(VerificationFailed("v1 aborted", {"e": {"verified": False}}))
+    )
+    assert isinstance(failed, VerificationFailed) and str(failed) == "v1 aborted"
+    assert failed.results == {"e": {"verified": False}}
+    died = pickle.loads(pickle.dumps(EngineDied("engine 'e' died", "e")))
+    assert isinstance(died, EngineDied) and died.engine == "e" and str(died) == "engine 'e' died"

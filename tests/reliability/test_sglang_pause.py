@@ -21,7 +21,7 @@ from weightsync.apps.models import make_tiny_model
 from weightsync.driver import launcher
 
 NAME = "sglang-http"
-NUM_SYNCS = 50
+NUM_SYNCS = 30
 IDLE_TIMEOUT_S = 20.0  # the engine's: an update whose sender is silent this long is aborted
 
 

@@ -23,7 +23,7 @@ from weightsync.apps.models import make_tiny_model
 from weightsync.driver import launcher
 
 NAME = "vllm-http"
-NUM_SYNCS = 50
+NUM_SYNCS = 30
 
 
 @pytest.fixture(scope="module")

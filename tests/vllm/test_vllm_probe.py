@@ -4,9 +4,11 @@ A Qwen2-shaped model (rope, GQA, untied head; q/k sharpened as a trained model's
 in a framework's own in-process `vllm.LLM` (tests/vllm/planted.py) on two tensor-parallel
 workers, synced from a 1-rank FSDP2 trainer with verification and the probe. From the first sync, vLLM's loader of one layer-0 parameter is wrapped wrong: q and k
 swapped inside qkv, o_proj transposed, down_proj dropped, gate and up swapped. Fingerprints pass
-each (placements are learned from the same loader; a dropped tensor lands nowhere to check);
-the probe fails each before commit, the update is rolled back (keep_previous), and the engine
-still serves the checkpoint's weights. Each fault meets a receiver that has seen no sync (the
+the swaps and the transpose (placements are learned from the same loader) and the probe fails
+each before commit; the dropped tensor's parameter holds nothing the trainer sent, so
+verification fails it first, naming it (the probe alone catches a dropped tensor too:
+tests/core/test_probe.py). Each update is rolled back (keep_previous), and the engine still
+serves the checkpoint's weights. Each fault meets a receiver that has seen no sync (the
 loader is learned on first sight), connected under the fault's name. With
 vLLM's loaders put back, the same trainer syncs, the probe passes (a float32 gap below 1e-4),
 and the engine's greedy tokens equal the trainer's reference."""
@@ -90,9 +92,13 @@ def planted(request, tmp_path_factory):
 def test_a_loader_fault_planted_from_the_first_sync_is_caught_before_commit(planted, kind):
     outcome = planted["outcomes"][kind]
     assert outcome["error"] is not None, f"{kind} passed"
-    # Not by fingerprints, which follow the loader's placements: by the probe, before commit.
-    assert "ProbeFailed" in outcome["error"], outcome["error"][:2000]
-    assert f"vllm: update '{kind}-1' failed the log-prob probe" in outcome["error"]
+    if kind == "dropped":  # its parameter holds what nothing sent: verification cannot pass it
+        assert "VerificationFailed" in outcome["error"], outcome["error"][:2000]
+        assert "verification incomplete, update 'dropped-1' aborted" in outcome["error"]
+        assert "layers.0.mlp.down_proj.weight" in outcome["error"]
+    else:  # not by fingerprints, which follow the loader's placements: by the probe
+        assert "ProbeFailed" in outcome["error"], outcome["error"][:2000]
+        assert f"vllm: update '{kind}-1' failed the log-prob probe" in outcome["error"]
     # Rolled back: never committed, and the engine serves the checkpoint's weights as before.
     assert outcome["version"] is None
     assert outcome["tokens"] == planted["before"]

@@ -46,6 +46,9 @@ class EngineDied(RuntimeError):
         super().__init__(message)
         self.engine = engine
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled (Ray) with its engine
+        return (type(self), (str(self), self.engine))
+
 
 class VerificationFailed(RuntimeError):
     """An update whose staged weights differ from what the trainer sent: it was aborted
@@ -55,6 +58,9 @@ class VerificationFailed(RuntimeError):
     def __init__(self, message: str, results: dict[str, Any]) -> None:
         super().__init__(message)
         self.results = results
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled (Ray: a trainer actor's error) whole
+        return (type(self), (str(self), self.results))
 
 
 class ProbeFailed(RuntimeError):

@@ -1,0 +1,106 @@
+"""Loader faults planted in a real SGLang engine's own weight loaders, for the probe tests.
+
+SGLang runs a `custom_weight_loader` named in an update request inside each scheduler process;
+this module is one (`PLANT`), next to weightsync's. `plant_load` wraps the `weight_loader` of one
+parameter of layer 0 of the scheduler's model, so that from the next sync the engine loads that
+tensor wrong, consistently: the placements weightsync learns from the loader follow the fault,
+and fingerprints agree with it. Every call also gives weightsync's loader a fresh receiver
+(weightsync learns how each tensor is loaded once, on first sight), as in an engine started
+afresh, which the trainer connects under a new name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+from tests.sglang.framework_engine import FrameworkEngine
+
+KINDS = ("qk_swapped", "transposed", "dropped")  # OPT has no gate/up projection
+PLANT = f"{__name__}.plant_load"
+_originals: dict[str, Any] = {}
+
+
+def _param(model: Any, suffix: str) -> Any:
+    for name, param in model.named_parameters():
+        if name.endswith(f"layers.0.{suffix}"):
+            return param
+    raise KeyError(suffix)
+
+
+def _plant(model: Any, kind: str) -> None:
+    for suffix, original in _originals.items():  # SGLang's own loaders back first
+        _param(model, suffix).weight_loader = original
+    _originals.clear()
+    if kind == "none":
+        return
+    suffix = {
+        "qk_swapped": "self_attn.qkv_proj.weight",
+        "transposed": "self_attn.out_proj.weight",
+        "dropped": "fc2.weight",
+    }[kind]
+    param = _param(model, suffix)
+    original = _originals[suffix] = param.weight_loader
+    if kind == "qk_swapped":  # OPT: as many k heads as q heads, so the shards trade places
+
+        def qk_swapped(p: Any, loaded: Any, shard_id: Any = None) -> None:
+            original(p, loaded, {"q": "k", "k": "q"}.get(shard_id, shard_id))
+
+        param.weight_loader = qk_swapped
+    elif kind == "transposed":
+        param.weight_loader = lambda p, loaded, *a: original(p, loaded.t().contiguous(), *a)
+    else:
+        param.weight_loader = lambda p, loaded, *a: None
+
+
+def plant_load(model: Any, named_tensors: list) -> None:
+    """SGLang's custom-loader call: the first item's name is {"kind", "reply"} as JSON. Never
+    raises (an exception would kill the scheduler): the outcome is the reply file."""
+    message = json.loads(named_tensors[0][0])
+    try:
+        _plant(model, message["kind"])
+        from weightsync.backends.sglang import loader
+
+        loader._receivers.pop(id(model), None)
+        reply = {"planted": message["kind"]}
+    except BaseException as exc:  # noqa: BLE001 - see the docstring
+        reply = {"error": f"{type(exc).__name__}: {exc}"}
+    with open(os.path.join(message["reply"], f"{os.getpid()}.json"), "w") as f:
+        json.dump(reply, f)
+
+
+class PlantedEngine(FrameworkEngine):
+    """A framework's own rollout actor (tests/sglang/framework_engine.py: its `weightsync` and
+    `rollout`) over an `sglang.Engine` that keeps its previous weights during updates and runs
+    this module's loader too, so the test can plant faults in its loaders."""
+
+    def __init__(self, model_path: str) -> None:
+        import sglang
+
+        from weightsync.backends.sglang.engine import CPU_ENGINE_ARGS, SglEngineActor
+        from weightsync.backends.sglang.loader import LOADER
+
+        self.engine = sglang.Engine(
+            model_path=model_path,
+            dtype="float32",
+            custom_weight_loader=[LOADER, PLANT],
+            **CPU_ENGINE_ARGS,
+        )
+        self.weights = SglEngineActor(engine=self.engine, keep_previous=True)
+
+    def plant(self, kind: str) -> list[dict]:
+        """Plant `kind` ("none": SGLang's own loaders) in every scheduler."""
+        import torch
+
+        reply = tempfile.mkdtemp(prefix="weightsync-plant-")
+        message = json.dumps({"kind": kind, "reply": reply})
+        self.engine.begin_weight_update()
+        try:
+            self.engine.update_weights_from_tensor(
+                [(message, torch.empty(0))], load_format=PLANT, flush_cache=False
+            )
+        finally:
+            self.engine.end_weight_update()
+        return [json.load(open(os.path.join(reply, n))) for n in sorted(os.listdir(reply))]
