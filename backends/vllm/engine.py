@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from weightsync.backends.vllm.guard import KEY_VARIABLE
+from weightsync.backends.vllm.guard import GATE_PATH, KEY_VARIABLE
 from weightsync.driver.preflight import (
     cpu_binding,
     cuda_device_present,
@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 EXTENSION = "weightsync.backends.vllm.extension.WeightsyncWorkerExtension"
 GUARD = "weightsync.backends.vllm.guard.KeyOnEveryRoute"
+DRAIN_S = 240.0  # how long `begin` waits for a server's requests in flight to finish
 
 
 def _checkpoint_dtype(model_path: str) -> str:
@@ -200,6 +201,8 @@ def attach_flags() -> list[str]:
 
 
 class _Http:
+    _token = ""  # the open update's: the one request the closed gate lets pass (`pause`)
+
     @classmethod
     def attach(cls, url: str, *, api_key: str | None) -> _Http:
         """The client of a server its owner started; refuses one weightsync cannot drive
@@ -273,16 +276,50 @@ class _Http:
         self._request("POST", "/update_weight_version", {"new_version": version})
 
     def pause(self) -> None:
-        # "wait" lets requests in flight finish on the old weights and holds new ones until
-        # /resume: each response is computed with one version.
-        status, out = self._request("POST", "/pause?mode=wait")
-        if status != 200:
-            raise RuntimeError(f"vllm server /pause answered {status}: {out}")
+        # weightsync's guard holds new requests and waits for those in flight to finish on the
+        # old weights (each response is computed with one version); only a request carrying
+        # this update's token passes until `resume`: the probe's (`score`).
+        self._token = secrets.token_urlsafe(16)
+        status, out = self._request(
+            "POST", GATE_PATH, {"close": True, "token": self._token, "timeout_s": DRAIN_S}
+        )
+        if status != 200 or not isinstance(out, dict):
+            raise RuntimeError(f"vllm server {GATE_PATH} answered {status}: {out}")
+        if not out.get("drained"):
+            self.resume()
+            raise RuntimeError(
+                f"vllm server: {out.get('inflight')} request(s) still running {DRAIN_S:g} s "
+                f"after the update asked generation to stop; the update was not begun"
+            )
 
     def resume(self) -> None:
-        status, out = self._request("POST", "/resume")
+        status, out = self._request("POST", GATE_PATH, {"close": False})
         if status != 200:
-            raise RuntimeError(f"vllm server /resume answered {status}: {out}")
+            raise RuntimeError(f"vllm server {GATE_PATH} answered {status}: {out}")
+
+    def score(self, prompts: list[list[int]]) -> list[list[float]]:
+        """`_InProcess.score` through the server, past its closed gate (`pause`'s token)."""
+        status, out = self._request(
+            "POST",
+            "/v1/completions",
+            {
+                "model": self.model,
+                "prompt": prompts,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "prompt_logprobs": 0,
+            },
+            headers={"X-Weightsync-Probe": self._token},
+        )
+        if status != 200 or not isinstance(out, dict):
+            raise RuntimeError(f"vllm server /v1/completions (the probe) answered {status}: {out}")
+        scores = []
+        for prompt, choice in zip(prompts, sorted(out["choices"], key=lambda c: c["index"])):
+            steps = choice.get("prompt_logprobs") or []
+            scores.append(
+                [float(step[str(t)]["logprob"]) for step, t in zip(steps[1:], prompt[1:])]
+            )
+        return scores
 
     def generate(self, prompts: list[list[int]], options: SamplingOptions) -> list[Sample]:
         status, out = self._request(
@@ -472,17 +509,9 @@ class VllmEngineActor(EngineSession):
         )
 
     def probe_support(self) -> str | None:
-        if isinstance(self.client, _Http):
-            return (
-                "vllm: a server's generation is paused during an update, so its forward cannot "
-                "score a probe on the staged weights; probe an in-process engine (mode='engine' "
-                "or llm=)"
-            )
-        return None
+        return None  # in-process, or a server past weightsync's gate (`_Http.score`)
 
     def _engine_probe(self, tokens: list[list[int]]) -> list[list[float]]:
-        if not isinstance(self.client, _InProcess):
-            raise RuntimeError(self.probe_support())
         # The staged weights as the model computes with them (experts packed, layers reading
         # their parameters), the previous ones still kept for a rollback.
         self._rpc_all("weightsync_finish")

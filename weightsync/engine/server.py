@@ -79,7 +79,13 @@ def cli_flags(args: dict[str, Any]) -> list[str]:
 
 
 def http_json(
-    method: str, url: str, body: Any = None, *, api_key: str | None = None, timeout: float = 300
+    method: str,
+    url: str,
+    body: Any = None,
+    *,
+    api_key: str | None = None,
+    timeout: float = 300,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, Any]:
     """One JSON request: (HTTP status, decoded JSON or text), an error status included."""
     data = None if body is None else json.dumps(body).encode()
@@ -87,6 +93,8 @@ def http_json(
     req.add_header("Content-Type", "application/json")
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
+    for name, value in (headers or {}).items():
+        req.add_header(name, value)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw, status = resp.read(), resp.status
@@ -119,10 +127,22 @@ class RemoteServer:
             raise ConnectionError(f"{name} server at {url}: GET /health answered {status}: {out}")
 
     def request(
-        self, method: str, path: str, body: Any = None, timeout: float = 300
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout: float = 300,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
         """(HTTP status, decoded JSON or text)."""
-        return http_json(method, self.base + path, body, api_key=self.api_key, timeout=timeout)
+        return http_json(
+            method,
+            self.base + path,
+            body,
+            api_key=self.api_key,
+            timeout=timeout,
+            headers=headers,
+        )
 
     def info(self, path: str, *, key_name: str, fix: str) -> dict[str, Any]:
         """GET `path` (a route answering what the server runs) with the key, then refuse a server
@@ -217,10 +237,22 @@ class LocalServer:
             time.sleep(1)
 
     def request(
-        self, method: str, path: str, body: Any = None, timeout: float = 300
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout: float = 300,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
         """(HTTP status, decoded JSON or text)."""
-        return http_json(method, self.base + path, body, api_key=self.api_key, timeout=timeout)
+        return http_json(
+            method,
+            self.base + path,
+            body,
+            api_key=self.api_key,
+            timeout=timeout,
+            headers=headers,
+        )
 
     def shutdown(self) -> None:
         if self.proc.poll() is None:
