@@ -495,3 +495,21 @@ def test_an_engine_that_died_is_left_out_of_later_syncs_and_the_report_says_so()
     assert report.dropped == {"b": "engine 'b' died: its process is gone"}
     assert report.metrics()["weightsync/num_dropped"] == 1
     assert "engine(s) ['b'] died in an earlier sync" in out["named_dead"]
+
+
+def test_connect_takes_a_framework_actor_as_plain_data_and_refuses_other_shapes():
+    """{"actor": handle, "dispatch": method}: what a driver sends a trainer in another env (no
+    weightsync object crosses); anything else shaped like a dict is refused naming the form."""
+    from weightsync.trainer.endpoint import RayEndpoint
+    from weightsync.trainer.sync import _endpoint
+
+    handle = object()
+    plain = _endpoint("rollout-0", {"actor": handle, "dispatch": "weightsync"})
+    assert isinstance(plain, RayEndpoint) and plain.actor is handle
+    assert (plain.name, plain.dispatch) == ("rollout-0", "weightsync")
+    assert _endpoint("e", {"actor": handle}).dispatch is None
+    assert _endpoint("e", handle).actor is handle
+    with pytest.raises(ValueError, match=r"a plain form is \{\"actor\""):
+        _endpoint("e", {"handle": handle})
+    with pytest.raises(ValueError, match="dispatch=3 is not a method name"):
+        _endpoint("e", {"actor": handle, "dispatch": 3})

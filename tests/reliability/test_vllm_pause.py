@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Any
 
 import pytest
 import ray
@@ -64,20 +65,7 @@ def _hammer(engine, model: str) -> Hammer:
                 },
                 api_key=key,
             )
-        return post_json(
-            base,
-            "/v1/completions",
-            {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": MAX_NEW_TOKENS,
-                "temperature": 0.0,
-                "logprobs": 1,
-                "ignore_eos": True,
-                "return_tokens_as_token_ids": True,
-            },
-            api_key=key,
-        )
+        return _complete(base, key, model, prompt)
 
     def parse(out):
         choice = out["choices"][0]
@@ -92,6 +80,24 @@ def _hammer(engine, model: str) -> Hammer:
         return tokens, spans[0][0] if whole else f"spans {spans}"
 
     return Hammer(ask, parse)
+
+
+def _complete(base: str, key: str, model: str, prompt: list[int]) -> tuple[int, Any]:
+    """A greedy /v1/completions request, its tokens as ids."""
+    return post_json(
+        base,
+        "/v1/completions",
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": MAX_NEW_TOKENS,
+            "temperature": 0.0,
+            "logprobs": 1,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+        },
+        api_key=key,
+    )
 
 
 def test_one_copy_http_clients_never_see_half_written_weights_during_many_syncs(setup):
@@ -160,20 +166,7 @@ def _served(engine, model: str) -> list[list[int]]:
     base, key = engine_server(engine)
     tokens = []
     for prompt in prompt_ids():
-        status, out = post_json(
-            base,
-            "/v1/completions",
-            {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": MAX_NEW_TOKENS,
-                "temperature": 0.0,
-                "logprobs": 1,
-                "ignore_eos": True,
-                "return_tokens_as_token_ids": True,
-            },
-            api_key=key,
-        )
+        status, out = _complete(base, key, model, prompt)
         assert status == 200, out
         tokens.append([int(t.split(":")[-1]) for t in out["choices"][0]["logprobs"]["tokens"]])
     return tokens
@@ -186,8 +179,6 @@ def test_the_probe_scores_the_staged_weights_through_the_servers_closed_gate(set
     it served; a sound bound passes with a gap below 1e-4, and the server then serves the
     trainer's weights."""
     engine, _, model = setup
-    from weightsync import RayEndpoint
-
     before = _served(engine, model)
     version = ray.get(engine.weight_version.remote())
     outcomes = {}
@@ -202,7 +193,7 @@ def test_the_probe_scores_the_staged_weights_through_the_servers_closed_gate(set
             probe={"bound": bound, "length": 24},
         )
         try:
-            prober.call("connect", {name: RayEndpoint(engine, name=name)})
+            prober.call("connect", {name: engine})
             try:
                 outcomes[name] = prober.sync(f"{name}-1")
             except Exception as exc:  # noqa: BLE001 - asserted below

@@ -104,3 +104,7 @@ class PlantedEngine(FrameworkEngine):
         finally:
             self.engine.end_weight_update()
         return [json.load(open(os.path.join(reply, n))) for n in sorted(os.listdir(reply))]
+
+    def unplant(self) -> list[dict]:
+        """SGLang's own loaders back, and a fresh receiver."""
+        return self.plant("none")

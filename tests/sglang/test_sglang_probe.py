@@ -8,7 +8,7 @@ inside qkv_proj, out_proj transposed, fc2 dropped. The probe fails the first two
 (fingerprints pass them: the placements are learned from the same loader); the dropped tensor's
 parameter holds nothing the trainer sent, so verification fails it first, naming it. Each update
 is rolled back (keep_previous), and the engine still serves the checkpoint's weights. Each fault
-meets a receiver that has seen no sync, connected under the fault's name. With SGLang's loaders
+meets a receiver that has seen no sync, connected under the fault's name (tests/planted_faults.py). With SGLang's loaders
 put back, the same trainer syncs, the probe passes (a float32 gap below 1e-4) and the engine's
 greedy tokens equal the trainer's reference. OPT has no gate/up projection: that fault runs
 on vLLM only (tests/vllm/test_vllm_probe.py)."""
@@ -17,30 +17,17 @@ from __future__ import annotations
 
 import pytest
 import ray
-import torch
 
-from tests.engine_checks import MAX_NEW_TOKENS, prompt_ids, training_batch
+from tests.planted_faults import check_caught, check_right, run_planted, sharp_checkpoint
 from tests.sglang.planted import KINDS
-from weightsync.apps.models import build_model, save_model
 from weightsync.driver import launcher
 
 ROLLOUT = "tests.sglang.planted.PlantedEngine"
-NAME = "right"
-
-
-def _sharp_checkpoint(path: str) -> str:
-    """A tiny OPT whose attention is sharp (q and k scaled), saved with its tokenizer."""
-    model = build_model("opt", "tiny", seed=0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                param.mul_(20.0)
-    return save_model(model, path)
 
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    path = _sharp_checkpoint(str(tmp_path_factory.mktemp("opt-sharp")))
+    path = sharp_checkpoint("opt", str(tmp_path_factory.mktemp("opt-sharp")))
     launcher.init_ray(num_cpus=2)
     launcher.register_actor(ROLLOUT, "sglang")
     rollout = launcher.launch(ROLLOUT, path)
@@ -53,32 +40,7 @@ def planted(tmp_path_factory):
         lr=0.02,
         probe={"bound": 1e-3, "length": 24},
     )
-    from weightsync import RayEndpoint
-
-    def connect(name: str) -> None:  # each fault on a receiver that has seen no sync
-        trainer.call("connect", {name: RayEndpoint(rollout, name=name, dispatch="weightsync")})
-
-    before = ray.get(rollout.rollout.remote(prompt_ids(), MAX_NEW_TOKENS), timeout=300)
-    trainer.call("train_step", training_batch(0))  # every tensor now differs from the engine's
-    outcomes = {}
-    for kind in KINDS:
-        assert ray.get(rollout.plant.remote(kind), timeout=120) == [{"planted": kind}]
-        connect(kind)
-        try:
-            trainer.sync(f"{kind}-1", verify=True, engines=[kind])
-            outcomes[kind] = {"error": None}
-        except Exception as exc:  # noqa: BLE001 - recorded, asserted below
-            outcomes[kind] = {"error": f"{type(exc).__name__}: {exc}"}
-        outcomes[kind]["version"] = ray.get(rollout.weightsync.remote("weight_version"))
-        outcomes[kind]["tokens"] = ray.get(
-            rollout.rollout.remote(prompt_ids(), MAX_NEW_TOKENS), timeout=300
-        )
-    assert ray.get(rollout.plant.remote("none"), timeout=120) == [{"planted": "none"}]
-    connect(NAME)
-    report = trainer.sync("right-1", verify=True, engines=[NAME])
-    want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
-    got = ray.get(rollout.rollout.remote(prompt_ids(), MAX_NEW_TOKENS), timeout=300)
-    yield {"before": before, "outcomes": outcomes, "report": report, "want": want, "got": got}
+    yield run_planted(trainer, rollout, KINDS)
     trainer.kill()
     ray.get(rollout.shutdown.remote(), timeout=120)
     ray.shutdown()
@@ -86,23 +48,8 @@ def planted(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_loader_fault_planted_from_the_first_sync_is_caught_before_commit(planted, kind):
-    outcome = planted["outcomes"][kind]
-    assert outcome["error"] is not None, f"{kind} passed"
-    if kind == "dropped":  # its parameter holds what nothing sent: verification cannot pass it
-        assert "VerificationFailed" in outcome["error"], outcome["error"][:2000]
-        assert "verification incomplete, update 'dropped-1' aborted" in outcome["error"]
-        assert "layers.0.fc2.weight" in outcome["error"]
-    else:  # not by fingerprints, which follow the loader's placements: by the probe
-        assert "ProbeFailed" in outcome["error"], outcome["error"][:2000]
-        assert f"sglang: update '{kind}-1' failed the log-prob probe" in outcome["error"]
-    # Rolled back: never committed, and the engine serves the checkpoint's weights as before.
-    assert outcome["version"] is None
-    assert outcome["tokens"] == planted["before"]
+    check_caught(planted, kind, engine="sglang", dropped_param="layers.0.fc2.weight")
 
 
 def test_with_sglangs_loaders_back_the_probe_passes_and_tokens_equal_the_reference(planted):
-    report = planted["report"]
-    engine = report.engines[NAME]
-    assert engine.probe_gap is not None and engine.probe_gap < 1e-4, engine
-    assert report.verify is not None and report.verify[NAME].verified
-    assert planted["got"] == planted["want"]["tokens"]
+    check_right(planted)

@@ -208,8 +208,10 @@ class TrainerSync:
         return specs_to_dicts(self.source.specs())
 
     def connect(self, engines: Mapping[str, Any]) -> dict[str, RefitAnswer] | None:
-        """Register engines {name: engine actor handle or `Endpoint`} and check refit info with
-        each (rank 0; the other ranks' `engines` are ignored). Nothing is written to an engine
+        """Register engines {name: engine actor handle, `Endpoint`, or {"actor": handle,
+        "dispatch": method} (a framework's own actor holding the engine actor: plain data, for a
+        call across environments)} and check refit info with each (rank 0; the other ranks'
+        `engines` are ignored). Nothing is written to an engine
         before every check passed. Returns each engine's `RefitAnswer` (`num_params`,
         `num_receivers`, ...) on rank 0, None on the other ranks."""
         if self.rank != 0:
@@ -232,7 +234,7 @@ class TrainerSync:
             )
         answers: dict[str, RefitAnswer] = {}
         for name, engine in engines.items():
-            endpoint = engine if isinstance(engine, Endpoint) else RayEndpoint(engine, name=name)
+            endpoint = _endpoint(name, engine)
             answers[name] = sender.add_engine(endpoint, timeout_s=opts.connect_timeout_s)
             if opts.verify and answers[name].unverifiable:
                 del sender.engines[name]
@@ -508,6 +510,26 @@ class TrainerSync:
                 raise RuntimeError(f"rank 0 failed this sync: {step['error']}")
             else:
                 return
+
+
+def _endpoint(name: str, engine: Any) -> Endpoint:
+    """What `connect` was given for engine `name`, as an `Endpoint`."""
+    if isinstance(engine, Endpoint):
+        return engine
+    if isinstance(engine, Mapping):
+        extra = sorted(set(engine) - {"actor", "dispatch"})
+        if "actor" not in engine or extra:
+            raise ValueError(
+                f"connect: engine {name!r} given as {sorted(engine)}: a plain form is "
+                f'{{"actor": <actor handle>, "dispatch": <method name or None>}}'
+            )
+        dispatch = engine.get("dispatch")
+        if dispatch is not None and not isinstance(dispatch, str):
+            raise ValueError(
+                f"connect: engine {name!r}: dispatch={dispatch!r} is not a method name"
+            )
+        return RayEndpoint(engine["actor"], name=name, dispatch=dispatch)
+    return RayEndpoint(engine, name=name)
 
 
 class _RankZeroSteps:

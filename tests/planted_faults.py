@@ -1,0 +1,90 @@
+"""The planted-loader probe runs shared by the engine suites (tests/vllm/test_vllm_probe.py,
+tests/sglang/test_sglang_probe.py): a sharp checkpoint, each fault planted in the engine's own
+loaders and synced from the first sync of a fresh connection, then the right loaders."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+import torch
+
+from tests.engine_checks import MAX_NEW_TOKENS, prompt_ids, training_batch
+from weightsync.apps.models import build_model, save_model
+
+RIGHT = "right"
+
+
+def sharp_checkpoint(arch: str, path: str) -> str:
+    """A tiny model whose attention is sharp (q and k scaled, as a trained model's attention
+    is: a swap of q and k then moves the log-probs well above float32 noise), saved with its
+    tokenizer."""
+    model = build_model(arch, "tiny", seed=0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(20.0)
+    return save_model(model, path)
+
+
+def run_planted(trainer, rollout, kinds: tuple[str, ...]) -> dict[str, Any]:
+    """Train a step, then for each fault: plant it (`rollout.plant(kind)`), connect the rollout
+    under the fault's name (a receiver that has seen no sync: loaders are learned on first
+    sight), sync it verified and record the error, the version and the greedy tokens, and
+    `rollout.unplant()` (the engine's own loaders back, a fresh receiver); then connect `RIGHT`,
+    sync, and record the report, the trainer's reference and the engine's tokens."""
+
+    def connect(name: str) -> None:
+        # The plain form of a framework's own actor: no weightsync object crosses to the trainer.
+        trainer.call("connect", {name: {"actor": rollout, "dispatch": "weightsync"}})
+
+    def tokens() -> list[list[int]]:
+        return ray.get(rollout.rollout.remote(prompt_ids(), MAX_NEW_TOKENS), timeout=300)
+
+    before = tokens()
+    trainer.call("train_step", training_batch(0))  # every tensor now differs from the engine's
+    outcomes: dict[str, dict[str, Any]] = {}
+    for kind in kinds:
+        ray.get(rollout.plant.remote(kind), timeout=120)
+        connect(kind)
+        try:
+            trainer.sync(f"{kind}-1", verify=True, engines=[kind])
+            outcomes[kind] = {"error": None}
+        except Exception as exc:  # noqa: BLE001 - recorded, asserted by the caller
+            outcomes[kind] = {"error": f"{type(exc).__name__}: {exc}"}
+        outcomes[kind]["version"] = ray.get(rollout.weightsync.remote("weight_version"))
+        outcomes[kind]["tokens"] = tokens()
+        ray.get(rollout.unplant.remote(), timeout=120)
+    connect(RIGHT)
+    report = trainer.sync(f"{RIGHT}-1", verify=True, engines=[RIGHT])
+    ray.get(rollout.weightsync.remote("settle"), timeout=300)
+    want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
+    return {"before": before, "outcomes": outcomes, "report": report, "want": want, "got": tokens()}
+
+
+def check_caught(planted: dict[str, Any], kind: str, *, engine: str, dropped_param: str) -> None:
+    """The fault `kind` failed its sync before commit: a dropped tensor by verification (its
+    parameter holds nothing the trainer sent), the others by the probe (fingerprints follow the
+    loader's placements); rolled back, the engine serves what it served before."""
+    outcome = planted["outcomes"][kind]
+    error = outcome["error"]
+    assert error is not None, f"{kind} passed"
+    if kind == "dropped":
+        assert "VerificationFailed" in error, error[:2000]
+        assert "verification incomplete, update 'dropped-1' aborted" in error
+        assert dropped_param in error
+    else:
+        assert "ProbeFailed" in error, error[:2000]
+        assert f"{engine}: update '{kind}-1' failed the log-prob probe" in error
+    assert outcome["version"] is None
+    assert outcome["tokens"] == planted["before"]
+
+
+def check_right(planted: dict[str, Any]) -> None:
+    """With the engine's own loaders the probe passes (float32 gap below 1e-4), verified, and
+    the engine's greedy tokens equal the trainer's reference."""
+    report = planted["report"]
+    synced = report.engines[RIGHT]
+    assert synced.probe_gap is not None and synced.probe_gap < 1e-4, synced
+    assert report.verify is not None and report.verify[RIGHT].verified
+    assert planted["got"] == planted["want"]["tokens"]
