@@ -29,6 +29,7 @@ import torch
 from weightsync.backends.sglang.loader import LOADER
 from weightsync.backends.sglang.serve import KEY_VARIABLE
 from weightsync.driver.preflight import read_config, refuse_unsupported_sglang
+from weightsync.engine.gate import GATE_PATH, close_gate, open_gate
 from weightsync.engine.one_copy.sharing import combine_worker_shares
 from weightsync.engine.replica import sharing_of
 from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
@@ -230,6 +231,9 @@ def attach_flags() -> list[str]:
 
 
 class _Http:
+    gated = False  # weightsync's gate in the server (`pause`, `score`)
+    _token = ""  # the open update's: the one request the closed gate lets pass
+
     @classmethod
     def attach(cls, url: str, *, api_key: str | None) -> _Http:
         """The client of a server its owner started; refuses one weightsync cannot drive
@@ -247,6 +251,8 @@ class _Http:
                 f"{fix}"
             )
         self.tp_size = int(info.get("tp_size") or 1)
+        # weightsync's gate runs in servers started through weightsync.backends.sglang.serve.
+        self.gated = self._request("POST", GATE_PATH, {"close": False})[0] == 200
         return self
 
     def __init__(
@@ -269,6 +275,7 @@ class _Http:
         self.tp_size = int(engine_args.get("tp_size") or 1)
         self.base = self.server.base
         self._request = self.server.request
+        self.gated = True  # weightsync.backends.sglang.serve runs the gate
 
     def _ok(self, path: str, body: Any) -> tuple[bool, str]:
         status, out = self._request("POST", path, body)
@@ -312,6 +319,12 @@ class _Http:
         return self._request("POST", "/flush_cache")[0] == 200
 
     def pause(self) -> None:
+        if self.gated:
+            # weightsync's gate holds new requests and waits for those in flight to finish on
+            # the old weights; only a request carrying this update's token passes until
+            # `resume`: the probe's (`score`).
+            self._token = close_gate(self._request, "sglang")
+            return
         # "abort" ends every request in flight and holds new ones until /continue_generation;
         # "retract" and "in_place" would finish old requests on the new weights, mixing two
         # versions inside one response.
@@ -320,9 +333,31 @@ class _Http:
             raise RuntimeError(f"sglang server /pause_generation answered {status}: {out}")
 
     def resume(self) -> None:
+        if self.gated:
+            open_gate(self._request, "sglang")
+            return
         status, out = self._request("POST", "/continue_generation", {})
         if status != 200:
             raise RuntimeError(f"sglang server /continue_generation answered {status}: {out}")
+
+    def score(self, prompts: list[list[int]]) -> list[list[float]]:
+        """`_InProcess.score` through the server, past its closed gate (`pause`'s token)."""
+        status, out = self._request(
+            "POST",
+            "/generate",
+            {
+                "input_ids": prompts,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            },
+            headers={"X-Weightsync-Probe": self._token},
+        )
+        if status != 200 or not isinstance(out, list):
+            raise RuntimeError(f"sglang server /generate (the probe) answered {status}: {out}")
+        return [
+            [float(step[0]) for step in o["meta_info"]["input_token_logprobs"][1:]] for o in out
+        ]
 
     def generate(
         self, input_ids: list[list[int]], sampling: list[dict[str, Any]], *, top_logprobs: int
@@ -516,17 +551,19 @@ class SglEngineActor(EngineSession):
         )
 
     def probe_support(self) -> str | None:
-        if isinstance(self.client, _Http):
+        if isinstance(self.client, _Http) and not self.client.gated:
             return (
-                "sglang: a server's generation is paused during an update, so its forward cannot "
-                "score a probe on the staged weights; probe an in-process engine (mode='engine' "
-                "or engine=)"
+                "sglang: this server runs no weightsync gate, and SGLang's own pause holds every "
+                "request during an update, so its forward cannot score a probe on the staged "
+                "weights; start it with `python -m weightsync.backends.sglang.serve` (its "
+                "launch_server flags), or probe an in-process engine (mode='engine' or engine=)"
             )
         return None
 
     def _engine_probe(self, tokens: list[list[int]]) -> list[list[float]]:
-        if not isinstance(self.client, _InProcess):
-            raise RuntimeError(self.probe_support())
+        why = self.probe_support()
+        if why:
+            raise RuntimeError(why)
         # The staged weights as the model computes with them: the one-copy writes over and the
         # session ended (SGLang post-processes the weights there), the previous weights still
         # kept for a rollback; no KV cache of the previous weights may serve the probe.

@@ -22,13 +22,14 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from weightsync.backends.vllm.guard import GATE_PATH, KEY_VARIABLE
+from weightsync.backends.vllm.guard import KEY_VARIABLE
 from weightsync.driver.preflight import (
     cpu_binding,
     cuda_device_present,
     read_config,
     refuse_unsupported_vllm,
 )
+from weightsync.engine.gate import close_gate, open_gate
 from weightsync.engine.one_copy.sharing import combine_worker_shares
 from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
 from weightsync.engine.server import LocalServer, RemoteServer, cli_flags
@@ -47,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 EXTENSION = "weightsync.backends.vllm.extension.WeightsyncWorkerExtension"
 GUARD = "weightsync.backends.vllm.guard.KeyOnEveryRoute"
-DRAIN_S = 240.0  # how long `begin` waits for a server's requests in flight to finish
 
 
 def _checkpoint_dtype(model_path: str) -> str:
@@ -276,26 +276,13 @@ class _Http:
         self._request("POST", "/update_weight_version", {"new_version": version})
 
     def pause(self) -> None:
-        # weightsync's guard holds new requests and waits for those in flight to finish on the
+        # weightsync's gate holds new requests and waits for those in flight to finish on the
         # old weights (each response is computed with one version); only a request carrying
         # this update's token passes until `resume`: the probe's (`score`).
-        self._token = secrets.token_urlsafe(16)
-        status, out = self._request(
-            "POST", GATE_PATH, {"close": True, "token": self._token, "timeout_s": DRAIN_S}
-        )
-        if status != 200 or not isinstance(out, dict):
-            raise RuntimeError(f"vllm server {GATE_PATH} answered {status}: {out}")
-        if not out.get("drained"):
-            self.resume()
-            raise RuntimeError(
-                f"vllm server: {out.get('inflight')} request(s) still running {DRAIN_S:g} s "
-                f"after the update asked generation to stop; the update was not begun"
-            )
+        self._token = close_gate(self._request, "vllm")
 
     def resume(self) -> None:
-        status, out = self._request("POST", GATE_PATH, {"close": False})
-        if status != 200:
-            raise RuntimeError(f"vllm server {GATE_PATH} answered {status}: {out}")
+        open_gate(self._request, "vllm")
 
     def score(self, prompts: list[list[int]]) -> list[list[float]]:
         """`_InProcess.score` through the server, past its closed gate (`pause`'s token)."""

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from weightsync.backends.vllm.guard import GATE_PATH, KeyOnEveryRoute
+from weightsync.backends.vllm.guard import KeyOnEveryRoute
+from weightsync.engine.gate import GATE_PATH
 
 KEY = "k" * 24
 
@@ -125,3 +126,41 @@ def test_the_gate_route_and_held_routes_demand_the_key(monkeypatch, path):
         return sent
 
     assert asyncio.run(scenario())[0]["status"] == 401
+
+
+def test_sglangs_gate_demands_the_key_on_its_own_route_and_holds_generation():
+    """In SGLang's server (weightsync.backends.sglang.serve) SGLang checks the key of its own
+    routes; the gate's route checks it itself, and /generate waits while the gate is closed
+    while SGLang's update routes pass."""
+    from weightsync.backends.sglang.serve import KeyedGate
+
+    async def scenario() -> None:
+        app = _App()
+        for path in ("/generate", "/update_weights_from_tensor"):
+            app.release[path] = asyncio.Event()
+            app.release[path].set()
+        gate = KeyedGate(app, key=KEY)
+        keyless = KeyedGate(app, key=None)
+        sent: list[dict] = []
+        scope = {"type": "http", "path": GATE_PATH, "method": "POST", "headers": []}
+
+        async def receive():
+            return {"type": "http.request", "body": b"{}"}
+
+        async def send(message):
+            sent.append(message)
+
+        await gate(scope, receive, send)
+        assert sent[0]["status"] == 401
+        refused = await _call(keyless, GATE_PATH, {"close": False})  # with the key: no key set
+        assert refused[0]["status"] == 401
+        _json(await _call(gate, GATE_PATH, {"close": True, "token": "t", "timeout_s": 1}))
+        held = _call(gate, "/generate")
+        control = _call(gate, "/update_weights_from_tensor")
+        assert (await control)[0]["status"] == 200
+        await asyncio.sleep(0.05)
+        assert not held.done()
+        _json(await _call(gate, GATE_PATH, {"close": False}))
+        assert (await held)[0]["status"] == 200
+
+    asyncio.run(scenario())

@@ -209,3 +209,52 @@ def check_a_request_waits_for_the_open_update(
     tokens, tag = hammer.parse(out)
     assert [tokens] == want
     return time.monotonic() - begun, tag
+
+
+def check_probes_through_the_gate(
+    engine, model: str, worker: str, served: Callable[[], list[list[int]]]
+) -> None:
+    """Two trainers that probe sync into the engine's HTTP server: the probe's request alone
+    passes weightsync's gate while the update is open. A bound below the float32 gap between
+    the trainer's forward and the engine's fails the probe: rolled back (keep_previous), the
+    server keeps serving what it served (`served()`: the greedy tokens of `prompt_ids()`, asked
+    of the server directly); a sound bound passes with a gap below 1e-4, and the server then
+    serves the trainer's weights."""
+    from weightsync.driver import launcher
+
+    before = served()
+    version = ray.get(engine.weight_version.remote())
+    outcomes: dict[str, Any] = {}
+    for name, bound in (("too-tight", 1e-9), ("probed", 1e-3)):
+        prober = launcher.TrainerGroup(
+            worker,
+            model_path=model,
+            world_size=1,
+            bucket_bytes=1 << 20,
+            seed=77,
+            keep_previous=True,
+            probe={"bound": bound, "length": 24},
+        )
+        try:
+            prober.call("connect", {name: engine})
+            try:
+                outcomes[name] = prober.sync(f"{name}-1")
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                outcomes[name] = f"{type(exc).__name__}: {exc}"
+            outcomes[f"{name}-served"] = served()
+            outcomes[f"{name}-version"] = ray.get(engine.weight_version.remote())
+            want = prober.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
+            outcomes[f"{name}-want"] = want["tokens"]
+        finally:
+            prober.kill()
+    failed = outcomes["too-tight"]
+    assert isinstance(failed, str) and "ProbeFailed" in failed, failed
+    assert "update 'too-tight-1' failed the log-prob probe" in failed
+    assert outcomes["too-tight-version"] == version
+    assert outcomes["too-tight-served"] == before  # rolled back, its prefix cache reset
+    report = outcomes["probed"]
+    assert not isinstance(report, str), report
+    gap = report.engines["probed"].probe_gap
+    assert gap is not None and 0 < gap < 1e-4, report.engines["probed"]
+    assert outcomes["probed-version"] == "probed-1"
+    assert outcomes["probed-served"] == outcomes["probed-want"] != before

@@ -8,11 +8,13 @@ import time
 import pytest
 import ray
 
+from tests.engine_checks import prompt_ids
 from tests.reliability.hammer import (
     MAX_NEW_TOKENS,
     Hammer,
     check_a_request_waits_for_the_open_update,
     check_answers,
+    check_probes_through_the_gate,
     engine_server,
     post_json,
     run_syncs_under_requests,
@@ -42,29 +44,34 @@ def setup(tmp_path_factory):
         seed=0,
     )
     trainer.call("connect", {NAME: engine})
-    yield engine, trainer
+    yield engine, trainer, model
     ray.get(engine.shutdown.remote(), timeout=120)
     ray.shutdown()
+
+
+def _generate(base: str, key: str, prompt: list[int]):
+    """A greedy /generate request with its tokens' log-probs."""
+    return post_json(
+        base,
+        "/generate",
+        {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_new_tokens": MAX_NEW_TOKENS,
+                "ignore_eos": True,
+            },
+        },
+        api_key=key,
+    )
 
 
 def _hammer(engine) -> Hammer:
     base, key = engine_server(engine)
 
     def ask(prompt: list[int]):
-        return post_json(
-            base,
-            "/generate",
-            {
-                "input_ids": prompt,
-                "return_logprob": True,
-                "sampling_params": {
-                    "temperature": 0.0,
-                    "max_new_tokens": MAX_NEW_TOKENS,
-                    "ignore_eos": True,
-                },
-            },
-            api_key=key,
-        )
+        return _generate(base, key, prompt)
 
     def parse(out):
         meta = out["meta_info"]
@@ -78,7 +85,7 @@ def _hammer(engine) -> Hammer:
 def test_one_copy_http_clients_never_see_half_written_weights_during_many_syncs(setup):
     """The first sync goes by buckets, then the engine's parameters are shared (the probe
     writes random bytes into them) and every later sync writes them in place."""
-    engine, trainer = setup
+    engine, trainer, _ = setup
     start = time.monotonic()
     hammer = _hammer(engine)
     run = run_syncs_under_requests(trainer, NAME, hammer, num_syncs=NUM_SYNCS)
@@ -94,7 +101,7 @@ def test_one_copy_http_clients_never_see_half_written_weights_during_many_syncs(
 def test_an_aborted_update_resumes_the_servers_generation(setup):
     """A request sent straight to the server while an update is open waits; the sender's
     `abort` resumes the server, which answers it on the weights it held before."""
-    engine, trainer = setup
+    engine, trainer, _ = setup
     version = ray.get(engine.engine_weight_version.remote())  # SGLang's own tag
     _, tag = check_a_request_waits_for_the_open_update(
         engine,
@@ -109,7 +116,7 @@ def test_a_silent_update_is_expired_by_the_watchdog_and_the_server_resumes(setup
     """Nobody calls the actor after `begin` (a dead trainer): the watchdog aborts the update
     after idle_timeout_s and resumes the server; the waiting request is answered on the
     previous weights, and the next sync lands verified."""
-    engine, trainer = setup
+    engine, trainer, _ = setup
     version = ray.get(engine.engine_weight_version.remote())  # SGLang's own tag
     waited_s, tag = check_a_request_waits_for_the_open_update(
         engine, trainer, _hammer(engine), lambda: None, wait_s=IDLE_TIMEOUT_S + 60
@@ -120,3 +127,27 @@ def test_a_silent_update_is_expired_by_the_watchdog_and_the_server_resumes(setup
     assert ray.get(engine.engine_weight_version.remote()) == version
     report = trainer.call("sync", "after-watchdog", verify=True)
     assert report["verify"][NAME]["verified"], report["verify"]
+
+
+def _served(engine) -> list[list[int]]:
+    """Greedy tokens of `prompt_ids()`, asked of the server directly as a client would."""
+    base, key = engine_server(engine)
+    tokens = []
+    for prompt in prompt_ids():
+        status, out = _generate(base, key, prompt)
+        assert status == 200, out
+        tokens.append([int(p[1]) for p in out["meta_info"]["output_token_logprobs"]])
+    return tokens
+
+
+def test_the_probe_scores_the_staged_weights_through_the_servers_closed_gate(setup):
+    """A trainer that probes syncs into the HTTP server (started through weightsync's serve
+    module, which runs the gate): the probe's request alone passes the gate while the update
+    is open (tests/reliability/hammer.py)."""
+    engine, _, model = setup
+    check_probes_through_the_gate(
+        engine,
+        model,
+        "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
+        lambda: _served(engine),
+    )

@@ -60,6 +60,7 @@ def test_server_listens_on_loopback_and_demands_a_key_by_default(setup):
             "/continue_generation",
             "/update_weight_version",
             "/generate",
+            "/weightsync/gate",
         ],
         key=key,
         get_path="/model_info",
