@@ -329,7 +329,9 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
 
     torch.set_num_threads(1)
     init_trainer_group(rank=rank, world_size=args.ranks, master_addr="127.0.0.1", master_port=port)
-    shapes = layouts.layout(args.layout, num_layers=args.layers, shrink=args.shrink)
+    shapes = layouts.layout(
+        args.layout, num_layers=args.layers, shrink=args.shrink, num_experts=args.experts
+    )
     nbytes = layouts.nbytes(shapes)
     start = time.perf_counter()
     model = shard_model(
@@ -341,6 +343,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
     out = {
         "layout": args.layout,
         "layers": args.layers,
+        "experts": args.experts,
         "shrink": args.shrink,
         "receiver": args.receiver,
         "tensors": len(shapes),
@@ -450,6 +453,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--layers", type=int, default=None, help="layer count (default: the model's own)"
+    )
+    parser.add_argument(
+        "--experts", type=int, default=None, help="experts per MoE layer of mla-moe (384)"
     )
     parser.add_argument(
         "--shrink",

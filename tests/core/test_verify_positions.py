@@ -163,3 +163,29 @@ def test_a_parameter_whose_loader_does_not_copy_verbatim_fails_verification_unle
         assert report.verify.to_dict()["engine"]["unchecked"] == ["worker 0: b"]
     finally:
         sender.close()
+
+
+def test_a_receiver_holding_fused_parameters_is_verified_on_every_one_of_them():
+    """The project's receiver in an engine's layout (q/k/v, gate/up and each layer's experts
+    fused, weightsync/apps/layouts.py `fused`) reports where each tensor lies, so a verified sync
+    compares the fused parameters too (nothing unchecked), and a changed element of one is named."""
+    from weightsync.apps import layouts
+    from weightsync.wire.fingerprint import fingerprint
+
+    shapes = layouts.layout("mla-moe", num_layers=3, num_experts=4, shrink=64)
+    params, where = layouts.fused(shapes)
+    receiver = ModuleWeightReceiver(layouts.build_module(params), name="fused", fused=where)
+    source = DTensorV2Source(layouts.build_module(shapes, fill=True, seed=0))
+    sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=1 << 20)
+    try:
+        sender.add_engine(LocalEndpoint(receiver, name="fused"))
+        checked = sender.sync(source.tensors(), version="v1", verify=True).verify["fused"]
+        assert checked.verified and not checked.unchecked, checked
+        assert checked.num_checked == len(params)
+        w13 = "model.layers.1.mlp.experts.w13_weight"
+        with torch.no_grad():
+            dict(receiver.receiver.model.named_parameters())[w13].view(-1)[5] += 1
+        again = sender.verify({n: fingerprint(t) for n, t in source.tensors()}, engines=["fused"])
+        assert again["fused"].mismatched == [f"worker 0: {w13}"]
+    finally:
+        sender.close()

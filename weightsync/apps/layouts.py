@@ -5,6 +5,11 @@ of per-expert matrices), so benchmarks run these layouts as well as uniform larg
 - "llama8b": Llama-3-8B (32 layers, GQA 32/8 heads, untied head): 291 tensors, 16.1 GB in bf16.
 - "qwen3-30b-a3b": Qwen3-30B-A3B (48 layers, 128 experts of 768, q/k norms): 18867 tensors,
   61.1 GB in bf16; `num_layers` cuts it (24 layers: 9435 tensors).
+- "mla-moe": a Kimi-K2-shaped MLA MoE (61 layers, the first dense, 384 experts of 2048 and one
+  shared expert per MoE layer, MLA attention with q/kv low-rank projections and their norms):
+  69975 tensors, 2.05 TB in bf16; `num_experts` sets the experts per layer (1152: 208215 tensors,
+  the tensor counts of the largest checkpoints), `num_layers` cuts it. At shrink 8 (widths / 8)
+  the 384-expert layout is ~32 GB.
 - "uniform": `num_tensors` square-ish tensors of `tensor_bytes` each.
 `shrink` divides every width of a real layout (hidden size, head counts, intermediate sizes,
 vocabulary) and keeps its tensor count, so a host with little memory runs the same many-tensor
@@ -19,7 +24,7 @@ from typing import Any
 
 Layout = list[tuple[str, tuple[int, ...]]]
 
-LAYOUTS = ("uniform", "llama8b", "qwen3-30b-a3b")
+LAYOUTS = ("uniform", "llama8b", "qwen3-30b-a3b", "mla-moe")
 
 
 def _dense_layer(
@@ -83,6 +88,51 @@ def qwen3_30b_a3b(num_layers: int = 48, *, shrink: int = 1) -> Layout:
                 (f"{q}.gate_proj.weight", (moe_intermediate, hidden)),
                 (f"{q}.up_proj.weight", (moe_intermediate, hidden)),
                 (f"{q}.down_proj.weight", (hidden, moe_intermediate)),
+            ]
+    return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+
+def mla_moe(
+    num_layers: int = 61, *, num_experts: int = 384, dense_layers: int = 1, shrink: int = 1
+) -> Layout:
+    hidden, vocab, heads, moe_inter, dense_inter, q_rank, kv_rank = _shrunk(
+        shrink, 7168, 163840, 64, 2048, 18432, 1536, 512
+    )
+    nope, rope, v_dim = _shrunk(shrink, 128, 64, 128)
+    out: Layout = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(num_layers):
+        p = f"model.layers.{i}"
+        out += [
+            (f"{p}.input_layernorm.weight", (hidden,)),
+            (f"{p}.self_attn.q_a_proj.weight", (q_rank, hidden)),
+            (f"{p}.self_attn.q_a_layernorm.weight", (q_rank,)),
+            (f"{p}.self_attn.q_b_proj.weight", (heads * (nope + rope), q_rank)),
+            (f"{p}.self_attn.kv_a_proj_with_mqa.weight", (kv_rank + rope, hidden)),
+            (f"{p}.self_attn.kv_a_layernorm.weight", (kv_rank,)),
+            (f"{p}.self_attn.kv_b_proj.weight", (heads * (nope + v_dim), kv_rank)),
+            (f"{p}.self_attn.o_proj.weight", (hidden, heads * v_dim)),
+            (f"{p}.post_attention_layernorm.weight", (hidden,)),
+        ]
+        if i < dense_layers:
+            out += [
+                (f"{p}.mlp.gate_proj.weight", (dense_inter, hidden)),
+                (f"{p}.mlp.up_proj.weight", (dense_inter, hidden)),
+                (f"{p}.mlp.down_proj.weight", (hidden, dense_inter)),
+            ]
+            continue
+        out += [
+            (f"{p}.mlp.gate.weight", (num_experts, hidden)),
+            (f"{p}.mlp.gate.e_score_correction_bias", (num_experts,)),
+            (f"{p}.mlp.shared_experts.gate_proj.weight", (moe_inter, hidden)),
+            (f"{p}.mlp.shared_experts.up_proj.weight", (moe_inter, hidden)),
+            (f"{p}.mlp.shared_experts.down_proj.weight", (hidden, moe_inter)),
+        ]
+        for e in range(num_experts):
+            q = f"{p}.mlp.experts.{e}"
+            out += [
+                (f"{q}.gate_proj.weight", (moe_inter, hidden)),
+                (f"{q}.up_proj.weight", (moe_inter, hidden)),
+                (f"{q}.down_proj.weight", (hidden, moe_inter)),
             ]
     return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
 
@@ -151,12 +201,20 @@ def layout(
     num_tensors: int = 64,
     tensor_bytes: int = 256 << 20,
     shrink: int = 1,
+    num_experts: int | None = None,
 ) -> Layout:
-    """The layout called `name` (one of LAYOUTS); `shrink` divides a real layout's widths."""
+    """The layout called `name` (one of LAYOUTS); `shrink` divides a real layout's widths;
+    `num_experts`: experts per MoE layer of "mla-moe" (default 384)."""
     if name == "llama8b":
         return llama8b(32 if num_layers is None else num_layers, shrink=shrink)
     if name == "qwen3-30b-a3b":
         return qwen3_30b_a3b(48 if num_layers is None else num_layers, shrink=shrink)
+    if name == "mla-moe":
+        return mla_moe(
+            61 if num_layers is None else num_layers,
+            num_experts=384 if num_experts is None else num_experts,
+            shrink=shrink,
+        )
     if name == "uniform":
         return uniform(num_tensors, tensor_bytes)
     raise ValueError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUTS)}")

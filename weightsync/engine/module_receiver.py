@@ -61,6 +61,10 @@ class ModuleWeightReceiver(EngineSession):
         self.sliced = sliced
         params = dict(model.named_parameters())
         fused = fused or {}
+        self._fused = fused
+        # With `fused`, where each tensor lies is known, not learned: reported as placements
+        # (a whole tensor at its first element) once the refit check gave the tensors' sizes.
+        self._given: dict[str, Any] | None = None
         # As an engine's fused parameters carry their loader (an attribute torch's Parameter
         # type does not declare; the refit check wraps it).
         for into, _ in fused.values():
@@ -83,7 +87,15 @@ class ModuleWeightReceiver(EngineSession):
         self.receiver.buckets.plain_copies = not fused
 
     def check_refit(self, specs: list[dict]) -> dict:
-        return self.receiver.check_refit(specs_from_dicts(specs)).to_dict()
+        parsed = specs_from_dicts(specs)
+        answer = self.receiver.check_refit(parsed).to_dict()
+        if self._fused:
+            self._given = {}
+            for spec in parsed:
+                if spec.name in self._fused:
+                    into, start = self._fused[spec.name]
+                    self._given[spec.name] = [into, [[start, 0, spec.numel, 1, 0, 0]]]
+        return answer
 
     def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
         self.receiver.open_update()
@@ -100,6 +112,8 @@ class ModuleWeightReceiver(EngineSession):
         return report
 
     def _placements(self) -> list[dict[str, Any]] | None:
+        if self._given is not None:
+            return [self._given]
         return [self.receiver.placements] if self.sliced else None
 
     def _engine_end(self, version: str) -> EndReport:
