@@ -81,6 +81,69 @@ def test_probe_finds_verbatim_destinations_and_leaves_the_parameters_as_they_wer
         assert torch.equal(p, before[name])
 
 
+def test_the_tensors_of_a_fused_parameter_are_probed_together_in_one_load():
+    """64 experts loaded into one fused parameter in a shuffled order, plus a tied pair (two
+    tensors into the same place): the experts are found by one batched load (no probe per
+    tensor), the tied pair one at a time, and the parameters are left as they were."""
+    experts, rows = 64, 3
+    params = {
+        "w": torch.randn(experts * rows, 4).to(torch.bfloat16),
+        "emb": torch.randn(6, 4),
+    }
+    slot = torch.randperm(experts, generator=torch.Generator().manual_seed(1)).tolist()
+    names = [f"e{i}" for i in range(experts)]
+    calls = {"one": 0, "many": 0}
+
+    def put(name, tensor):
+        if name in ("embed", "head"):
+            params["emb"].copy_(tensor)
+        else:
+            i = slot[int(name[1:])]
+            params["w"][i * rows : (i + 1) * rows].copy_(tensor)
+
+    def load_one(name, tensor):
+        calls["one"] += 1
+        put(name, tensor)
+
+    def load_many(pairs):
+        calls["many"] += 1
+        for name, tensor in pairs:
+            put(name, tensor)
+
+    specs = {n: TensorSpec(name=n, dtype="bfloat16", shape=(rows, 4)) for n in names}
+    specs |= {n: TensorSpec(name=n, dtype="float32", shape=(6, 4)) for n in ("embed", "head")}
+    param_of = {n: ["w"] for n in names} | {"embed": ["emb"], "head": ["emb"]}
+    before = {n: p.clone() for n, p in params.items()}
+    found = probe_destinations(params, param_of, specs, load_one, load_many)
+    assert found == {n: ("w", slot[i] * rows * 4 * 2) for i, n in enumerate(names)} | {
+        "embed": ("emb", 0),
+        "head": ("emb", 0),
+    }
+    # One batched load a parameter; the tied pair: one of them overwrote the other, which
+    # was then probed alone (and the one found in the batch is not probed again).
+    assert calls == {"one": 1, "many": 2}, calls
+    for name, p in params.items():
+        assert torch.equal(p, before[name])
+
+
+def test_a_loader_that_writes_beyond_its_tensor_is_probed_one_at_a_time_and_left_out():
+    """A loader that also writes a byte outside the tensor's place (a pad, a flag): the batched
+    probe does not place it, nor does the one-at-a-time probe; the parameter is put back."""
+    params = {"w": torch.zeros(8, 4)}
+
+    def load_one(name, tensor):
+        i = int(name[1:])
+        params["w"][2 * i : 2 * i + 2].copy_(tensor)
+        if name == "e3":
+            params["w"][0, 0] = 7.0
+
+    specs = {f"e{i}": TensorSpec(name=f"e{i}", dtype="float32", shape=(2, 4)) for i in range(4)}
+    param_of = {n: ["w"] for n in specs}
+    found = probe_destinations(params, param_of, specs, load_one)
+    assert found == {f"e{i}": ("w", i * 32) for i in range(3)}
+    assert torch.equal(params["w"], torch.zeros(8, 4))
+
+
 def test_shared_parameters_take_trainer_writes_and_notice_when_moved():
     params, specs, param_of, load_one = _fused_engine()
     destinations = probe_destinations(params, param_of, specs, load_one)

@@ -68,6 +68,7 @@ class ParameterSharing:
                 param_of,
                 accepted,
                 lambda name, tensor: self.load_fn(iter([(name, tensor)])),
+                lambda pairs: self.load_fn(iter(pairs)),
             )
         else:
             destinations = {name: (pname, 0) for name, (pname, _) in placements.items()}
