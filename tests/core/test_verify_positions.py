@@ -189,3 +189,38 @@ def test_a_receiver_holding_fused_parameters_is_verified_on_every_one_of_them():
         assert again["fused"].mismatched == [f"worker 0: {w13}"]
     finally:
         sender.close()
+
+
+def test_placements_cross_the_wire_until_the_sender_holds_them_whole():
+    """An engine's placements are in its `end` report until the sender holds them all (it
+    says how many it holds); later syncs leave them out and a verified one checks every
+    parameter against the ones held; a new sender (another trainer, a reconnect) gets them
+    whole again."""
+    from weightsync.apps import layouts
+
+    shapes = layouts.layout("mla-moe", num_layers=2, num_experts=4, shrink=64)
+    params, where = layouts.fused(shapes)
+    receiver = ModuleWeightReceiver(layouts.build_module(params), name="fused", fused=where)
+    source = DTensorV2Source(layouts.build_module(shapes, fill=True, seed=0))
+    ends: list[dict] = []
+
+    class Recording(LocalEndpoint):
+        def submit(self, method, *args):
+            ticket = super().submit(method, *args)
+            if method == "end":
+                ends.append(ticket[1])
+            return ticket
+
+    for _ in range(2):  # two senders, one after the other
+        sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=1 << 20)
+        try:
+            sender.add_engine(Recording(receiver, name="fused"))
+            sender.sync(source.tensors(), version="v1")
+            checked = sender.sync(source.tensors(), version="v2", verify=True)
+            assert checked.verify["fused"].verified and not checked.verify["fused"].unchecked
+            assert checked.verify["fused"].num_checked == len(params)
+            held = sender.engines["fused"].placements
+            assert held is not None and len(held[0]) == len(source.specs())
+        finally:
+            sender.close()
+    assert ["placements" in e for e in ends] == [True, False, True, False]

@@ -25,6 +25,7 @@ from weightsync.wire.protocol import (
     SettleReport,
     ShareAnswer,
     StageReport,
+    without_known,
 )
 
 if TYPE_CHECKING:
@@ -74,12 +75,14 @@ class WeightReceiver(ABC):
         (`"update"`, the version its sender opened) is refused before anything is read."""
 
     @abstractmethod
-    def end(self, version: str, probe: dict | None = None) -> dict:
+    def end(self, version: str, probe: dict | None = None, known: dict | None = None) -> dict:
         """Finish: post-process the weights, reset the prefix cache, adopt `version`: an
         `EndReport`. With `probe` (weightsync/wire/probe.py `ProbeRequest.to_dict()`), first
         score its tokens with the engine's forward on the staged weights and refuse to adopt
         them (`ProbeFailed`; the update stays open for the sender's abort) when the scores are
-        too far from the trainer's."""
+        too far from the trainer's. `known`: how much of the engine's placements the sender
+        already holds (weightsync/wire/protocol.py `known_maps`): left out of the report when
+        it holds them whole."""
 
     @abstractmethod
     def abort(self, reason: str, owner: str | None = None) -> None:
@@ -274,7 +277,7 @@ class EngineSession(WeightReceiver):
             finally:
                 self._last_call = time.perf_counter()
 
-    def end(self, version: str, probe: dict | None = None) -> dict:
+    def end(self, version: str, probe: dict | None = None, known: dict | None = None) -> dict:
         with self._lock:
             if self._open != version:
                 raise RuntimeError(
@@ -291,6 +294,8 @@ class EngineSession(WeightReceiver):
                 report = replace(report, probe=probed)
             self._open, self._broken, self._version = None, None, version
             self._resume_generation()
+            if known:
+                report = without_known(report, known)
             return replace(
                 report,
                 end_s=time.perf_counter() - start,

@@ -43,6 +43,7 @@ from weightsync.wire.protocol import (
     SyncReport,
     VerifyReport,
     from_wire,
+    known_maps,
 )
 from weightsync.wire.specs import BucketDescriptor, TensorSpec, specs_to_dicts
 
@@ -351,14 +352,16 @@ class WeightSender:
     ) -> list[EndReport]:
         """`end` on every engine of `names` at once, with its probe where it has one."""
         probe = probe or {}
-        return self.calls.wait_all(
-            [
-                self.calls.submit(n, "end", version, probe[n])
-                if n in probe
-                else self.calls.submit(n, "end", version)
-                for n in names
-            ]
-        )
+        calls = []
+        for n in names:
+            known = known_maps(self.engines[n].placements)
+            if known:  # placements it holds whole are not sent again
+                calls.append(self.calls.submit(n, "end", version, probe.get(n), known))
+            elif n in probe:
+                calls.append(self.calls.submit(n, "end", version, probe[n]))
+            else:
+                calls.append(self.calls.submit(n, "end", version))
+        return self.calls.wait_all(calls)
 
     def verify_one_copy(self, written: dict[str, Any], *, engines: list[str]) -> VerifyReport:
         """The ranks' read-back comparison of the bytes (each engine's `end` then confirms its

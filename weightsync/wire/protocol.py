@@ -18,7 +18,7 @@ plain mapping already.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 _MISSING = object()
@@ -630,3 +630,20 @@ class SyncReport:
             verify=None if verify is None else VerifyReport.from_dict(verify),
             dropped=_get(d, cls, "dropped", None),
         )
+
+
+def known_maps(placements: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """What a sender holds of an engine's placements, as `end(known=...)` takes it: the size of
+    each worker's. Placements only grow (a tensor's is learned once, on first sight, and never
+    changes: weightsync/engine/replica.py `learn_placements`), so equal sizes mean equal
+    placements."""
+    return {} if placements is None else {"placements": [len(p or {}) for p in placements]}
+
+
+def without_known(report: EndReport, known: dict[str, Any]) -> EndReport:
+    """`report` without the placements the sender already holds whole (at 200k tensors they
+    are megabytes on the wire every sync)."""
+    placements = report.placements
+    if placements is not None and known.get("placements") == [len(p or {}) for p in placements]:
+        return replace(report, placements=None)
+    return report
