@@ -17,7 +17,9 @@ export UV_PYTHON_DOWNLOADS=never
 ROOT_PY="$PWD/.venv/bin/python"
 
 ensure_root_env() {
-  "${UV[@]}" sync --locked --quiet
+  # --compile-bytecode: every Ray actor and trainer rank imports torch from the .pyc files
+  # instead of compiling it again where PYTHONDONTWRITEBYTECODE is set.
+  "${UV[@]}" sync --locked --quiet --compile-bytecode
 }
 
 vllm_env_name() {

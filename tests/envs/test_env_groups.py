@@ -4,6 +4,7 @@ of three small packages (built in a temporary folder, seconds), and the engine e
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -49,6 +50,23 @@ def test_a_build_installs_the_runtime_set_and_no_group(tiny):
     assert _installed(tiny, "packaging")
     assert not _installed(tiny, "iniconfig") and not _installed(tiny, "pluggy")
     assert envs.state(tiny) == "built" and envs.built_groups(tiny) == ()
+
+
+def test_a_build_writes_the_bytecode_of_what_it_installs(tiny):
+    # Imports read it even where PYTHONDONTWRITEBYTECODE keeps a process from writing its own.
+    envs.build(tiny, quiet=True)
+    out = subprocess.run(
+        [
+            str(envs.python_path(tiny)),
+            "-c",
+            "import packaging, os; print(os.path.dirname(packaging.__file__))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pycache = os.path.join(out.stdout.strip(), "__pycache__")
+    assert any(f.startswith("version.") and f.endswith(".pyc") for f in os.listdir(pycache))
 
 
 def test_asking_for_a_group_the_venv_lacks_resyncs_and_the_stamp_names_it(tiny):
