@@ -56,10 +56,36 @@ def run_planted(trainer, rollout, kinds: tuple[str, ...]) -> dict[str, Any]:
         outcomes[kind]["tokens"] = tokens()
         ray.get(rollout.unplant.remote(), timeout=120)
     connect(RIGHT)
+    # While an update is open the framework's own generation is refused (check_serving).
+    ray.get(rollout.weightsync.remote("begin", "open"), timeout=120)
+    try:
+        tokens()
+        refused = None
+    except Exception as exc:  # noqa: BLE001 - asserted by the caller
+        refused = str(exc)
+    ray.get(rollout.weightsync.remote("abort", "the test's"), timeout=120)
     report = trainer.sync(f"{RIGHT}-1", verify=True, engines=[RIGHT])
     ray.get(rollout.weightsync.remote("settle"), timeout=300)
     want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
-    return {"before": before, "outcomes": outcomes, "report": report, "want": want, "got": tokens()}
+    got = tokens()
+    # A second step reaches the same engine by the one-copy path (shared memory, same host).
+    trainer.call("train_step", training_batch(1))
+    second = trainer.sync(f"{RIGHT}-2", verify=True, engines=[RIGHT])
+    ray.get(rollout.weightsync.remote("settle"), timeout=300)
+    return {
+        "before": before,
+        "outcomes": outcomes,
+        "refused": refused,
+        "report": report,
+        "want": want,
+        "got": got,
+        "second": second,
+        "second_version": ray.get(rollout.weightsync.remote("weight_version")),
+        "second_want": trainer.call(
+            "reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS
+        ),
+        "second_got": tokens(),
+    }
 
 
 def check_caught(planted: dict[str, Any], kind: str, *, engine: str, dropped_param: str) -> None:
@@ -85,6 +111,22 @@ def check_right(planted: dict[str, Any]) -> None:
     the engine's greedy tokens equal the trainer's reference."""
     report = planted["report"]
     synced = report.engines[RIGHT]
+    assert synced.path == "buckets", synced
     assert synced.probe_gap is not None and synced.probe_gap < 1e-4, synced
     assert report.verify is not None and report.verify[RIGHT].verified
     assert planted["got"] == planted["want"]["tokens"]
+
+
+def check_framework_actor(planted: dict[str, Any]) -> None:
+    """The framework's own actor, reached through its dispatch method: its own generation is
+    refused while an update is open; after the first sync (buckets) the next one takes the
+    one-copy path, verified, and its own generate equals the trainer's reference."""
+    assert (
+        planted["refused"] is not None
+        and "does not serve during update 'open'" in (planted["refused"])
+    ), planted["refused"]
+    second = planted["second"]
+    assert second.engines[RIGHT].path == "one_copy", second.engines[RIGHT]
+    assert second.verify is not None and second.verify[RIGHT].verified
+    assert planted["second_version"] == f"{RIGHT}-2"
+    assert planted["second_got"] == planted["second_want"]["tokens"]

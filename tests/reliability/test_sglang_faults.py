@@ -222,8 +222,14 @@ def test_an_update_left_open_by_another_trainer_is_refused_until_it_expires(setu
     assert ray.get(engine.weight_version.remote()) == "after-orphan"
 
 
-@pytest.mark.parametrize("path", ["buckets", "one_copy"])
-@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0-the-sender"])
+# Two of the four pairs: rank 0 (the sender) on the bucket path, rank 1 (writing its shards
+# into shared parameters) on the one-copy path. Rank 0 stopping mid one-copy update is the
+# fencing test below; rank 1 dying in a bucket gather fails rank 0's collective as here.
+@pytest.mark.parametrize(
+    ("victim", "path"),
+    [(0, "buckets"), (1, "one_copy")],
+    ids=["rank0-the-sender-buckets", "rank1-one_copy"],
+)
 def test_a_trainer_rank_killed_mid_sync_fails_it_within_the_timeout(setup, victim, path):
     engine, trainer, model = setup
     # keep_previous from the doomed trainer's SyncOptions: its connect sets it on the engine.

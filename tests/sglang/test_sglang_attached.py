@@ -133,42 +133,6 @@ def test_a_server_that_answers_without_a_key_is_refused():
             _Http.attach(url, api_key=KEY)
 
 
-def test_a_framework_actor_holding_its_own_engine_is_synced_through_its_dispatch_method(
-    attached, server
-):
-    """In-process: the framework's own actor makes `sglang.Engine(custom_weight_loader=...)` and
-    forwards weightsync's calls through one method; a 1-rank trainer syncs it by buckets, then
-    the one-copy path, over shared memory, verified, and the framework's own generate then
-    equals the reference."""
-    from weightsync import RayEndpoint
-
-    rollout_class = "tests.sglang.framework_engine.FrameworkEngine"
-    launcher.register_actor(rollout_class, "sglang")
-    path = server[1]  # the server's checkpoint
-    rollout = launcher.launch(rollout_class, path)
-    trainer = launcher.TrainerGroup(
-        "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
-        model_path=path,
-        world_size=1,
-        bucket_bytes=1 << 20,
-        seed=0,
-    )
-    try:
-        endpoint = RayEndpoint(rollout, name="framework-engine", dispatch="weightsync")
-        trainer.call("connect", {"framework-engine": endpoint})
-        for version, seed, path_taken in (("own-1", 21, "buckets"), ("own-2", 22, "one_copy")):
-            trainer.call("set_weights_from", seed)
-            report = trainer.sync(version, verify=True)
-            assert report.engines["framework-engine"].path == path_taken, report
-            assert report.verify is not None and report.verify["framework-engine"].verified
-            assert ray.get(rollout.weightsync.remote("weight_version")) == version
-            want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
-            assert ray.get(rollout.rollout.remote(prompt_ids(), MAX_NEW_TOKENS)) == want["tokens"]
-    finally:
-        trainer.kill()
-        ray.get(rollout.shutdown.remote(), timeout=120)
-
-
 def test_an_engine_made_without_weightsyncs_loader_is_refused_naming_the_argument():
     from types import SimpleNamespace
 

@@ -189,44 +189,6 @@ def test_a_server_that_answers_without_a_key_is_refused():
             _Http.attach(url, api_key=KEY)
 
 
-def test_a_framework_actor_holding_its_own_llm_is_synced_through_its_dispatch_method(
-    attached, server
-):
-    """In-process: the framework's own actor makes `vllm.LLM(worker_extension_cls=...)` and
-    forwards weightsync's calls through one method; a 1-rank trainer syncs it by buckets over
-    shared memory, verified, and the framework's own generate then equals the reference."""
-    from weightsync import RayEndpoint
-
-    rollout_class = "tests.vllm.framework_rollout.FrameworkRollout"
-    launcher.register_actor(rollout_class, "*vllm")
-    path = server[1]  # the server's checkpoint
-    rollout = launcher.launch(rollout_class, path)
-    trainer = launcher.TrainerGroup(
-        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
-        model_path=path,
-        world_size=1,
-        bucket_bytes=1 << 20,
-        seed=0,
-    )
-    try:
-        endpoint = RayEndpoint(rollout, name="framework-llm", dispatch="weightsync")
-        trainer.call("connect", {"framework-llm": endpoint})
-        # While an update is open its own generation is refused (the receiver's check_serving).
-        ray.get(rollout.weightsync.remote("begin", "open"))
-        with pytest.raises(Exception, match="does not serve during update 'open'"):
-            ray.get(rollout.rollout.remote(prompt_ids(), MAX_NEW_TOKENS))
-        ray.get(rollout.weightsync.remote("abort", "the test's"))
-        trainer.call("train_step", [[5, 6, 7, 8, 9]] * 2)
-        report = trainer.sync("own-1", verify=True)
-        assert report.verify is not None and report.verify["framework-llm"].verified
-        assert ray.get(rollout.weightsync.remote("weight_version")) == "own-1"
-        ray.get(rollout.weightsync.remote("settle"), timeout=300)
-        want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
-        assert ray.get(rollout.rollout.remote(prompt_ids(), MAX_NEW_TOKENS)) == want["tokens"]
-    finally:
-        trainer.kill()
-
-
 def test_an_llm_made_without_weightsyncs_extension_is_refused_naming_the_argument():
     from types import SimpleNamespace
 

@@ -18,7 +18,13 @@ from __future__ import annotations
 import pytest
 import ray
 
-from tests.planted_faults import check_caught, check_right, run_planted, sharp_checkpoint
+from tests.planted_faults import (
+    check_caught,
+    check_framework_actor,
+    check_right,
+    run_planted,
+    sharp_checkpoint,
+)
 from tests.vllm.planted import KINDS
 from weightsync.driver import launcher
 
@@ -55,3 +61,9 @@ def test_a_loader_fault_planted_from_the_first_sync_is_caught_before_commit(plan
 
 def test_with_vllms_loaders_back_the_probe_passes_and_tokens_equal_the_reference(planted):
     check_right(planted)
+
+
+def test_the_framework_actor_refuses_its_own_generation_mid_update_and_takes_the_one_copy_path(
+    planted,
+):
+    check_framework_actor(planted)

@@ -1,0 +1,58 @@
+"""`DTensorV2Source.layout()` before every sync: the model is not walked again while its tensors
+are the same objects, and every way a model can change between syncs still shows."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from weightsync.trainer.source import DTensorV2Source
+
+
+def _model() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 3), nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2)))
+    model.register_buffer("steps", torch.zeros(1))
+    return model
+
+
+def _shapes(source: DTensorV2Source) -> dict[str, tuple[int, ...]]:
+    return {name: shape for name, (shape, _) in source.layout()}
+
+
+def test_an_unchanged_model_gives_the_same_layout_without_a_state_dict(monkeypatch):
+    model = _model()
+    source = DTensorV2Source(model)
+    first = source.layout()
+    calls = []
+    original = nn.Module.state_dict
+    monkeypatch.setattr(
+        nn.Module, "state_dict", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # new values, same tensors: the same layout
+    assert source.layout() is first
+    assert calls == []
+    assert ("steps", ((1,), "float32")) in first
+
+
+def test_every_change_of_the_models_tensors_shows_in_the_next_layout():
+    model = _model()
+    source = DTensorV2Source(model)
+    assert _shapes(source)["0.weight"] == (3, 4)
+    model[0].weight.data = torch.zeros(5, 4)  # the same Parameter, another shape
+    assert _shapes(source)["0.weight"] == (5, 4)
+    model[0].weight.data = torch.zeros(5, 4, dtype=torch.float64)  # another dtype
+    assert dict(source.layout())["0.weight"] == ((5, 4), "float64")
+    model[0].weight = nn.Parameter(torch.zeros(6, 4))  # another Parameter in its place
+    assert _shapes(source)["0.weight"] == (6, 4)
+    model[1][0].extra = nn.Parameter(torch.zeros(7))  # a parameter added to a module
+    assert _shapes(source)["1.0.extra"] == (7,)
+    model[1].add_module("2", nn.Linear(2, 8))  # a module added
+    assert _shapes(source)["1.2.weight"] == (8, 2)
+    model[1][0] = nn.Linear(3, 9)  # a module replaced by another of other shapes
+    shapes = _shapes(source)
+    assert shapes["1.0.weight"] == (9, 3) and "1.0.extra" not in shapes
+    del model[1][2]  # a module removed
+    assert "1.2.weight" not in _shapes(source)
+    model.register_buffer("steps", torch.zeros(2))  # a buffer replaced
+    assert _shapes(source)["steps"] == (2,)
