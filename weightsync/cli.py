@@ -411,9 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands() -> list:
-    """Subcommands defined beside the code they run (demo, bench), added when present."""
+    """Subcommands defined beside the code they run (demo, bench, scale), added when present."""
     out = []
-    for module in ("weightsync.apps.demo", "weightsync.apps.bench"):
+    for module in ("weightsync.apps.demo", "weightsync.apps.bench", "weightsync.apps.scale"):
         try:
             out.append(__import__(module, fromlist=["add_parser"]).add_parser)
         except ModuleNotFoundError as exc:

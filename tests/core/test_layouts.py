@@ -18,6 +18,10 @@ def test_real_layouts_have_the_checkpoints_tensor_counts_and_sizes():
     assert (len(mla), round(layouts.nbytes(mla) / 1e12, 2)) == (69975, 2.05)
     assert len(layouts.layout("mla-moe", num_experts=1152)) == 208215  # >= 200k tensors
     assert round(layouts.nbytes(layouts.layout("mla-moe", shrink=8)) / 1e9) == 32
+    # The simulator's models (weightsync/apps/scale.py): parameters, in billions.
+    v3, l70 = layouts.layout("deepseek-v3"), layouts.layout("llama70b")
+    assert (len(v3), round(layouts.nbytes(v3, 1) / 1e9, 1)) == (45395, 671.0)
+    assert (len(l70), round(layouts.nbytes(l70, 1) / 1e9, 1)) == (723, 70.6)
 
 
 @pytest.mark.parametrize("name", ["llama8b", "qwen3-30b-a3b", "mla-moe"])

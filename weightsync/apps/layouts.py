@@ -10,6 +10,9 @@ of per-expert matrices), so benchmarks run these layouts as well as uniform larg
   69975 tensors, 2.05 TB in bf16; `num_experts` sets the experts per layer (1152: 208215 tensors,
   the tensor counts of the largest checkpoints), `num_layers` cuts it. At shrink 8 (widths / 8)
   the 384-expert layout is ~32 GB.
+- "deepseek-v3": DeepSeek-V3 (the same MLA MoE with 128 heads, 256 experts, 3 dense layers):
+  671.0B parameters without its multi-token-prediction layer, 45,395 tensors.
+- "llama70b": Llama-3-70B (80 layers, GQA 64/8 heads): 70.6B parameters, 723 tensors.
 - "uniform": `num_tensors` square-ish tensors of `tensor_bytes` each.
 `shrink` divides every width of a real layout (hidden size, head counts, intermediate sizes,
 vocabulary) and keeps its tensor count, so a host with little memory runs the same many-tensor
@@ -24,7 +27,7 @@ from typing import Any
 
 Layout = list[tuple[str, tuple[int, ...]]]
 
-LAYOUTS = ("uniform", "llama8b", "qwen3-30b-a3b", "mla-moe")
+LAYOUTS = ("uniform", "llama8b", "qwen3-30b-a3b", "mla-moe", "deepseek-v3", "llama70b")
 
 
 def _dense_layer(
@@ -93,10 +96,16 @@ def qwen3_30b_a3b(num_layers: int = 48, *, shrink: int = 1) -> Layout:
 
 
 def mla_moe(
-    num_layers: int = 61, *, num_experts: int = 384, dense_layers: int = 1, shrink: int = 1
+    num_layers: int = 61,
+    *,
+    num_experts: int = 384,
+    dense_layers: int = 1,
+    shrink: int = 1,
+    num_heads: int = 64,
+    vocab_size: int = 163840,
 ) -> Layout:
     hidden, vocab, heads, moe_inter, dense_inter, q_rank, kv_rank = _shrunk(
-        shrink, 7168, 163840, 64, 2048, 18432, 1536, 512
+        shrink, 7168, vocab_size, num_heads, 2048, 18432, 1536, 512
     )
     nope, rope, v_dim = _shrunk(shrink, 128, 64, 128)
     out: Layout = [("model.embed_tokens.weight", (vocab, hidden))]
@@ -188,6 +197,34 @@ def fused(shapes: Layout) -> tuple[Layout, dict[str, tuple[str, int]]]:
     return params, where
 
 
+def deepseek_v3(num_layers: int = 61, *, shrink: int = 1) -> Layout:
+    """DeepSeek-V3 (671B; its multi-token-prediction layer left out): the MLA MoE with 128
+    heads, 256 experts, the first 3 layers dense, a 129280-token vocabulary."""
+    return mla_moe(
+        num_layers,
+        num_experts=256,
+        dense_layers=3,
+        shrink=shrink,
+        num_heads=128,
+        vocab_size=129280,
+    )
+
+
+def llama70b(num_layers: int = 80, *, shrink: int = 1) -> Layout:
+    hidden, vocab, heads, kv_heads, intermediate = _shrunk(shrink, 8192, 128256, 64, 8, 28672)
+    out: Layout = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(num_layers):
+        out += _dense_layer(
+            i,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=128,
+            intermediate=intermediate,
+        )
+    return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+
 def uniform(num_tensors: int, tensor_bytes: int, element_bytes: int = 2) -> Layout:
     numel = max(1, tensor_bytes // element_bytes)
     cols = 1 << max(0, (numel.bit_length() - 1) // 2)
@@ -215,6 +252,10 @@ def layout(
             num_experts=384 if num_experts is None else num_experts,
             shrink=shrink,
         )
+    if name == "deepseek-v3":
+        return deepseek_v3(61 if num_layers is None else num_layers, shrink=shrink)
+    if name == "llama70b":
+        return llama70b(80 if num_layers is None else num_layers, shrink=shrink)
     if name == "uniform":
         return uniform(num_tensors, tensor_bytes)
     raise ValueError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUTS)}")

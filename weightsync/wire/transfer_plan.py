@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,7 +185,7 @@ class TransferPlan:
 def plan_transfers(
     element_bytes: Mapping[str, int],
     holdings: Mapping[str, Iterable[Holding]],
-    workers: list[Mapping[str, Any]],
+    workers: Sequence[Mapping[str, Any]],
     *,
     num_ranks: int,
     weights: Mapping[str, int] | None = None,
