@@ -1,0 +1,197 @@
+"""A point-to-point transport: every trainer rank sends its own shards' pieces straight to the
+engine workers that keep them, as a transfer plan says (weightsync/wire/transfer_plan.py).
+
+One process group of all trainer ranks (group ranks 0..T-1, each its trainer rank) and all
+engine workers (T + the worker's index in the plan), gloo on CPU, NCCL on GPU, built from a
+TCPStore that trainer rank 0 hosts (it only hosts the rendezvous: no byte of another rank passes
+through it). A sync is one message per link of the plan: a rank packs the pieces it sends a
+worker, in the plan's order, each at an 8-byte boundary, into one buffer and sends it; the worker
+receives one buffer from each rank it has a link with, all at once, and copies each piece to its
+place in the parameter (the move's destination pattern). Each side counts what it sent and
+received, so tests can see that no rank sent more than its own pieces.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync.transports.collective import _failing_as, _make_group
+from weightsync.transports.rendezvous import host_store
+from weightsync.wire.placement import pattern_view
+from weightsync.wire.specs import align
+from weightsync.wire.transfer_plan import Move, TransferPlan
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 8
+
+
+def _layout(plan: TransferPlan, moves: list[Move]) -> tuple[list[int], int, int]:
+    """Byte offset of each move's piece in a link's buffer, the buffer's size, and the bytes
+    of the pieces alone (the size less the padding)."""
+    offsets, at, payload = [], 0, 0
+    for move in moves:
+        offsets.append(at)
+        nbytes = move[3] * move[4] * plan.element_bytes[move[0]]
+        at += align(nbytes, _ALIGN)
+        payload += nbytes
+    return offsets, at, payload
+
+
+class _Member:
+    """One process of the group: trainer rank `rank` or engine worker `worker`."""
+
+    def __init__(
+        self,
+        plan: TransferPlan,
+        group_rank: int,
+        *,
+        host: str,
+        port: int | None,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
+        self.plan = plan
+        self.group_rank = group_rank
+        self.world_size = plan.num_ranks + plan.num_workers
+        self.backend = backend
+        self.host = host
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else (torch.device("cpu"))
+        )
+        if group_rank == 0:
+            self.store = host_store(host, timeout_s=timeout_s, world_size=self.world_size)
+        else:
+            if port is None:
+                raise ValueError("port=None: every member but trainer rank 0 needs its port")
+            self.store = dist.TCPStore(
+                host, port, self.world_size, is_master=False, timeout=self.timeout
+            )
+        self.port = self.store.port
+        self.group: Any = None
+        self.num_syncs = 0
+
+    def _join(self) -> None:
+        if self.group is not None:
+            return
+        with _failing_as(
+            f"point-to-point member {self.group_rank}: the {self.world_size} processes of the "
+            f"{self.backend} group at {self.host}:{self.port} did not all join within "
+            f"{self.timeout.total_seconds():g} s",
+            "Is every trainer rank and engine worker alive and reaching that address?",
+        ):
+            self.group = _make_group(
+                self.backend, self.store, self.group_rank, self.world_size, self.timeout, self.host
+            )
+
+    def _wait(self, works: list[tuple[Any, str]]) -> None:
+        for work, peer in works:
+            with _failing_as(
+                f"point-to-point member {self.group_rank}: the message with {peer} did not "
+                f"complete within {self.timeout.total_seconds():g} s",
+                "Is that peer alive? A slow one needs a larger timeout_s.",
+            ):
+                work.wait()
+
+    def close(self) -> None:
+        self.group = None
+        self.store = None  # type: ignore[assignment]
+
+
+class PointToPointSender(_Member):
+    """Trainer rank `rank`'s side. Collective over the group: every trainer rank and every
+    worker of the plan calls its `send` / `receive` once a sync."""
+
+    def __init__(
+        self,
+        plan: TransferPlan,
+        rank: int,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__(plan, rank, host=host, port=port, backend=backend, timeout_s=timeout_s)
+        self.rank = rank
+        self.links = {w: (moves, *_layout(plan, moves)) for w, moves in plan.sends(rank).items()}
+
+    def send(self, shards: Mapping[str, tuple[int, torch.Tensor]]) -> dict[int, int]:
+        """Send this rank's pieces. `shards`: {tensor: (first element, the elements this rank
+        holds from there, flat)}. Returns {worker: bytes of the pieces sent}."""
+        self._join()
+        self.num_syncs += 1
+        works, sent = [], {}
+        buffers = []  # alive until every send completed
+        for worker, (moves, offsets, size, payload) in self.links.items():
+            buf = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
+            for move, at in zip(moves, offsets):
+                name = move[0]
+                start, flat = shards[name]
+                local = [move[1], move[2] - start, *move[3:]]
+                piece = pattern_view(flat.reshape(-1), local).reshape(-1).view(torch.uint8)
+                buf[at : at + piece.numel()].copy_(piece)
+            buffers.append(buf)
+            peer = self.plan.num_ranks + worker
+            works.append((self.group.send([buf], peer, self.num_syncs), f"worker {worker}"))
+            sent[worker] = payload
+        self._wait(works)
+        return sent
+
+
+class PointToPointReceiver(_Member):
+    """Engine worker `worker`'s side: receives from every rank it has a link with and writes
+    each piece into its parameter."""
+
+    def __init__(
+        self,
+        plan: TransferPlan,
+        worker: int,
+        *,
+        host: str = "127.0.0.1",
+        port: int,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__(
+            plan,
+            plan.num_ranks + worker,
+            host=host,
+            port=port,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+        self.worker = worker
+        self.links = {
+            r: (moves, *_layout(plan, moves)) for r, moves in plan.receives(worker).items()
+        }
+
+    def receive(self, params: Mapping[str, torch.Tensor]) -> dict[int, int]:
+        """Receive this worker's pieces into `params` ({tensor: the flat parameter it is placed
+        in}). Returns {rank: bytes of the pieces received}."""
+        self._join()
+        self.num_syncs += 1
+        works, buffers, got = [], {}, {}
+        for rank, (_, _, size, payload) in self.links.items():
+            buf = buffers[rank] = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
+            works.append((self.group.recv([buf], rank, self.num_syncs), f"trainer rank {rank}"))
+            got[rank] = payload
+        self._wait(works)
+        with torch.no_grad():
+            for rank, (moves, offsets, _, _) in self.links.items():
+                buf = buffers[rank]
+                for move, at in zip(moves, offsets):
+                    param = params[move[0]]
+                    nbytes = move[3] * move[4] * param.element_size()
+                    piece = buf[at : at + nbytes].view(param.dtype).view(move[4], move[3])
+                    pattern_view(param.reshape(-1), move[1:], dst=True).copy_(piece)
+        return got
