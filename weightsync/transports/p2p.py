@@ -7,7 +7,9 @@ TCPStore that trainer rank 0 hosts (it only hosts the rendezvous: no byte of ano
 through it). A sync is one message per link of the plan: a rank packs the pieces it sends a
 worker, in the plan's order, each at an 8-byte boundary, into one buffer and sends it; the worker
 receives one buffer from each rank it has a link with, all at once, and copies each piece to its
-place in the parameter (the move's destination pattern). Each side counts what it sent and
+place in the parameter (the move's destination pattern). The buffers and every piece's views are
+made once (while the shards and parameters are the same tensors), so a sync's packing and
+writing are one batched copy on each side. Each side counts what it sent and
 received, so tests can see that no rank sent more than its own pieces.
 """
 
@@ -124,28 +126,46 @@ class PointToPointSender(_Member):
         super().__init__(plan, rank, host=host, port=port, backend=backend, timeout_s=timeout_s)
         self.rank = rank
         self.links = {w: (moves, *_layout(plan, moves)) for w, moves in plan.sends(rank).items()}
+        self._buffers = {
+            w: torch.empty(max(link[2], 1), dtype=torch.uint8, device=self.device)
+            for w, link in self.links.items()
+        }
+        self._copies: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def send(self, shards: Mapping[str, tuple[int, torch.Tensor]]) -> dict[int, int]:
         """Send this rank's pieces. `shards`: {tensor: (first element, the elements this rank
         holds from there, flat)}. Returns {worker: bytes of the pieces sent}."""
         self._join()
         self.num_syncs += 1
+        key = tuple((n, t.data_ptr(), t.dtype) for n, (_, t) in shards.items())
+        if self._copies is None or self._copies[0] != key:
+            self._copies = (key, *self._views(shards))
+        with torch.no_grad():
+            torch._foreach_copy_(self._copies[1], self._copies[2])
         works, sent = [], {}
-        buffers = []  # alive until every send completed
-        for worker, (moves, offsets, size, payload) in self.links.items():
-            buf = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
-            for move, at in zip(moves, offsets):
-                name = move[0]
-                start, flat = shards[name]
-                local = [move[1], move[2] - start, *move[3:]]
-                piece = pattern_view(flat.reshape(-1), local).reshape(-1).view(torch.uint8)
-                buf[at : at + piece.numel()].copy_(piece)
-            buffers.append(buf)
+        for worker, (_, _, _, payload) in self.links.items():
             peer = self.plan.num_ranks + worker
+            buf = self._buffers[worker]
             works.append((self.group.send([buf], peer, self.num_syncs), f"worker {worker}"))
             sent[worker] = payload
         self._wait(works)
         return sent
+
+    def _views(
+        self, shards: Mapping[str, tuple[int, torch.Tensor]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each piece's place in its link's buffer and its elements in the shard, made once
+        for as long as the shards are the same tensors: a sync is then one batched copy."""
+        dsts, srcs = [], []
+        for worker, (moves, offsets, _, _) in self.links.items():
+            buf = self._buffers[worker]
+            for move, at in zip(moves, offsets):
+                start, flat = shards[move[0]]
+                local = [move[1], move[2] - start, *move[3:]]
+                nbytes = move[3] * move[4] * flat.element_size()
+                dsts.append(buf[at : at + nbytes].view(flat.dtype).view(move[4], move[3]))
+                srcs.append(pattern_view(flat.reshape(-1), local))
+        return dsts, srcs
 
 
 class PointToPointReceiver(_Member):
@@ -174,24 +194,41 @@ class PointToPointReceiver(_Member):
         self.links = {
             r: (moves, *_layout(plan, moves)) for r, moves in plan.receives(worker).items()
         }
+        self._buffers = {
+            r: torch.empty(max(link[2], 1), dtype=torch.uint8, device=self.device)
+            for r, link in self.links.items()
+        }
+        self._copies: tuple[tuple, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def receive(self, params: Mapping[str, torch.Tensor]) -> dict[int, int]:
         """Receive this worker's pieces into `params` ({tensor: the flat parameter it is placed
         in}). Returns {rank: bytes of the pieces received}."""
         self._join()
         self.num_syncs += 1
-        works, buffers, got = [], {}, {}
-        for rank, (_, _, size, payload) in self.links.items():
-            buf = buffers[rank] = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
+        works, got = [], {}
+        for rank, (_, _, _, payload) in self.links.items():
+            buf = self._buffers[rank]
             works.append((self.group.recv([buf], rank, self.num_syncs), f"trainer rank {rank}"))
             got[rank] = payload
         self._wait(works)
+        key = tuple((n, p.data_ptr(), p.dtype) for n, p in params.items())
+        if self._copies is None or self._copies[0] != key:
+            self._copies = (key, *self._views(params))
         with torch.no_grad():
-            for rank, (moves, offsets, _, _) in self.links.items():
-                buf = buffers[rank]
-                for move, at in zip(moves, offsets):
-                    param = params[move[0]]
-                    nbytes = move[3] * move[4] * param.element_size()
-                    piece = buf[at : at + nbytes].view(param.dtype).view(move[4], move[3])
-                    pattern_view(param.reshape(-1), move[1:], dst=True).copy_(piece)
+            torch._foreach_copy_(self._copies[1], self._copies[2])
         return got
+
+    def _views(
+        self, params: Mapping[str, torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each piece's place in its parameter and in its link's buffer, made once for as long
+        as the parameters are the same tensors."""
+        dsts, srcs = [], []
+        for rank, (moves, offsets, _, _) in self.links.items():
+            buf = self._buffers[rank]
+            for move, at in zip(moves, offsets):
+                param = params[move[0]]
+                nbytes = move[3] * move[4] * param.element_size()
+                srcs.append(buf[at : at + nbytes].view(param.dtype).view(move[4], move[3]))
+                dsts.append(pattern_view(param.reshape(-1), move[1:], dst=True))
+        return dsts, srcs
