@@ -33,9 +33,14 @@ TOTALS = (
         ("qwen3-30b-a3b", Trainer(gpus=8), Engines(tp=2, replicas=3)),
         ("qwen3-30b-a3b", Trainer(gpus=8, ep=4), Engines(tp=4, replicas=2, engine_ep=True)),
         ("deepseek-v3", Trainer(gpus=12, ep=2), Engines(tp=2, replicas=2)),
+        (
+            "deepseek-v3",
+            Trainer(gpus=8),
+            Engines(tp=4, replicas=2, engine_ep=True, attention_dp=True),
+        ),
         ("llama70b", Trainer(gpus=6), Engines(tp=2, replicas=2)),
     ],
-    ids=["moe-fsdp", "moe-ep-both-sides", "mla-moe-ep", "dense"],
+    ids=["moe-fsdp", "moe-ep-both-sides", "mla-moe-ep", "mla-moe-dp-attention", "dense"],
 )
 def test_planning_each_kind_of_tensor_once_gives_the_totals_of_planning_every_tensor(
     model, trainer, engines
@@ -86,7 +91,7 @@ def test_the_cli_prints_a_row_per_gpu_count():
             "--model",
             "llama70b",
             "--gpus",
-            "32,64",
+            "32,48+16",
             "--json",
         ],
         capture_output=True,
@@ -95,5 +100,5 @@ def test_the_cli_prints_a_row_per_gpu_count():
         timeout=120,
     )
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [(r["trainer"]["gpus"], r["engines"]["replicas"]) for r in rows] == [(16, 2), (32, 4)]
+    assert [(r["trainer"]["gpus"], r["engines"]["replicas"]) for r in rows] == [(16, 2), (48, 2)]
     assert all(r["predicted_s"] > 0 and r["bottleneck"] for r in rows)

@@ -12,8 +12,9 @@ shapes and element counts.
 - Engines: `replicas` replicas of `tp` workers each, holding what vLLM's tensor parallelism
   gives a worker (rows of column-parallel tensors: q/k/v, gate/up, q_b/kv_b, embeddings and the
   head; columns of row-parallel ones: o and down; norms, routers, MLA's q_a/kv_a whole); with
-  `engine_ep`, each worker holds whole experts, a contiguous range of them. The real path learns
-  these placements from the engines' loaders instead.
+  `engine_ep`, each worker holds whole experts, a contiguous range of them; with
+  `attention_dp` (data-parallel attention beside expert parallelism), every other tensor whole.
+  The real path learns these placements from the engines' loaders instead.
 - Links: each GPU has its own NIC of `nic_gbps`, used at `efficiency`; every link (a rank and a
   worker that exchange bytes) costs `message_us` once a sync at each end, every piece (a run of
   one tensor) `piece_us` at each end. An endpoint's time is the sum of its three terms; the
@@ -61,6 +62,7 @@ class Engines:
     tp: int
     replicas: int
     engine_ep: bool = False
+    attention_dp: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -129,7 +131,7 @@ def plan_inputs(
     for name, shape in shapes:
         match = _EXPERT.search(name)
         expert = int(match.group(1)) if match else None
-        kind = _kind(name, shape, engines.tp)
+        kind = "whole" if engines.attention_dp else _kind(name, shape, engines.tp)
         owner = None  # the engine worker of an expert under engine EP
         if expert is not None and engines.engine_ep:
             kind, owner = "whole", expert // (num_experts // engines.tp)
@@ -223,16 +225,24 @@ def simulate(
 
 def _configs(args: argparse.Namespace) -> list[tuple[Trainer, Engines]]:
     out = []
-    for gpus in args.gpus:
-        train = gpus * args.train_share // 100
-        infer = gpus - train
+    for entry in args.gpus:
+        if "+" in entry:
+            train, infer = (int(x) for x in entry.split("+"))
+        else:
+            train = int(entry) * args.train_share // 100
+            infer = int(entry) - train
         replicas = infer // args.tp
         if replicas < 1:
-            raise ValueError(f"--gpus {gpus}: no engine replica of tp={args.tp} fits")
+            raise ValueError(f"--gpus {entry}: no engine replica of tp={args.tp} fits")
         out.append(
             (
                 Trainer(gpus=train, hsdp=args.hsdp, ep=args.ep),
-                Engines(tp=args.tp, replicas=replicas, engine_ep=args.engine_ep),
+                Engines(
+                    tp=args.tp,
+                    replicas=replicas,
+                    engine_ep=args.engine_ep,
+                    attention_dp=args.attention_dp,
+                ),
             )
         )
     return out
@@ -246,13 +256,21 @@ def add_parser(sub: Any) -> None:
         "--model", default="deepseek-v3", choices=[n for n in layouts.LAYOUTS if n != "uniform"]
     )
     p.add_argument(
-        "--gpus", type=lambda v: [int(x) for x in v.split(",")], default=[256, 512, 1024, 2048]
+        "--gpus",
+        type=lambda v: v.split(","),
+        default=["256", "512", "1024", "2048"],
+        help="comma-separated: N (--train-share of N train) or TRAIN+INFER",
     )
     p.add_argument("--train-share", type=int, default=50, help="percent of --gpus that train")
     p.add_argument("--hsdp", type=int, default=1, help="trainer replica groups")
     p.add_argument("--ep", type=int, default=1, help="trainer expert-parallel size")
     p.add_argument("--tp", type=int, default=8, help="engine workers per replica")
     p.add_argument("--engine-ep", action="store_true", help="engine workers hold whole experts")
+    p.add_argument(
+        "--attention-dp",
+        action="store_true",
+        help="engine workers hold every tensor but the experts whole (with --engine-ep)",
+    )
     p.add_argument("--nic-gbps", type=float, default=400.0)
     p.add_argument("--efficiency", type=float, default=0.85)
     p.add_argument("--message-us", type=float, default=20.0)
@@ -311,7 +329,9 @@ def _cells(r: dict[str, Any]) -> list[str]:
     t, e = r["trainer"], r["engines"]
     return [
         f"{t['gpus']} (hsdp {t['hsdp']}, ep {t['ep']})",
-        f"{e['replicas']} x tp{e['tp']}" + (" ep" if e["engine_ep"] else ""),
+        f"{e['replicas']} x {e['tp']}"
+        + (" ep" if e["engine_ep"] else " tp")
+        + (" dp-attn" if e["attention_dp"] else ""),
         f"{r['moved_gb']:.0f}",
         f"{r['max_rank_gb']:.2f}",
         f"{r['max_worker_gb']:.1f}",
