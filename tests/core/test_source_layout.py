@@ -56,3 +56,25 @@ def test_every_change_of_the_models_tensors_shows_in_the_next_layout():
     assert "1.2.weight" not in _shapes(source)
     model.register_buffer("steps", torch.zeros(2))  # a buffer replaced
     assert _shapes(source)["steps"] == (2,)
+
+
+def test_each_rank_s_pieces_follow_new_values_and_new_storage_of_the_same_tensors():
+    """`ShardPieces` keeps its walk of the model while the tensors are the same: an in-place
+    step shows through its views, a tensor given new storage (`.data =`) is walked again."""
+    from weightsync.trainer.source import ShardPieces
+
+    model = _model()
+    source = DTensorV2Source(model)
+
+    def pieces() -> dict[str, torch.Tensor]:
+        return {n: d.clone() for n, d, _ in ShardPieces(source, rank=0) if d is not None}
+
+    first = pieces()
+    entries = source._pieces[0][2]
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    assert torch.equal(pieces()["0.weight"], first["0.weight"] + 1)
+    assert source._pieces[0][2] is entries  # not walked again
+    model[0].weight.data = torch.full((3, 4), 7.0)  # the same Parameter, new storage
+    assert torch.equal(pieces()["0.weight"], torch.full((3, 4), 7.0))
+    assert source._pieces[0][2] is not entries
