@@ -1,9 +1,12 @@
 """The point-to-point transport (weightsync/transports/p2p.py) run by real processes: three FSDP2
 trainer ranks over gloo (a tiny Qwen2, shards of uneven rows) send straight to four engine
 workers (two replicas of two tensor-parallel workers, each holding rows, columns or the whole
-of each tensor, its placements learned by the project's learner from its slicing loader). Each
+of each tensor, its placements learned by the project's learner from its slicing loader; and a
+fifth worker that keeps nothing, which takes part all the same). Each
 worker ends with exactly its slice of the trainer's weights, twice (the second sync after a
-change), and each rank sends only the pieces of its own shards: rank 0's bytes are counted."""
+change), and each rank sends only the pieces of its own shards: what the senders report is the
+plan's links, and rank 0's share of them is recounted element by element from the holdings and
+placements, independently of the planner."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import math
 import re
 from typing import Any
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -84,7 +88,7 @@ def _worker(worker: int, shapes: dict, inbox: Any, outbox: Any) -> None:
 
     local = worker % TP  # its place in its replica
     params, placements = {}, {}
-    for name, shape in shapes.items():
+    for name, shape in shapes.items() if worker < TP * REPLICAS else ():  # the last keeps none
         param = torch.zeros(_slice(name, torch.empty(shape), local).shape)
         pats = learn_placement(
             param,
@@ -114,7 +118,7 @@ def test_each_rank_sends_its_own_pieces_straight_to_the_workers_that_keep_them()
     shapes = {n: list(t.shape) for n, t in full.items()}
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()
-    num_workers = TP * REPLICAS
+    num_workers = TP * REPLICAS + 1  # and a worker the plan gives nothing: it still takes part
     inboxes = [ctx.Queue() for _ in range(NUM_RANKS + num_workers)]
     port = free_port()
     procs = [
@@ -160,7 +164,8 @@ def test_each_rank_sends_its_own_pieces_straight_to_the_workers_that_keep_them()
     for sync in range(2):
         for tensor in full.values():
             _step(tensor, sync)
-        for w in range(num_workers):
+        assert received[(num_workers - 1, sync)] == ({}, {})
+        for w in range(num_workers - 1):
             got, params = received[(w, sync)]
             for name, tensor in full.items():
                 raw, shape = params[name]
@@ -176,7 +181,7 @@ def test_each_rank_sends_its_own_pieces_straight_to_the_workers_that_keep_them()
     for name, held in holdings.items():
         start, stop = next((a, b) for r, a, b in held if r == 0)
         for placed in workers:
-            for p in placed[name][1]:
+            for p in placed[name][1] if name in placed else ():
                 rank0 += 4 * sum(
                     max(0, min(stop, s + p[2]) - max(start, s))
                     for s in range(p[1], p[1] + p[3] * max(p[5], 1), max(p[5], 1))
@@ -186,3 +191,20 @@ def test_each_rank_sends_its_own_pieces_straight_to_the_workers_that_keep_them()
     assert total == sum(
         4 * sum(p[2] * p[3] for _, pats in w.values() for p in pats) for w in workers
     )
+
+
+def test_a_shard_the_views_cannot_be_made_over_is_refused_naming_it():
+    from weightsync.transports.p2p import PointToPointSender
+
+    plan = plan_transfers(
+        {"w": 4}, {"w": [(0, 0, 12)]}, [{"w": ["w", [[0, 0, 12, 1, 0, 0]]]}], num_ranks=1
+    )
+    sender = PointToPointSender(plan, 0)
+    try:
+        transposed = torch.zeros(4, 3).t()
+        with pytest.raises(ValueError, match="tensor 'w': the shard is not contiguous"):
+            sender._views({"w": (0, transposed)})
+        with pytest.raises(ValueError, match="tensor 'w': the shard has 2-byte elements"):
+            sender._views({"w": (0, torch.zeros(12, dtype=torch.bfloat16))})
+    finally:
+        sender.close()

@@ -102,3 +102,8 @@ def test_the_cli_prints_a_row_per_gpu_count():
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [(r["trainer"]["gpus"], r["engines"]["replicas"]) for r in rows] == [(16, 2), (48, 2)]
     assert all(r["predicted_s"] > 0 and r["bottleneck"] for r in rows)
+
+
+def test_counts_the_shortcut_cannot_plan_exactly_are_refused():
+    with pytest.raises(ValueError, match="replicas=3 with hsdp=2"):
+        simulate("llama70b", Trainer(gpus=8, hsdp=2), Engines(tp=2, replicas=3), Links())

@@ -175,7 +175,7 @@ def test_each_worker_gets_each_kept_element_once_from_a_rank_that_holds_it(num_r
         4 * sum(p[2] * p[3] for p in pats) for ws in workers for _, pats in ws.values()
     )
     assert summary["total_bytes"] == kept_bytes  # nothing sent twice, nothing sent not kept
-    # Every rank that holds something sends its own part; rank 0 sends no more than its share.
+    # Every rank holds something of each worker's slices here, and sends it.
     assert all(b > 0 for b in summary["rank_bytes"])
 
 
@@ -207,6 +207,16 @@ def test_elements_no_rank_holds_are_refused_naming_the_tensor():
     holdings["o"] = [h for h in holdings["o"] if h[0] != 1]  # rank 1's half of "o" is missing
     with pytest.raises(ValueError, match="tensor 'o': worker 0 keeps"):
         plan_transfers({n: 4 for n in SHAPES}, holdings, workers, num_ranks=2)
+
+
+def test_a_tensor_a_worker_keeps_that_the_trainer_does_not_send_is_refused():
+    workers = _learned(2)
+    holdings = {n: fsdp_holdings(s, 2) for n, s in SHAPES.items()}
+    sizes = {n: 4 for n in SHAPES if n != "norm"}
+    with pytest.raises(
+        ValueError, match=r"worker 0 keeps tensors the trainer does not send: \['norm'\]"
+    ):
+        plan_transfers(sizes, holdings, workers, num_ranks=2)
 
 
 def test_a_plan_is_plain_data_that_crosses_as_json():

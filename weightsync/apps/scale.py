@@ -21,9 +21,11 @@ shapes and element counts.
   sync's, the slowest endpoint's (sends and receives overlap, nothing else is modelled).
 
 The planner is run once per kind of tensor (same shape, same placement, same holders: an MoE's
-experts are a few kinds), weighted by how many the model has, and on min(replicas, hsdp)
+experts are a few kinds), weighted by how many the model has, and on gcd(replicas, hsdp)
 replicas, whose ranks' totals are scaled to all replicas (replicas are alike; only the choice
-among HSDP holders differs between them).
+among HSDP holders differs between them). Where hsdp does not divide replicas, a kind's weighted
+block goes to one holder and the busiest rank can be off by ~15%; the per-rank figures are then
+refused rather than shown (plan with `exact` instead).
 """
 
 from __future__ import annotations
@@ -169,6 +171,12 @@ def simulate(
     """One configuration: the plan's totals and the predicted time (module docstring). With
     `exact`, every tensor and every replica is planned (slow past a few hundred GPUs)."""
     shapes = layouts.layout(model, num_layers=num_layers, shrink=shrink)
+    if not exact and engines.replicas % trainer.hsdp:
+        raise ValueError(
+            f"replicas={engines.replicas} with hsdp={trainer.hsdp}: the shortcut plans whole "
+            "kinds of tensors per holder, which is exact only when hsdp divides the replicas; "
+            "choose such counts or plan exactly (simulate(..., exact=True))"
+        )
     simulated = engines.replicas if exact else math.gcd(engines.replicas, trainer.hsdp)
     sizes, holdings, workers, weights = plan_inputs(
         shapes, trainer, engines, simulated_replicas=simulated, exact=exact

@@ -46,6 +46,22 @@ def _layout(plan: TransferPlan, moves: list[Move]) -> tuple[list[int], int, int]
     return offsets, at, payload
 
 
+def _check(name: str, tensor: torch.Tensor, plan: TransferPlan, what: str) -> None:
+    """A shard or parameter the views can be made over: contiguous (a view of a copy would be
+    read or written instead of it) and of the element size the plan laid the buffers out for."""
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"tensor {name!r}: the {what} is not contiguous; pass a contiguous one (the "
+            "point-to-point path reads and writes it in place)"
+        )
+    if tensor.element_size() != plan.element_bytes[name]:
+        raise ValueError(
+            f"tensor {name!r}: the {what} has {tensor.element_size()}-byte elements ("
+            f"{tensor.dtype}) but the plan was made for {plan.element_bytes[name]}-byte ones; "
+            "make the plan with the dtype that is sent"
+        )
+
+
 class _Member:
     """One process of the group: trainer rank `rank` or engine worker `worker`."""
 
@@ -137,11 +153,12 @@ class PointToPointSender(_Member):
         holds from there, flat)}. Returns {worker: bytes of the pieces sent}."""
         self._join()
         self.num_syncs += 1
-        key = tuple((n, t.data_ptr(), t.dtype) for n, (_, t) in shards.items())
+        key = tuple((n, s, t.data_ptr(), t.numel(), t.dtype) for n, (s, t) in shards.items())
         if self._copies is None or self._copies[0] != key:
             self._copies = (key, *self._views(shards))
-        with torch.no_grad():
-            torch._foreach_copy_(self._copies[1], self._copies[2])
+        if self._copies[1]:  # a rank the plan gives nothing still takes part
+            with torch.no_grad():
+                torch._foreach_copy_(self._copies[1], self._copies[2])
         works, sent = [], {}
         for worker, (_, _, _, payload) in self.links.items():
             peer = self.plan.num_ranks + worker
@@ -161,10 +178,11 @@ class PointToPointSender(_Member):
             buf = self._buffers[worker]
             for move, at in zip(moves, offsets):
                 start, flat = shards[move[0]]
+                _check(move[0], flat, self.plan, "shard")
                 local = [move[1], move[2] - start, *move[3:]]
                 nbytes = move[3] * move[4] * flat.element_size()
                 dsts.append(buf[at : at + nbytes].view(flat.dtype).view(move[4], move[3]))
-                srcs.append(pattern_view(flat.reshape(-1), local))
+                srcs.append(pattern_view(flat.view(-1), local))
         return dsts, srcs
 
 
@@ -211,11 +229,12 @@ class PointToPointReceiver(_Member):
             works.append((self.group.recv([buf], rank, self.num_syncs), f"trainer rank {rank}"))
             got[rank] = payload
         self._wait(works)
-        key = tuple((n, p.data_ptr(), p.dtype) for n, p in params.items())
+        key = tuple((n, p.data_ptr(), p.numel(), p.dtype) for n, p in params.items())
         if self._copies is None or self._copies[0] != key:
             self._copies = (key, *self._views(params))
-        with torch.no_grad():
-            torch._foreach_copy_(self._copies[1], self._copies[2])
+        if self._copies[1]:
+            with torch.no_grad():
+                torch._foreach_copy_(self._copies[1], self._copies[2])
         return got
 
     def _views(
@@ -228,7 +247,8 @@ class PointToPointReceiver(_Member):
             buf = self._buffers[rank]
             for move, at in zip(moves, offsets):
                 param = params[move[0]]
+                _check(move[0], param, self.plan, "parameter")
                 nbytes = move[3] * move[4] * param.element_size()
                 srcs.append(buf[at : at + nbytes].view(param.dtype).view(move[4], move[3]))
-                dsts.append(pattern_view(param.reshape(-1), move[1:], dst=True))
+                dsts.append(pattern_view(param.view(-1), move[1:], dst=True))
         return dsts, srcs

@@ -195,6 +195,14 @@ def plan_transfers(
     ...]}). Tensors are planned in the order of `element_bytes`. Raises ValueError, naming the
     tensor and the elements, when a worker keeps elements no rank holds."""
     weights = dict(weights or {})
+    for w, placed in enumerate(workers):
+        unknown = [name for name in placed if name not in element_bytes]
+        if unknown:
+            raise ValueError(
+                f"worker {w} keeps tensors the trainer does not send: {sorted(unknown)[:4]} "
+                f"({len(unknown)} in all); the engine's placements must name the trainer's "
+                "tensors (was it connected to another model?)"
+            )
     plan = TransferPlan(num_ranks, len(workers), dict(element_bytes), weights=weights)
     load = [0] * num_ranks
     for name, size in element_bytes.items():
