@@ -53,8 +53,9 @@ def _shrunk(shrink: int, *widths: int) -> list[int]:
     return [max(1, w // shrink) for w in widths]
 
 
-def llama8b(num_layers: int = 32, *, shrink: int = 1) -> Layout:
-    hidden, vocab, heads, kv_heads, intermediate = _shrunk(shrink, 4096, 128256, 32, 8, 14336)
+def _llama(num_layers: int, shrink: int, *widths: int) -> Layout:
+    """A Llama-3 layout of these (hidden, vocab, heads, kv heads, intermediate) widths."""
+    hidden, vocab, heads, kv_heads, intermediate = _shrunk(shrink, *widths)
     out: Layout = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(num_layers):
         out += _dense_layer(
@@ -66,6 +67,10 @@ def llama8b(num_layers: int = 32, *, shrink: int = 1) -> Layout:
             intermediate=intermediate,
         )
     return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+
+
+def llama8b(num_layers: int = 32, *, shrink: int = 1) -> Layout:
+    return _llama(num_layers, shrink, 4096, 128256, 32, 8, 14336)
 
 
 def qwen3_30b_a3b(num_layers: int = 48, *, shrink: int = 1) -> Layout:
@@ -211,18 +216,7 @@ def deepseek_v3(num_layers: int = 61, *, shrink: int = 1) -> Layout:
 
 
 def llama70b(num_layers: int = 80, *, shrink: int = 1) -> Layout:
-    hidden, vocab, heads, kv_heads, intermediate = _shrunk(shrink, 8192, 128256, 64, 8, 28672)
-    out: Layout = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(num_layers):
-        out += _dense_layer(
-            i,
-            hidden=hidden,
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=128,
-            intermediate=intermediate,
-        )
-    return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    return _llama(num_layers, shrink, 8192, 128256, 64, 8, 28672)
 
 
 def uniform(num_tensors: int, tensor_bytes: int, element_bytes: int = 2) -> Layout:
