@@ -5,6 +5,9 @@
 Prints GB/s for `fingerprint` of one bf16 tensor of `--gb` GB and for `fingerprints` of
 `--count` bf16 tensors of 768 x 2048 (an MoE expert's shape), best of 3, after one warm-up
 (which builds the per-device tables). Reads only: what a verification pass costs per side.
+On a GPU each row is printed twice, hashed by the Triton kernel (weightsync/gpu/word_sums.py)
+and by the GEMM it replaces (`fingerprint.KERNEL = False`), and beside them a device copy of
+the same bytes (`copy_`: one read and one write of each byte), all in one run.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 
 import torch
 
+from weightsync.wire import fingerprint as fp
 from weightsync.wire.fingerprint import fingerprint, fingerprints
 
 
@@ -31,13 +35,20 @@ def _best(fn, device: str) -> float:
     return best
 
 
-def _one(numel: int, device: str) -> None:
+def _one(numel: int, device: str, how: str) -> None:
     big = torch.randn(numel, device=device).bfloat16()
     seconds = _best(lambda: fingerprint(big), device)
     print(
-        f"one tensor, {numel * 2 / 1e9:.2f} GB: {seconds:.4f} s, "
+        f"{how}: one tensor, {numel * 2 / 1e9:.2f} GB: {seconds:.4f} s, "
         f"{numel * 2 / 1e9 / seconds:.1f} GB/s"
     )
+
+
+def _copy(numel: int, device: str) -> None:
+    src = torch.randn(numel, device=device).bfloat16()
+    dst = torch.empty_like(src)
+    seconds = _best(lambda: dst.copy_(src), device)
+    print(f"copy_ of {numel * 2 / 1e9:.2f} GB (read + write): {seconds:.4f} s")
 
 
 def main() -> None:
@@ -46,14 +57,21 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=0.5)
     parser.add_argument("--count", type=int, default=200)
     args = parser.parse_args()
-    _one(int(args.gb * 1e9) // 2, args.device)
+    hows = ["kernel", "gemm"] if args.device != "cpu" else ["gemm"]
+    numel = int(args.gb * 1e9) // 2
+    if args.device != "cpu":
+        _copy(numel, args.device)
     many = [torch.randn(768, 2048, device=args.device).bfloat16() for _ in range(args.count)]
     nbytes = sum(t.numel() * 2 for t in many)
-    seconds = _best(lambda: fingerprints(many), args.device)
-    print(
-        f"{args.count} tensors of 768 x 2048 bf16, {nbytes / 1e9:.2f} GB: {seconds:.4f} s, "
-        f"{nbytes / 1e9 / seconds:.1f} GB/s, {seconds / args.count * 1e6:.0f} us per tensor"
-    )
+    for how in hows:
+        fp.KERNEL = how == "kernel"
+        _one(numel, args.device, how)
+        seconds = _best(lambda: fingerprints(many), args.device)
+        print(
+            f"{how}: {args.count} tensors of 768 x 2048 bf16, {nbytes / 1e9:.2f} GB: "
+            f"{seconds:.4f} s, {nbytes / 1e9 / seconds:.1f} GB/s, "
+            f"{seconds / args.count * 1e6:.0f} us per tensor"
+        )
 
 
 if __name__ == "__main__":

@@ -116,6 +116,38 @@ def test_gpu_fingerprints_equal_the_cpu_ones_exactly():
     assert placed(runs.cuda(), 7, 5000) == placed(runs, 7, 5000)
 
 
+@pytest.mark.gpu
+def test_the_gpu_word_sum_kernel_gives_the_gemms_fingerprints(monkeypatch):
+    """The Triton kernel (weightsync/gpu/word_sums.py) and the GEMM give the same integers, over
+    many tensors of mixed lengths and word sizes hashed together, and the kernel path ran."""
+    from weightsync.gpu import word_sums
+    from weightsync.wire import fingerprint as fp
+
+    assert word_sums.available(), "Triton should run on a CUDA build of torch"
+    gen = torch.Generator().manual_seed(1)
+    tensors = [
+        torch.randn(n, generator=gen).to(dtype).cuda()
+        for n, dtype in [
+            (3 * (1 << 16) + 17, torch.bfloat16),
+            (1, torch.bfloat16),
+            (0, torch.bfloat16),
+            (4096, torch.float32),
+            ((1 << 16) - 1, torch.bfloat16),
+            (5000, torch.float8_e4m3fn),
+            ((1 << 17) + 1, torch.float8_e4m3fn),
+        ]
+    ]
+    tensors += [torch.full((777,), v, dtype=torch.bfloat16).cuda() for v in (-3.0e38, 3.0e38)]
+    ran = []
+    real = word_sums.row_sums
+    monkeypatch.setattr(word_sums, "row_sums", lambda *a: ran.append(1) or real(*a))
+    with_kernel = fp.fingerprints(tensors)
+    assert ran
+    monkeypatch.setattr(fp, "KERNEL", False)
+    assert with_kernel == fp.fingerprints(tensors)
+    assert with_kernel[3] == _reference(tensors[3].cpu())
+
+
 def test_a_float32_change_that_keeps_the_word_sum_moves_both_hashes():
     """+1 in one 16-bit word of a float32 element and -1 in the other: `s` stays, h1 and h2
     move (the module doc's claim for elements of up to 4 bytes)."""

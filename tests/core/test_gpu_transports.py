@@ -124,6 +124,38 @@ def test_cuda_ipc_replays_unchanged_buckets_and_describes_changed_ones_in_full(i
 
 
 @needs_gpu
+def test_cuda_ipc_buffer_buckets_are_replayed_while_their_layout_holds(ipc_pair):
+    """Buckets written into the slots' buffers (the trainer's ranks writing their shards) are
+    described in full once, then announced as "same": the receiver reuses its views of the
+    buffer and its copy lists, and still loads each sync's new bytes."""
+    from weightsync.wire.bucket import write_tensor
+
+    sender, transport, endpoint, params = ipc_pair
+
+    def write_bucket(plan, slot, buffer):
+        for meta in plan.tensors:
+            write_tensor(buffer, meta, params[int(meta.name.split(".")[1])])
+
+    described = []
+    describe = transport.describe
+    transport.describe = lambda slot, index: (
+        described.append(describe(slot, index)) or described[-1]
+    )
+    for version in ["a", "b", "c"]:
+        for p in params:
+            p.add_(1)  # new values every sync: a stale replay would fail verification
+        report = sender.sync(None, version=version, verify=True, write_bucket=write_bucket)
+        assert _verified(report)
+    assert [bool(h.get("same")) for h in described] == [False, False, True, True, True, True]
+    assert all("key" not in h for h in described[2:])
+    described.clear()
+    transport.forget_replays()  # e.g. an engine was added: everything in full once
+    assert _verified(sender.sync(None, version="d", verify=True, write_bucket=write_bucket))
+    assert [bool(h.get("same")) for h in described] == [False, False]
+    assert endpoint.call("weight_version", timeout_s=30) == "d"
+
+
+@needs_gpu
 def test_cuda_ipc_aborted_sync_is_reported_and_the_next_one_works(ipc_pair):
     sender, _, endpoint, params = ipc_pair
     sender.sync(_named(params), version="good")
@@ -227,6 +259,7 @@ def test_one_copy_into_a_gpu_receiver_writes_its_exported_storages():
     args = argparse.Namespace(
         layout="qwen3-30b-a3b",
         layers=2,
+        experts=None,
         shrink=8,
         paths=["one_copy"],
         repeats=2,

@@ -1,7 +1,7 @@
 """The import rules that keep the layout a map of the architecture.
 
-weightsync/ is foldered by where code runs: wire/ (the contract both sides import) and gpu/ at
-the bottom, transports/ above them, trainer/ and engine/ side by side (they never import each
+weightsync/ is foldered by where code runs: gpu/ (device kernels that know no protocol) at the
+bottom, wire/ (the contract both sides import) on it, transports/ above them, trainer/ and engine/ side by side (they never import each
 other: a trainer rank and an engine worker share only the wire), driver/ for the driver, apps/
 on top. Only backends/ imports an engine, and the command line starts without torch.
 """
@@ -20,8 +20,8 @@ PACKAGE = Path(weightsync.__file__).resolve().parent
 
 # folder (or top-level module) -> the weightsync folders its code may import, lazily or not
 ALLOWED: dict[str, set[str]] = {
-    "wire": set(),
     "gpu": set(),
+    "wire": {"gpu"},
     "transports": {"wire", "gpu"},
     "trainer": {"wire", "gpu", "transports"},
     "engine": {"wire", "gpu", "transports"},

@@ -197,7 +197,7 @@ class WeightSender:
                 filled = fill_buckets(self.plans, tensors, get_buffer)
             for plan in filled:
                 slot = plan.index % num_slots
-                handle = transport.handle(slot)
+                handle = transport.describe(slot, plan.index)
                 descriptor = (
                     BucketDescriptor(
                         index=plan.index, nbytes=plan.nbytes, tensors=[], handle=handle

@@ -78,6 +78,12 @@ class SenderTransport(ABC):
     def handle(self, slot: int) -> dict[str, Any]:
         """Plain data a receiver needs to reach `slot`'s bytes; includes "kind"."""
 
+    def describe(self, slot: int, index: int) -> dict[str, Any]:
+        """The handle announcing bucket `index`, which `slot` holds now: `handle(slot)`, or,
+        for a transport that can say so, {"same": True} when the receivers may reuse what they
+        made of this bucket's last description (nothing moved since)."""
+        return self.handle(slot)
+
     def send(self, slot: int, nbytes: int) -> None:  # noqa: B027 - optional hook
         """Move the bytes, for transports that push (collectives); called after the receiver
         was asked to receive. Shared memory and CUDA IPC need nothing here."""

@@ -15,7 +15,10 @@ slot's bucket buffer as before, and the bucket path alone is used with `zero_cop
 Replay: a bucket whose tensors sit where they sat the last time it was sent (same data pointers
 and strides, and no exported storage died since, so every storage is the one described then) is
 announced as {"same": True} with no views and no tensor list, and the receiver hands back the
-views it made for that bucket then (their storages stay open). The per-tensor work of a sync
+views it made for that bucket then (their storages stay open). A bucket written into the slot's
+buffer (the trainer's ranks filling it from their shards) is announced the same way when it was
+described last time in the same buffer, of the same size: its tensors lie where they lay, and
+the receiver's views of that buffer (and the copy lists it built on them) are reused. The per-tensor work of a sync
 (exports, view lists, descriptors, their pickling, checks and views on the receiver) then happens
 once, on the first sync; later ones pay a pointer and strides comparison per tensor on the sender (in bulk: no Python per
 tensor) and a list lookup per bucket on the receiver. `forget_replays()` (an engine added, a sync that failed)
@@ -129,6 +132,9 @@ class CudaIpcSender(SenderTransport):
         self._exports: dict[tuple[int, int], tuple[weakref.ref, dict[str, Any]]] = {}
         self._dead: list[str] = []
         self._sync = 0
+        self._nbytes: list[int] = [0] * num_slots  # what `buffer` was last asked for
+        # plan index -> (buffer key, nbytes) it was last described in (buffer replays)
+        self._described: dict[int, tuple[str, int]] = {}
 
     @property
     def num_slots(self) -> int:
@@ -136,7 +142,18 @@ class CudaIpcSender(SenderTransport):
 
     def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         self._views[slot] = None
+        self._nbytes[slot] = nbytes
         return self._buffer(slot, nbytes)
+
+    def describe(self, slot: int, index: int) -> dict[str, Any]:
+        handle = self.handle(slot)
+        if self._views[slot] is not None:  # tensors attached: replays are `attach`'s to find
+            return handle
+        where = (str(handle["key"]), self._nbytes[slot])
+        if self.replay and self._described.get(index) == where:
+            return {"kind": self.kind, "device": self.device, "sync": self._sync, "same": True}
+        self._described[index] = where
+        return handle
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         buf = self._slots[slot]
@@ -219,6 +236,7 @@ class CudaIpcSender(SenderTransport):
 
     def forget_replays(self) -> None:
         self._last.clear()
+        self._described.clear()
 
     def handle(self, slot: int) -> dict[str, Any]:
         views = self._views[slot]
@@ -255,6 +273,7 @@ class CudaIpcSender(SenderTransport):
         self._views = [None] * len(self._views)
         self._exports.clear()
         self._last.clear()
+        self._described.clear()
 
 
 class CudaIpcReceiver(ReceiverTransport):
@@ -354,7 +373,10 @@ class CudaIpcReceiver(ReceiverTransport):
         if views is None:
             whole = self._buffer(handle, descriptor.nbytes)
             descriptor.validate(whole.numel())
-            return [(m.name, tensor_view(whole, m)) for m in descriptor.tensors]
+            out = [(m.name, tensor_view(whole, m)) for m in descriptor.tensors]
+            # The views keep the buffer mapped while a later "same" may reuse them.
+            self._replays[descriptor.index] = (descriptor.nbytes, out, [])
+            return out
         if len(views) != len(descriptor.tensors):
             raise BucketRejected(
                 f"bucket {descriptor.index}: {len(views)} views for "

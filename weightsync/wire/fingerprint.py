@@ -24,7 +24,9 @@ How: words are widened to float64 in rows of at most 2**16 and multiplied by one
 (1, r1**j mod p1, r2**j mod p2) with a BLAS (or cuBLAS) GEMM, one pass over the bytes. Every
 product is below 2**36 and every row's sum below 2**52, so float64 holds each exactly, in any
 summation order; the rows are then combined with the powers of their start positions in int64.
-On a GPU the result stays on the device until read (`fingerprints` reads many tensors' at once).
+On a GPU with Triton one kernel (weightsync/gpu/word_sums.py) computes the same row sums reading
+every word once, with no float64 scratch, for many tensors of any lengths at once. On a GPU the
+result stays on the device until read (`fingerprints` reads many tensors' at once).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ PRIMES = (2097143, 2097133)
 ROOTS = (1000005, 1000004)  # a primitive root of each prime
 _ROW = 1 << 16  # words per GEMM row: keeps every float64 row sum exact (see above)
 _BLOCK_WORDS = {"cpu": 1 << 20, "other": 1 << 24}  # float64 scratch per block of rows
+KERNEL = True  # CUDA tensors hashed by weightsync/gpu/word_sums.py where Triton runs
+_KERNEL_WORDS = 1 << 30  # words queued before the kernel runs on them
 
 Fingerprint = tuple[int, int, int]
 
@@ -169,6 +173,49 @@ def _scratch(device: torch.device, numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
+def _kernel_runs(device: torch.device) -> bool:
+    """Whether tensors on `device` are hashed by the GPU kernel (weightsync/gpu/word_sums.py:
+    one read of every word, no float64 scratch) instead of the GEMM. `KERNEL` False: never."""
+    if device.type != "cuda" or not KERNEL:
+        return False
+    from weightsync.gpu import word_sums
+
+    return word_sums.available()
+
+
+def _kernel_sums(tensors: list[torch.Tensor], byte_words: bool) -> torch.Tensor:
+    """[G, 3] int64: what `_whole_sums` adds for `tensors` (contiguous, one device, words of one
+    size: bytes if `byte_words`), from the GPU kernel's exact row sums; the GEMM where the
+    kernel fails its check."""
+    from weightsync.gpu import word_sums
+
+    device = tensors[0].device
+    out = torch.zeros((len(tensors), 3), dtype=torch.int64, device=device)
+    size = 1 if byte_words else 2
+    counts = [t.numel() * t.element_size() // size for t in tensors]
+    rows = -(-max(counts) // _ROW)
+    if rows == 0:
+        return out
+    try:
+        sums, tensor, row = word_sums.row_sums(
+            [t.data_ptr() for t in tensors],
+            counts,
+            byte_words=byte_words,
+            weights=_table(device)[1:],
+        )
+    except RuntimeError:  # the kernel did not pass its check on this device: the GEMM
+        for n in sorted(set(counts)):
+            same = [i for i, c in enumerate(counts) if c == n]
+            if n:
+                part = torch.zeros((len(same), 3), dtype=torch.int64, device=device)
+                _whole_sums([_words(tensors[i]) for i in same], part)
+                out[same] = part
+        return out
+    sums[:, 1:] = sums[:, 1:].remainder(torch.tensor(PRIMES, dtype=torch.int64, device=device))
+    sums *= _row_weights(rows, device)[row]
+    return out.index_add_(0, tensor, sums)
+
+
 class FingerprintBatch:
     """Fingerprints of many tensors with few kernels: tensors of one device and word count
     are widened and hashed together (one GEMM per group, not per tensor), and results stay on
@@ -177,12 +224,25 @@ class FingerprintBatch:
     def __init__(self) -> None:
         self._groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
         self._done: list[tuple[list[int], torch.Tensor]] = []
+        self._queued: dict[tuple, int] = {}  # words queued per kernel group
         self._count = 0
 
     def add(self, tensor: torch.Tensor) -> int:
         """Queue `tensor`; its index in `read()`'s list."""
         index = self._count
         self._count += 1
+        if tensor.is_cuda and _kernel_runs(tensor.device):  # one kernel, tensors of any length
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()  # kept (queued) until hashed
+            size = tensor.element_size()
+            key: tuple = (tensor.device, size == 1, None)
+            group = self._groups.setdefault(key, [])
+            group.append((index, tensor))
+            n = tensor.numel() * (1 if size == 1 else size // 2)
+            self._queued[key] = self._queued.get(key, 0) + n
+            if self._queued[key] >= _KERNEL_WORDS:
+                self._flush(key)
+            return index
         words = _words(tensor)
         n = words.numel()
         key = (words.device, words.dtype, n)
@@ -195,9 +255,14 @@ class FingerprintBatch:
 
     def _flush(self, key: tuple) -> None:
         group = self._groups.pop(key, [])
+        self._queued.pop(key, None)
         if not group:
             return
-        device, _, n = key
+        device, byte_words, n = key
+        if n is None:
+            tensors = [t for _, t in group]
+            self._done.append(([i for i, _ in group], _kernel_sums(tensors, byte_words)))
+            return
         out = torch.zeros((len(group), 3), dtype=torch.int64, device=device)
         if n:
             _whole_sums([words for _, words in group], out)
