@@ -129,6 +129,7 @@ def test_the_gpu_word_sum_kernel_gives_the_gemms_fingerprints(monkeypatch):
         torch.randn(n, generator=gen).to(dtype).cuda()
         for n, dtype in [
             (3 * (1 << 16) + 17, torch.bfloat16),
+            (70 * (1 << 16) + 3, torch.bfloat16),  # three groups of rows
             (1, torch.bfloat16),
             (0, torch.bfloat16),
             (4096, torch.float32),
@@ -139,8 +140,8 @@ def test_the_gpu_word_sum_kernel_gives_the_gemms_fingerprints(monkeypatch):
     ]
     tensors += [torch.full((777,), v, dtype=torch.bfloat16).cuda() for v in (-3.0e38, 3.0e38)]
     ran = []
-    real = word_sums.row_sums
-    monkeypatch.setattr(word_sums, "row_sums", lambda *a: ran.append(1) or real(*a))
+    real = word_sums.group_sums
+    monkeypatch.setattr(word_sums, "group_sums", lambda *a, **k: ran.append(1) or real(*a, **k))
     with_kernel = fp.fingerprints(tensors)
     assert ran
     monkeypatch.setattr(fp, "KERNEL", False)

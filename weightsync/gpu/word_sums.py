@@ -1,18 +1,20 @@
-"""Weighted sums of many tensors' words in one pass on a GPU (the fingerprints' arithmetic).
+"""Modular weighted sums of many tensors' words in one pass on a GPU (the fingerprints' arithmetic).
 
-weightsync/wire/fingerprint.py defines a tensor's fingerprint from rows of at most `ROW` words:
-for each row, the plain sum of its words and two sums of word j times a weight w_c[j] (the
-powers of a root mod a prime). There the rows are widened to float64 in scratch memory and
-multiplied by the weight table with a GEMM: on a GPU that writes and reads 4 bytes of scratch
-for every byte hashed. Here one Triton kernel reads every word once, straight from the tensors
-(any number of them, of any lengths, in one launch), and keeps the weights in registers.
+A tensor's words x (16-bit, or bytes) are taken as rows of `ROW` words, and rows in groups of
+`ROWS`. For every group this computes, reading each word once:
 
-Each program takes one block of `BLOCK` columns and `ROWS` consecutive rows: it loads the
-weights of its columns once and, `TILE` rows at a time, those rows' words in its columns,
-widened to float64 in registers; it writes the three partial sums of each row. Every product is an integer
-below 2**36 and every row's sum below 2**52 in magnitude, so float64 holds the partial sums
-exactly, and summing them over the column blocks (`row_sums`) gives each row's exact sums in
-any order: the same integers the GEMM gives, on any GPU.
+    s   = sum of x[r, c]
+    h_m = sum over c of  w_m[c] * (sum over r of x[r, c] * v_m[r]  mod p_m)     (m = 1, 2)
+
+with column weights w_m ([ROW]), row weights v_m ([ROWS]) and moduli p_m below 2**21: one
+program takes one block of `BLOCK` columns of one group and keeps, per column, three running
+sums over the group's rows in float64 registers (no reduction per row), reduces them mod p_m, and
+sums them over its columns. Every product is an integer below 2**36, every running sum below
+2**41 and every program's sum below 2**52 in magnitude, so float64 holds them exactly; the
+programs' sums are added in int64. The same integers on any GPU, in any order.
+weightsync/wire/fingerprint.py turns them into fingerprints (there the rows are otherwise
+widened to float64 in scratch memory and multiplied by the weights with a GEMM: 4 bytes of
+scratch written and read for every byte hashed).
 
 Needs Triton (shipped with CUDA builds of torch); `available()` is false where it cannot compile
 or run, and callers keep the GEMM.
@@ -26,14 +28,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ROW = 1 << 16  # words per row (the fingerprint's row length)
-BLOCK = 1024  # columns a program takes
-ROWS = 32  # rows a program takes, `TILE` at a time
-TILE = 8  # rows loaded and reduced together
-WARPS = 8
+ROW = 1 << 16  # words per row
+ROWS = 32  # rows per group (row weights v_m cover a group)
+BLOCK = 1024  # columns a program takes (at most 2048: a program's sums stay below 2**53)
+WARPS = 4
 
 _kernel: list = []
-_checked: set[torch.device] = set()
+_ready: set[torch.device] = set()
 
 
 def _build():
@@ -44,43 +45,55 @@ def _build():
     def weighted_sums(
         starts,
         lengths,
-        weights,
+        col_weights,
+        row_weights,
         partial,
-        num_rows,
+        p1,
+        p2,
         ROW: tl.constexpr,
-        BLOCK: tl.constexpr,
         ROWS: tl.constexpr,
-        TILE: tl.constexpr,
+        BLOCK: tl.constexpr,
         BYTES: tl.constexpr,
     ):
         block = tl.program_id(0)
         group = tl.program_id(1)
         column = block * BLOCK + tl.arange(0, BLOCK)
-        w1 = tl.load(weights + column)[None, :]
-        w2 = tl.load(weights + ROW + column)[None, :]
-        blocks = ROW // BLOCK
-        for t in range(ROWS // TILE):
-            row = group * ROWS + t * TILE + tl.arange(0, TILE)
-            real = row < num_rows
-            start = tl.load(starts + row, mask=real, other=0)
-            n = tl.load(lengths + row, mask=real, other=0)
-            if BYTES:
-                words = start.to(tl.pointer_type(tl.uint8))
-            else:
-                words = start.to(tl.pointer_type(tl.int16))
-            inside = column[None, :] < n[:, None]
-            x = tl.load(words[:, None] + column[None, :], mask=inside, other=0).to(tl.float64)
-            out = partial + (row * blocks + block) * 3
-            tl.store(out, tl.sum(x, axis=1), mask=real)
-            tl.store(out + 1, tl.sum(x * w1, axis=1), mask=real)
-            tl.store(out + 2, tl.sum(x * w2, axis=1), mask=real)
+        start = tl.load(starts + group)
+        n = tl.load(lengths + group)
+        if BYTES:
+            words = start.to(tl.pointer_type(tl.uint8))
+        else:
+            words = start.to(tl.pointer_type(tl.int16))
+        s = tl.zeros([BLOCK], dtype=tl.float64)
+        a1 = tl.zeros([BLOCK], dtype=tl.float64)
+        a2 = tl.zeros([BLOCK], dtype=tl.float64)
+        rows = (n + ROW - 1) // ROW
+        for r in range(0, rows):
+            at = r * ROW + column
+            x = tl.load(words + at, mask=at < n, other=0).to(tl.float64)
+            s += x
+            a1 += x * tl.load(row_weights + r)
+            a2 += x * tl.load(row_weights + ROWS + r)
+        q1 = p1.to(tl.float64)
+        q2 = p2.to(tl.float64)
+        m1 = a1 - tl.floor(a1 / q1) * q1  # exact up to one modulus either way: fixed below
+        m1 = tl.where(m1 < 0, m1 + q1, m1)
+        m1 = tl.where(m1 >= q1, m1 - q1, m1)
+        m2 = a2 - tl.floor(a2 / q2) * q2
+        m2 = tl.where(m2 < 0, m2 + q2, m2)
+        m2 = tl.where(m2 >= q2, m2 - q2, m2)
+        w1 = tl.load(col_weights + column)
+        w2 = tl.load(col_weights + ROW + column)
+        out = partial + (group * (ROW // BLOCK) + block) * 3
+        tl.store(out, tl.sum(s, axis=0))
+        tl.store(out + 1, tl.sum(m1 * w1, axis=0))
+        tl.store(out + 2, tl.sum(m2 * w2, axis=0))
 
     return weighted_sums
 
 
 def available() -> bool:
-    """Whether Triton is importable and a GPU is visible (the kernel is compiled and checked
-    against the plain arithmetic at its first use on each device)."""
+    """Whether Triton is importable, a GPU is visible, and the kernel has not failed to run."""
     if not _kernel:
         kernel = None
         if torch.cuda.is_available():
@@ -92,108 +105,68 @@ def available() -> bool:
     return _kernel[0] is not None
 
 
-def row_sums(
-    starts: list[int], counts: list[int], *, byte_words: bool, weights: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """For flat runs of words at device addresses `starts` (`counts[i]` words each; bytes if
+def disable(why: str) -> None:
+    """Stop using the kernel in this process (a caller found its sums wrong)."""
+    if _kernel and _kernel[0] is not None:
+        logger.warning("the GPU word-sum kernel is off: %s", why)
+    _kernel[:] = [None]
+
+
+def group_sums(
+    starts: list[int],
+    counts: list[int],
+    *,
+    byte_words: bool,
+    col_weights: torch.Tensor,
+    row_weights: torch.Tensor,
+    moduli: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For runs of words at device addresses `starts` (`counts[i]` words each; bytes if
     `byte_words`, else 16-bit words; the caller keeps their memory alive until the sums are
-    read) and `weights` ([2, ROW] float64 on their device: the two weight rows): (sums, tensor,
-    row) where `sums` is [rows, 3] int64, the plain and the two weighted sums of every row of
-    ROW words (a run's last row is shorter), `tensor` the index of each row's run and `row` the
-    row's index within it. Asynchronous: nothing is read back to the host."""
-    fn = _ensure(weights.device)
-    if fn is None:
+    read), `col_weights` ([2, ROW] float64 on their device), `row_weights` ([2, ROWS] float64)
+    and `moduli` (p_1, p_2): (sums, run, first_row): `sums` [groups, 3] int64 as the module doc
+    defines them (h_m not yet reduced mod p_m), `run` the index of each group's run and
+    `first_row` the index of its first row in the run. Asynchronous: nothing is read back."""
+    if not available():
         raise RuntimeError("the GPU word-sum kernel does not run here (see `available`)")
-    return _row_sums(fn, starts, counts, byte_words, weights)
-
-
-def _row_sums(
-    fn, starts: list[int], counts: list[int], byte_words: bool, weights: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    device = weights.device
+    device = col_weights.device
     size = 1 if byte_words else 2
+    span = ROW * ROWS
     at = torch.tensor(starts, dtype=torch.int64)
     count = torch.tensor(counts, dtype=torch.int64)
-    per = (count + ROW - 1) // ROW
-    tensor = torch.repeat_interleave(torch.arange(len(starts)), per)
+    per = (count + span - 1) // span
+    run = torch.repeat_interleave(torch.arange(len(starts)), per)
     first = torch.cumsum(per, 0) - per
-    row = torch.arange(tensor.numel()) - first[tensor]
+    group = torch.arange(run.numel()) - first[run]
     table = torch.stack(
         [
-            at[tensor] + row * (ROW * size),
-            torch.clamp(count[tensor] - row * ROW, max=ROW),
-            tensor,
-            row,
+            at[run] + group * (span * size),
+            torch.clamp(count[run] - group * span, max=span),
+            run,
+            group * ROWS,
         ]
     ).to(device, non_blocking=True)
-    num_rows = tensor.numel()
-    partial = torch.empty((num_rows, ROW // BLOCK, 3), dtype=torch.float64, device=device)
-    if num_rows:
-        with torch.cuda.device(device):
-            fn[(ROW // BLOCK, -(-num_rows // ROWS))](
-                table[0],
-                table[1],
-                weights,
-                partial,
-                num_rows,
-                ROW=ROW,
-                BLOCK=BLOCK,
-                ROWS=ROWS,
-                TILE=TILE,
-                BYTES=byte_words,
-                num_warps=WARPS,
-            )
-    return partial.sum(1).to(torch.int64), table[2], table[3]
-
-
-def _ensure(device: torch.device):
-    """The kernel, compiled and checked on `device` (None where it cannot run)."""
-    if not available():
-        return None
-    fn = _kernel[0]
-    if device in _checked:
-        return fn
-    try:
-        _try(fn, device)
-    except Exception as exc:  # noqa: BLE001 - any failure to compile or run: keep the GEMM
-        logger.warning(
-            "the GPU word-sum kernel does not run here (%s: %s); fingerprints use the GEMM",
-            type(exc).__name__,
-            str(exc)[:300],
-        )
-        _kernel[0] = None
-        return None
-    _checked.add(device)
-    return fn
-
-
-def _try(fn, device: torch.device) -> None:
-    """Run the kernel on a few tensors (both word sizes, a row and a half, an empty one) and
-    compare with the same sums in int64 on the host."""
-    gen = torch.Generator().manual_seed(0)
-    weights = torch.randint(0, 1 << 21, (2, ROW), generator=gen, dtype=torch.int64)
-    for dtype, high in ((torch.int16, 1 << 15), (torch.uint8, 256)):
-        low = -high if dtype == torch.int16 else 0
-        host = [
-            torch.randint(low, high, (n,), generator=gen, dtype=torch.int64).to(dtype)
-            for n in (ROW + ROW // 2 + 3, 0, 5)
-        ]
-        words = [h.to(device) for h in host]
-        got, tensor, row = _row_sums(
-            fn,
-            [w.data_ptr() for w in words],
-            [w.numel() for w in words],
-            dtype == torch.uint8,
-            weights.to(device, torch.float64),
-        )
-        want = []
-        for h in host:
-            wide = h.to(torch.int64)
-            for at in range(0, wide.numel(), ROW):
-                part = wide[at : at + ROW]
-                w = weights[:, : part.numel()]
-                want.append([int(part.sum()), int((part * w[0]).sum()), int((part * w[1]).sum())])
-        if got.cpu().tolist() != want or tensor.cpu().tolist() != [0, 0, 2]:
-            raise RuntimeError(f"word sums of a test tensor ({dtype}) differ from the host's")
-        if row.cpu().tolist() != [0, 1, 0]:
-            raise RuntimeError("row indices of a test tensor differ")
+    num_groups = run.numel()
+    partial = torch.empty((num_groups, ROW // BLOCK, 3), dtype=torch.float64, device=device)
+    if num_groups:
+        try:
+            with torch.cuda.device(device):
+                _kernel[0][(ROW // BLOCK, num_groups)](
+                    table[0],
+                    table[1],
+                    col_weights,
+                    row_weights,
+                    partial,
+                    moduli[0],
+                    moduli[1],
+                    ROW=ROW,
+                    ROWS=ROWS,
+                    BLOCK=BLOCK,
+                    BYTES=byte_words,
+                    num_warps=WARPS,
+                )
+        except Exception as exc:  # noqa: BLE001 - cannot compile or launch: callers fall back
+            disable(f"{type(exc).__name__}: {str(exc)[:300]}")
+            raise RuntimeError("the GPU word-sum kernel failed to run") from exc
+        _ready.add(device)
+    return partial.to(torch.int64).sum(1), table[2], table[3]

@@ -175,18 +175,61 @@ def _scratch(device: torch.device, numel: int) -> torch.Tensor:
 
 def _kernel_runs(device: torch.device) -> bool:
     """Whether tensors on `device` are hashed by the GPU kernel (weightsync/gpu/word_sums.py:
-    one read of every word, no float64 scratch) instead of the GEMM. `KERNEL` False: never."""
+    one read of every word, no float64 scratch) instead of the GEMM. `KERNEL` False: never.
+    The kernel's first use on a device is checked against the GEMM (`_kernel_checked`)."""
     if device.type != "cuda" or not KERNEL:
         return False
     from weightsync.gpu import word_sums
 
-    return word_sums.available()
+    return word_sums.available() and _kernel_checked(device)
+
+
+def _kernel_checked(device: torch.device) -> bool:
+    """Once per device: a few tensors (both word sizes, several rows and groups, an empty one)
+    hashed by the kernel and by the GEMM; any difference turns the kernel off in this process."""
+    checked = getattr(_local, "kernel_checked", None)
+    if checked is None:
+        checked = _local.kernel_checked = {}
+    if device not in checked:
+        from weightsync.gpu import word_sums
+
+        gen = torch.Generator().manual_seed(0)
+        span = word_sums.ROW * word_sums.ROWS
+        ok = True
+        for dtype, n in ((torch.int16, span + 3 * _ROW + 5), (torch.uint8, _ROW + 7)):
+            low, high = (-(1 << 15), 1 << 15) if dtype == torch.int16 else (0, 256)
+            tensors = [
+                torch.randint(low, high, (m,), generator=gen, dtype=torch.int64)
+                .to(dtype)
+                .to(device)
+                for m in (n, 0, 3)
+            ]
+            want = torch.zeros((3, 3), dtype=torch.int64, device=device)
+            _whole_sums([_words(tensors[0])], want[0:1])
+            _whole_sums([_words(tensors[2])], want[2:3])
+            try:
+                got = _kernel_sums(tensors, dtype == torch.uint8)
+            except RuntimeError:
+                ok = False
+                break
+            if not torch.equal(_reduced(got), _reduced(want)):
+                word_sums.disable(f"its sums differ from the GEMM's on {device} ({dtype})")
+                ok = False
+                break
+        checked[device] = ok
+    return checked[device]
+
+
+def _reduced(sums: torch.Tensor) -> torch.Tensor:
+    out = sums.clone()
+    out[:, 1:] = out[:, 1:].remainder(torch.tensor(PRIMES, dtype=torch.int64, device=sums.device))
+    return out
 
 
 def _kernel_sums(tensors: list[torch.Tensor], byte_words: bool) -> torch.Tensor:
     """[G, 3] int64: what `_whole_sums` adds for `tensors` (contiguous, one device, words of one
-    size: bytes if `byte_words`), from the GPU kernel's exact row sums; the GEMM where the
-    kernel fails its check."""
+    size: bytes if `byte_words`), from the GPU kernel (weightsync/gpu/word_sums.py). Raises
+    RuntimeError where the kernel cannot run."""
     from weightsync.gpu import word_sums
 
     device = tensors[0].device
@@ -196,24 +239,18 @@ def _kernel_sums(tensors: list[torch.Tensor], byte_words: bool) -> torch.Tensor:
     rows = -(-max(counts) // _ROW)
     if rows == 0:
         return out
-    try:
-        sums, tensor, row = word_sums.row_sums(
-            [t.data_ptr() for t in tensors],
-            counts,
-            byte_words=byte_words,
-            weights=_table(device)[1:],
-        )
-    except RuntimeError:  # the kernel did not pass its check on this device: the GEMM
-        for n in sorted(set(counts)):
-            same = [i for i, c in enumerate(counts) if c == n]
-            if n:
-                part = torch.zeros((len(same), 3), dtype=torch.int64, device=device)
-                _whole_sums([_words(tensors[i]) for i in same], part)
-                out[same] = part
-        return out
+    weights = _row_weights(max(rows, word_sums.ROWS), device)
+    sums, run, first_row = word_sums.group_sums(
+        [t.data_ptr() for t in tensors],
+        counts,
+        byte_words=byte_words,
+        col_weights=_table(device)[1:],
+        row_weights=weights[: word_sums.ROWS, 1:].t().to(torch.float64).contiguous(),
+        moduli=PRIMES,
+    )
     sums[:, 1:] = sums[:, 1:].remainder(torch.tensor(PRIMES, dtype=torch.int64, device=device))
-    sums *= _row_weights(rows, device)[row]
-    return out.index_add_(0, tensor, sums)
+    sums *= weights[first_row]
+    return out.index_add_(0, run, sums)
 
 
 class FingerprintBatch:
@@ -261,7 +298,17 @@ class FingerprintBatch:
         device, byte_words, n = key
         if n is None:
             tensors = [t for _, t in group]
-            self._done.append(([i for i, _ in group], _kernel_sums(tensors, byte_words)))
+            try:
+                sums = _kernel_sums(tensors, byte_words)
+            except RuntimeError:  # the kernel stopped running here: the GEMM, by length
+                sums = torch.zeros((len(tensors), 3), dtype=torch.int64, device=device)
+                words = [_words(t) for t in tensors]
+                for length in sorted({w.numel() for w in words} - {0}):
+                    same = [i for i, w in enumerate(words) if w.numel() == length]
+                    part = torch.zeros((len(same), 3), dtype=torch.int64, device=device)
+                    _whole_sums([words[i] for i in same], part)
+                    sums[same] = part
+            self._done.append(([i for i, _ in group], sums))
             return
         out = torch.zeros((len(group), 3), dtype=torch.int64, device=device)
         if n:
