@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 ROW = 1 << 16  # words per row
 ROWS = 32  # rows per group (row weights v_m cover a group)
 BLOCK = 1024  # columns a program takes (at most 2048: a program's sums stay below 2**53)
-WARPS = 4
+WARPS = 8
 
 _kernel: list = []
 _ready: set[torch.device] = set()

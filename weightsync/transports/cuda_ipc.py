@@ -25,9 +25,12 @@ tensor) and a list lookup per bucket on the receiver. `forget_replays()` (an eng
 sends every bucket in full again.
 
 Only plain data crosses: handles as base64 text, offsets, strides and sizes as ints. Ordering:
-the sender synchronises its stream before announcing a bucket (the trainer's writes are done),
-and the receiver synchronises its stream in `release` (its reads are done) before the sender may
-reuse a slot or the trainer change a tensor.
+the sender records an interprocess CUDA event of its slot on its stream when it announces a
+bucket (after the trainer's writes) and sends the event's handle ("ready"); the receiver's
+stream waits for that event before its loader reads (on the GPU: neither side's CPU waits, and
+the receiver's copies start the moment the bucket is complete). The receiver synchronises its
+stream in `release` (its reads are done) before the sender may reuse a slot or the trainer
+change a tensor.
 """
 
 from __future__ import annotations
@@ -133,6 +136,8 @@ class CudaIpcSender(SenderTransport):
         self._dead: list[str] = []
         self._sync = 0
         self._nbytes: list[int] = [0] * num_slots  # what `buffer` was last asked for
+        # per slot: an interprocess event recorded when the slot is announced, and its handle
+        self._ready: list[tuple[torch.cuda.Event, str] | None] = [None] * num_slots
         # plan index -> (buffer key, nbytes) it was last described in (buffer replays)
         self._described: dict[int, tuple[str, int]] = {}
 
@@ -151,7 +156,8 @@ class CudaIpcSender(SenderTransport):
             return handle
         where = (str(handle["key"]), self._nbytes[slot])
         if self.replay and self._described.get(index) == where:
-            return {"kind": self.kind, "device": self.device, "sync": self._sync, "same": True}
+            same = {"kind": self.kind, "device": self.device, "sync": self._sync, "same": True}
+            return {**same, "ready": handle["ready"]}
         self._described[index] = where
         return handle
 
@@ -262,8 +268,22 @@ class CudaIpcSender(SenderTransport):
             self._dead.clear()
             if self._packed[slot]:
                 out["buffer"] = self._handles[slot]
-        torch.cuda.current_stream(self.device).synchronize()
+        out["ready"] = self._record_ready(slot)
         return out
+
+    def _record_ready(self, slot: int) -> str:
+        """Record the slot's event after everything the trainer queued so far (its writes into
+        the slot, or to the tensors passed in place): the receiver's stream waits for it."""
+        ready = self._ready[slot]
+        if ready is None:
+            with torch.cuda.device(self.device):
+                event = torch.cuda.Event(interprocess=True)
+                event.record(torch.cuda.current_stream(self.device))
+                text = base64.b64encode(event.ipc_handle()).decode("ascii")
+            ready = self._ready[slot] = (event, text)
+        else:
+            ready[0].record(torch.cuda.current_stream(self.device))
+        return ready[1]
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -289,6 +309,22 @@ class CudaIpcReceiver(ReceiverTransport):
         self._sync = 0
         # bucket index -> (nbytes, [(name, view)], the storage entries they use)
         self._replays: dict[int, tuple[int, list[tuple[str, torch.Tensor]], list[list]]] = {}
+        self._events: dict[str, torch.cuda.Event] = {}  # the senders' slot events by handle
+
+    def _wait_ready(self, handle: dict[str, Any]) -> None:
+        """Make this stream wait (on the GPU) for the sender's event of the slot: the bucket's
+        bytes are all written before the loader reads them."""
+        text = handle.get("ready")
+        if text is None:
+            raise BucketRejected("cuda_ipc handle without a 'ready' event: the sender is older")
+        event = self._events.get(text)
+        if event is None:
+            device = self._device(handle)
+            event = torch.cuda.Event.from_ipc_handle(device, base64.b64decode(text))
+            self._events[text] = event
+            while len(self._events) > 64:
+                self._events.pop(next(iter(self._events)))
+        torch.cuda.current_stream().wait_event(event)
 
     def _device(self, handle: dict[str, Any]) -> int:
         return int(handle["device"]) if self.device is None else self.device
@@ -308,6 +344,7 @@ class CudaIpcReceiver(ReceiverTransport):
         return data[:nbytes]
 
     def receive(self, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
+        self._wait_ready(handle)
         return self._buffer(handle, nbytes)
 
     def _storage_nbytes(self, key: str, handle: dict[str, Any]) -> int:
@@ -367,7 +404,10 @@ class CudaIpcReceiver(ReceiverTransport):
         tensors pay a dictionary lookup per tensor."""
         handle = descriptor.handle
         if handle.get("same"):
-            return self._replay(descriptor)
+            replayed = self._replay(descriptor)  # refused first when it holds none
+            self._wait_ready(handle)
+            return replayed
+        self._wait_ready(handle)
         views = handle.get("views")
         self._replays.pop(descriptor.index, None)
         if views is None:
