@@ -51,12 +51,44 @@ def _copy(numel: int, device: str) -> None:
     print(f"copy_ of {numel * 2 / 1e9:.2f} GB (read + write): {seconds:.4f} s")
 
 
+def _sweep(numel: int, count: int) -> None:
+    """The kernel (weightsync/gpu/word_sums.py) at several block shapes, one large tensor and
+    `count` expert-shaped ones, best of 3 each."""
+    from weightsync.gpu import word_sums
+
+    big = torch.randn(numel, device="cuda").bfloat16()
+    many = [torch.randn(768, 2048, device="cuda").bfloat16() for _ in range(count)]
+    nbytes = sum(t.numel() * 2 for t in many)
+    for block, rows, warps in [(1024, 32, 4), (1024, 32, 8), (2048, 32, 8), (512, 32, 4)] + [
+        (1024, 64, 4),
+        (1024, 16, 4),
+        (2048, 64, 8),
+    ]:
+        word_sums.BLOCK, word_sums.ROWS, word_sums.WARPS = block, rows, warps
+        fp._local.__dict__.clear()  # tables and the first-use check, for this shape
+        one = _best(lambda: fingerprints([big]), "cuda")
+        all_ = _best(lambda: fingerprints(many), "cuda")
+        print(
+            f"BLOCK={block} ROWS={rows} WARPS={warps}: {numel * 2 / 1e9:.2f} GB in "
+            f"{one * 1e3:.2f} ms ({numel * 2 / 1e9 / one:.0f} GB/s); {count} tensors, "
+            f"{nbytes / 1e9:.2f} GB in {all_ * 1e3:.2f} ms"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--gb", type=float, default=0.5)
     parser.add_argument("--count", type=int, default=200)
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="GPU: time the kernel at several block shapes (columns, rows, warps) instead",
+    )
     args = parser.parse_args()
+    if args.sweep:
+        _sweep(int(args.gb * 1e9) // 2, args.count)
+        return
     hows = ["kernel", "gemm"] if args.device != "cpu" else ["gemm"]
     numel = int(args.gb * 1e9) // 2
     if args.device != "cpu":
