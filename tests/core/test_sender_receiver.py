@@ -11,6 +11,7 @@ from weightsync.trainer.endpoint import LocalEndpoint
 from weightsync.trainer.sender import WeightSender
 from weightsync.trainer.source import DTensorV2Source
 from weightsync.transports.shm import ShmSender
+from weightsync.wire.errors import BucketRejected
 from weightsync.wire.fingerprint import fingerprint
 
 
@@ -36,6 +37,47 @@ def test_sync_makes_engine_weights_equal_and_verifies():
     want = trainer.state_dict()
     for name, tensor in engine_model.state_dict().items():
         assert torch.equal(tensor, want[name]), name
+
+
+def test_unchanged_buckets_are_replayed_and_still_carry_each_syncs_values():
+    """From the second sync each bucket is announced as "same" (no tensor list): the receiver
+    reuses its views and copy lists and still loads the new bytes; a receiver that never saw a
+    bucket refuses "same" before reading anything, and after `forget_replays` every bucket is
+    described in full again."""
+    trainer, engine_model, receiver, source, sender = _pair()
+    handles = []
+    describe = sender.transport.describe
+    sender.transport.describe = lambda slot, index: (
+        handles.append(describe(slot, index)) or (handles[-1])
+    )
+    try:
+        sender.add_engine(LocalEndpoint(receiver, name="ref"))
+        for version in ("v1", "v2", "v3"):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(0.5)  # new values every sync
+            report = sender.sync(source.tensors(), version=version, verify=True)
+            assert report.verify["ref"].verified, report.verify
+        buckets = report.num_buckets
+        same = [bool(h.get("same")) for h in handles]
+        assert len(same) == 3 * buckets and not any(same[:buckets])
+        # The second sync describes again the buckets whose slot grew during the first.
+        assert any(same[buckets : 2 * buckets]) and all(same[2 * buckets :])
+        assert all(
+            torch.equal(t, trainer.state_dict()[n]) for n, t in engine_model.state_dict().items()
+        )
+        other = ModuleWeightReceiver(build_model("opt", "tiny", seed=3), name="other")
+        other.check_refit([s.to_dict() for s in source.specs()])
+        other.begin("x")
+        same = {"index": 0, "nbytes": 16, "tensors": [], "handle": {**handles[-1], "same": True}}
+        with pytest.raises(BucketRejected, match="holds no views"):
+            other.load_bucket(same)
+        handles.clear()
+        sender.transport.forget_replays()
+        sender.sync(source.tensors(), version="v4")
+        assert not any(h.get("same") for h in handles)
+    finally:
+        sender.close()
 
 
 def test_verification_catches_an_engine_weight_that_differs():

@@ -9,6 +9,14 @@ segment whose creator died without unlinking is swept by the next sender on the 
 opens a segment only if it is a regular file of its own uid without group or other permission
 bits, and keeps each segment it mapped (the sender reuses its slots across buckets and syncs), so
 the pages are mapped once and later syncs pay only the copy.
+
+Replay: a bucket the sender describes again in the same segment, of the same size, as the last
+time (its tensors lie where they lay: the bucket plan is fixed) is announced as {"same": True}
+with the segment's name and no tensor list; the receiver hands back the views it made of it
+then, and the loader the copy lists it built on them, so a sync after the first pays no
+per-tensor work for descriptors or views. A receiver that holds no views of that bucket in that
+segment refuses it (`BucketRejected`) before anything is read; the sender then describes
+everything in full (`forget_replays`).
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ from typing import Any
 import torch
 
 from weightsync.transports import ReceiverTransport, SenderTransport
-from weightsync.wire.specs import ALIGNMENT_BYTES, align
+from weightsync.wire.bucket import unpack
+from weightsync.wire.errors import BucketRejected
+from weightsync.wire.specs import ALIGNMENT_BYTES, BucketDescriptor, align
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +246,8 @@ class ShmSender(SenderTransport):
         self._finalizer = weakref.finalize(self, _unlink_all, shm_dir, self._names)
         atexit.register(self._finalizer)
         sweep_stale_segments(shm_dir)
+        self._nbytes: list[int] = [0] * num_slots  # what `buffer` was last asked for
+        self._described: dict[int, tuple[str, int]] = {}  # bucket -> (segment, nbytes)
 
     @property
     def num_slots(self) -> int:
@@ -253,7 +265,19 @@ class ShmSender(SenderTransport):
             )
             self._names.append(name)
             self._slots[slot] = segment
+        self._nbytes[slot] = nbytes
         return segment.tensor[:nbytes]
+
+    def describe(self, slot: int, index: int) -> dict[str, Any]:
+        handle = self.handle(slot)
+        where = (str(handle["name"]), self._nbytes[slot])
+        if self._described.get(index) == where:
+            return {**handle, "same": True}
+        self._described[index] = where
+        return handle
+
+    def forget_replays(self) -> None:
+        self._described.clear()
 
     def handle(self, slot: int) -> dict[str, Any]:
         segment = self._slots[slot]
@@ -276,6 +300,7 @@ class ShmSender(SenderTransport):
     def close(self) -> None:
         for slot in range(len(self._slots)):
             self._drop(slot)
+        self._described.clear()
         self._finalizer()
 
 
@@ -286,6 +311,33 @@ class ShmReceiver(ReceiverTransport):
         self._shm_dir = shm_dir
         self._max_open = max_open
         self._open: dict[str, _Segment] = {}
+        # (segment name, bucket index) -> (nbytes, its views) for "same" buckets: keyed by
+        # segment too, so senders taking turns (each with its own segments) keep theirs
+        self._replays: dict[tuple[str, int], tuple[int, list[tuple[str, torch.Tensor]]]] = {}
+
+    def receive_tensors(self, descriptor: BucketDescriptor) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's views, made once per bucket and segment (see the module doc)."""
+        handle = descriptor.handle
+        name = str(handle.get("name"))
+        if handle.get("same"):
+            cached = self._replays.get((name, descriptor.index))
+            if cached is None or cached[0] != descriptor.nbytes or name not in self._open:
+                raise BucketRejected(
+                    f"bucket {descriptor.index}: the sender said 'same as last time' but this "
+                    f"receiver holds no views for it in segment {name!r}"
+                )
+            self._open[name] = self._open.pop(name)  # most recently used last
+            return cached[1]
+        views = unpack(self.receive(handle, descriptor.nbytes), descriptor)
+        self._replays[(name, descriptor.index)] = (descriptor.nbytes, views)
+        return views
+
+    def _close(self, name: str) -> None:
+        segment = self._open.pop(name, None)
+        if segment is not None:
+            segment.close()
+        for key in [k for k in self._replays if k[0] == name]:
+            del self._replays[key]  # the views held the mapping
 
     def receive(self, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
         name = handle.get("name")
@@ -300,16 +352,14 @@ class ShmReceiver(ReceiverTransport):
             )
         self._open[name] = segment  # most recently used last
         while len(self._open) > self._max_open:
-            oldest = next(iter(self._open))
-            self._open.pop(oldest).close()
+            self._close(next(iter(self._open)))
         return segment.tensor[:nbytes]
 
     def forget(self, name: str) -> None:
-        segment = self._open.pop(name, None)
-        if segment is not None:
-            segment.close()
+        self._close(name)
 
     def close(self) -> None:
         for segment in self._open.values():
             segment.close()
         self._open.clear()
+        self._replays.clear()
