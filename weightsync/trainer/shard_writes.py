@@ -11,6 +11,7 @@ full tensor (`ShardPieces`): each rank can copy its own range to its place.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -27,17 +28,62 @@ from weightsync.wire.bucket import BucketPlan, plan_buckets
 BeforeWrite = Callable[[str, int], None]
 
 
-def _write_pieces(pieces: Any, plan: BucketPlan, buffer: torch.Tensor) -> None:
-    for meta in plan.tensors:
-        name, data, offset = next(pieces)
-        if name != meta.name:
-            raise RuntimeError(
-                f"shard stream gave {name!r} where the bucket plan has "
-                f"{meta.name!r}: the model changed since refit info was taken"
-            )
-        if data is not None:
-            start = meta.offset + offset
-            buffer[start : start + data.nbytes].copy_(data.reshape(-1).view(torch.uint8))
+def _write_pieces(
+    pieces: Any, plan: BucketPlan, buffer: torch.Tensor, cache: _CopyLists | None = None
+) -> None:
+    got = [next(pieces) for _ in plan.tensors]
+
+    def build() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        dsts, srcs = [], []
+        for meta, (name, data, offset) in zip(plan.tensors, got):
+            if name != meta.name:
+                raise RuntimeError(
+                    f"shard stream gave {name!r} where the bucket plan has "
+                    f"{meta.name!r}: the model changed since refit info was taken"
+                )
+            if data is not None and data.numel():
+                start = meta.offset + offset
+                dsts.append(buffer[start : start + data.nbytes])
+                srcs.append(data.reshape(-1).view(torch.uint8))
+        return dsts, srcs
+
+    _copy(*(build() if cache is None else cache.get(plan.index, buffer, got, build)))
+
+
+class _CopyLists:
+    """A rank's copies of each bucket (destinations in the bucket, sources in its shards),
+    made once and kept while the bucket's buffer and every piece are the same as when they
+    were made (the same tensor objects, which `ShardPieces` yields while the model's tensors
+    stay where they are): a sync then copies each bucket with no Python work per tensor."""
+
+    def __init__(self) -> None:
+        self._lists: dict[int, tuple] = {}
+
+    def get(
+        self,
+        index: int,
+        buffer: torch.Tensor,
+        got: list[tuple[str, torch.Tensor | None, int]],
+        build: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]],
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        where = (buffer.data_ptr(), buffer.numel())
+        datas = [g[1] for g in got]
+        kept = self._lists.get(index)
+        if (
+            kept is not None
+            and kept[0] == where
+            and len(kept[1]) == len(datas)
+            and all(map(operator.is_, kept[1], datas))
+            and kept[2] == [g[0] for g in got]
+            and kept[3] == [g[2] for g in got]
+        ):
+            return kept[4]
+        lists = build()
+        self._lists[index] = (where, datas, [g[0] for g in got], [g[2] for g in got], lists)
+        return lists
+
+    def clear(self) -> None:
+        self._lists.clear()
 
 
 class BucketShardWriter:
@@ -60,6 +106,7 @@ class BucketShardWriter:
         # A test hook, set after construction (the reliability suite pauses rank 0 here).
         self.before_write: BeforeWrite | None = None
         self._maps: Any = None  # ranks > 0: the shared-memory slots they opened
+        self._copies = _CopyLists()
 
     def sender_hook(self, transport: Any) -> Callable[[BucketPlan, int, torch.Tensor], None]:
         """Rank 0: the sender's `write_bucket` for one sync."""
@@ -69,7 +116,7 @@ class BucketShardWriter:
             if self.before_write is not None:
                 self.before_write("bucket", plan.index)
             self.group.broadcast(transport.handle(slot))
-            _write_pieces(pieces, plan, buffer)
+            _write_pieces(pieces, plan, buffer, self._copies)
             self.group.barrier()
 
         return write_bucket
@@ -83,10 +130,11 @@ class BucketShardWriter:
         pieces = iter(ShardPieces(self.source, rank=self.group.rank))
         for plan in plan_buckets(self.source.specs(), capacity_bytes=self.bucket_bytes):
             handle = self.group.broadcast()
-            _write_pieces(pieces, plan, self._maps.receive(handle, plan.nbytes))
+            _write_pieces(pieces, plan, self._maps.receive(handle, plan.nbytes), self._copies)
             self.group.barrier()
 
     def close(self) -> None:
+        self._copies.clear()
         if self._maps is not None:
             self._maps.close()
             self._maps = None

@@ -175,14 +175,10 @@ class TrainerSync:
         self.rank = self.group.rank
         self.log = _RankLog(logger, self.rank)
         self.source = DTensorV2Source(model, dtype=options.sync_dtype)
-        # One rank on shm: the sender copies whole tensors into the bucket as cheaply. Elsewhere
-        # even one rank fills buckets from its local tensors, skipping `full_tensor()`'s
-        # redistribute per tensor (a bucket with no other rank's bytes gathers nothing).
-        self.shard_writes = options.shard_writes and (
-            self.group.world_size > 1 or options.transport != "shm"
-        )
-        if options.shard_writes and not self.shard_writes and self.rank == 0:
-            self.log.info("shard_writes off: one rank")
+        # Even one rank fills buckets from its local tensors, skipping `full_tensor()`'s
+        # redistribute per tensor (a bucket with no other rank's bytes gathers nothing), with
+        # each bucket's copies made once (`ShardPieces` and the writers' copy lists).
+        self.shard_writes = options.shard_writes
         self.one_copy = options.one_copy is not False and options.transport in ONE_COPY_TRANSPORTS
         if options.one_copy is None and not self.one_copy and self.rank == 0:
             self.log.info("one_copy off: transport %r has no one-copy path", options.transport)

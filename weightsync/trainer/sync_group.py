@@ -188,7 +188,8 @@ class SyncGroup:
         dist.gather(tensor, out, group=self._parent, group_dst=0)
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
 
     def close(self) -> None:
         """All ranks of the group call it (a process outside the group has nothing to close)."""
