@@ -29,13 +29,16 @@ BeforeWrite = Callable[[str, int], None]
 
 
 def _write_pieces(
-    pieces: Any, plan: BucketPlan, buffer: torch.Tensor, cache: _CopyLists | None = None
+    got: list[tuple[str, torch.Tensor | None, int]],
+    plan: BucketPlan,
+    buffer: torch.Tensor,
+    cache: _CopyLists | None = None,
 ) -> None:
-    got = [next(pieces) for _ in plan.tensors]
+    """Copy this rank's pieces `got` of `plan`'s tensors into the bucket at their offsets."""
 
     def build() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         dsts, srcs = [], []
-        for meta, (name, data, offset) in zip(plan.tensors, got):
+        for meta, (name, data, offset) in zip(plan.tensors, got, strict=True):
             if name != meta.name:
                 raise RuntimeError(
                     f"shard stream gave {name!r} where the bucket plan has "
@@ -47,7 +50,27 @@ def _write_pieces(
                 srcs.append(data.reshape(-1).view(torch.uint8))
         return dsts, srcs
 
-    _copy(*(build() if cache is None else cache.get(plan.index, buffer, got, build)))
+    if cache is None:
+        _copy(*_split(*build()))
+    else:
+        _copy(*cache.get(plan.index, buffer, got, build))
+
+
+def _bucket_pieces(source: DTensorV2Source, rank: int) -> Callable[[BucketPlan], list]:
+    """This rank's pieces of each bucket in turn (buckets asked for in order)."""
+    pieces = ShardPieces(source, rank=rank)
+    listed = pieces.listed()
+    if listed is None:
+        stream = iter(pieces)
+        return lambda plan: [next(stream) for _ in plan.tensors]
+    at = [0]
+
+    def take(plan: BucketPlan) -> list:
+        start = at[0]
+        at[0] = start + len(plan.tensors)
+        return listed[start : at[0]]
+
+    return take
 
 
 class _CopyLists:
@@ -65,7 +88,8 @@ class _CopyLists:
         buffer: torch.Tensor,
         got: list[tuple[str, torch.Tensor | None, int]],
         build: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]],
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    ) -> tuple[list, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """The bucket's copies as `_split` gives them, made by `build` when not kept."""
         where = (buffer.data_ptr(), buffer.numel())
         datas = [g[1] for g in got]
         kept = self._lists.get(index)
@@ -78,7 +102,7 @@ class _CopyLists:
             and kept[3] == [g[2] for g in got]
         ):
             return kept[4]
-        lists = build()
+        lists = _split(*build())
         self._lists[index] = (where, datas, [g[0] for g in got], [g[2] for g in got], lists)
         return lists
 
@@ -110,13 +134,13 @@ class BucketShardWriter:
 
     def sender_hook(self, transport: Any) -> Callable[[BucketPlan, int, torch.Tensor], None]:
         """Rank 0: the sender's `write_bucket` for one sync."""
-        pieces = iter(ShardPieces(self.source, rank=0))
+        pieces = _bucket_pieces(self.source, 0)
 
         def write_bucket(plan: BucketPlan, slot: int, buffer: torch.Tensor) -> None:
             if self.before_write is not None:
                 self.before_write("bucket", plan.index)
             self.group.broadcast(transport.handle(slot))
-            _write_pieces(pieces, plan, buffer, self._copies)
+            _write_pieces(pieces(plan), plan, buffer, self._copies)
             self.group.barrier()
 
         return write_bucket
@@ -127,10 +151,11 @@ class BucketShardWriter:
 
         if self._maps is None:
             self._maps = ShmReceiver(max_open=4)
-        pieces = iter(ShardPieces(self.source, rank=self.group.rank))
+        pieces = _bucket_pieces(self.source, self.group.rank)
         for plan in plan_buckets(self.source.specs(), capacity_bytes=self.bucket_bytes):
             handle = self.group.broadcast()
-            _write_pieces(pieces, plan, self._maps.receive(handle, plan.nbytes), self._copies)
+            buffer = self._maps.receive(handle, plan.nbytes)
+            _write_pieces(pieces(plan), plan, buffer, self._copies)
             self.group.barrier()
 
     def close(self) -> None:
@@ -232,16 +257,24 @@ def _copies(
     return dsts, srcs
 
 
-def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+def _split(
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor]
+) -> tuple[list, tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """Byte copies as few calls: the large alone (a single copy runs at the copy engine's
-    rate), the rest in one `_foreach_copy_`."""
-    small: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    rate), the rest in one `_foreach_copy_`: ([(dst, src)], (dsts, srcs))."""
+    big, small = [], ([], [])  # type: ignore[var-annotated]
     for dst, src in zip(dsts, srcs):
         if dst.numel() >= ONE_COPY_BYTES:
-            dst.copy_(src)
+            big.append((dst, src))
         else:
             small[0].append(dst)
             small[1].append(src)
+    return big, small
+
+
+def _copy(big: list, small: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+    for dst, src in big:
+        dst.copy_(src)
     if small[0]:
         torch._foreach_copy_(*small)
 
@@ -273,6 +306,7 @@ class BucketGatherWriter:
         # A test hook, set after construction (the reliability suite pauses rank 0 here).
         self.before_write: BeforeWrite | None = None
         self._layout: _GatherLayout | None = None
+        self._copies = _CopyLists()  # rank 0: its own pieces into each bucket
 
     def _layout_now(self) -> _GatherLayout:
         """Every rank, at the start of a sync: the layout, learned at the first sync and again
@@ -296,12 +330,21 @@ class BucketGatherWriter:
         layout = self._layout_now()
         world_size = self.group.world_size
         received = self._buffer(world_size * max(layout.shares, default=0))
-        pieces = iter(ShardPieces(self.source, rank=0))
+        pieces = _bucket_pieces(self.source, 0)
 
         def write_bucket(plan: BucketPlan, slot: int, buffer: torch.Tensor) -> None:
             if self.before_write is not None:
                 self.before_write("bucket", plan.index)
-            _copy(*_copies(pieces, plan, layout.extents[plan.index], buffer, packed=False))
+            got = pieces(plan)
+            extents = layout.extents[plan.index]
+            _copy(
+                *self._copies.get(
+                    plan.index,
+                    buffer,
+                    got,
+                    lambda: _copies(iter(got), plan, extents, buffer, packed=False),
+                )
+            )
             share = layout.shares[plan.index]
             if not share:  # every byte of the bucket is rank 0's
                 return
@@ -309,8 +352,10 @@ class BucketGatherWriter:
             self.group.gather_into(parts[0], list(parts.unbind(0)))
             runs = layout.runs[plan.index]
             _copy(
-                [buffer[start : start + n] for start, _, n in runs],
-                [received[at : at + n] for _, at, n in runs],
+                *_split(
+                    [buffer[start : start + n] for start, _, n in runs],
+                    [received[at : at + n] for _, at, n in runs],
+                )
             )
 
         return write_bucket
@@ -321,9 +366,10 @@ class BucketGatherWriter:
         send = self._buffer(max(layout.shares, default=0))
         pieces = iter(ShardPieces(self.source, rank=self.group.rank))
         for plan, extents, share in zip(layout.plans, layout.extents, layout.shares):
-            _copy(*_copies(pieces, plan, extents, send, packed=True))
+            _copy(*_split(*_copies(pieces, plan, extents, send, packed=True)))
             if share:
                 self.group.gather_into(send[:share], None)
 
     def close(self) -> None:
         self._layout = None
+        self._copies.clear()

@@ -413,6 +413,20 @@ class ShardPieces:
             offset = cache[key] = start[0] * math.prod(tensor.shape[1:]) * out_dtype.itemsize
         return offset
 
+    def listed(self) -> list[tuple[str, torch.Tensor | None, int]] | None:
+        """What `__iter__` yields, as one list kept with the walk, when every piece is sent as
+        the rank holds it (no dtype conversion, no tensor gathered each sync); else None."""
+        native = self.source._native()
+        entries = self._entries(native)
+        cache = self.source._pieces[self.rank]
+        if len(cache) == 4:
+            return cache[3]
+        listed: list[tuple[str, torch.Tensor | None, int]] | None = None
+        if all(e[0] is not _GATHERED and (e[4] or e[1] is None) for e in entries):
+            listed = [(e[0], e[1], e[2]) for e in entries]
+        self.source._pieces[self.rank] = (*cache, listed)
+        return listed
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None, int]]:
         for entry in self._entries(self.source._native()):
             if entry[0] is _GATHERED:
