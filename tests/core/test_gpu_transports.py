@@ -155,6 +155,20 @@ def test_cuda_ipc_buffer_buckets_are_replayed_while_their_layout_holds(ipc_pair)
     assert endpoint.call("weight_version", timeout_s=30) == "d"
 
 
+def test_cuda_ipc_same_from_another_sender_is_refused_before_anything_is_read():
+    """Replays are kept per sender: a "same" naming a bucket index some other sender described
+    gets no views of that sender's (and no CUDA call is made: this runs without a GPU)."""
+    from weightsync.transports.cuda_ipc import CudaIpcReceiver
+    from weightsync.wire.specs import BucketDescriptor
+
+    receiver = CudaIpcReceiver()
+    receiver._replays[("1234.0", 0)] = (16, [("w", torch.zeros(4))], [])
+    same = {"kind": "cuda_ipc", "device": 0, "sync": 1, "same": True, "sender": "1234.1"}
+    descriptor = BucketDescriptor(index=0, nbytes=16, tensors=[], handle=same)
+    with pytest.raises(BucketRejected, match="holds no views"):
+        receiver.receive_tensors(descriptor)
+
+
 @needs_gpu
 def test_cuda_ipc_aborted_sync_is_reported_and_the_next_one_works(ipc_pair):
     sender, _, endpoint, params = ipc_pair

@@ -18,7 +18,8 @@ announced as {"same": True} with no views and no tensor list, and the receiver h
 views it made for that bucket then (their storages stay open). A bucket written into the slot's
 buffer (the trainer's ranks filling it from their shards) is announced the same way when it was
 described last time in the same buffer, of the same size: its tensors lie where they lay, and
-the receiver's views of that buffer (and the copy lists it built on them) are reused. The per-tensor work of a sync
+the receiver's views of that buffer (and the copy lists it built on them) are reused. Receivers
+keep replays per sender (every handle names its sender), for the last `MAX_SENDERS` senders. The per-tensor work of a sync
 (exports, view lists, descriptors, their pickling, checks and views on the receiver) then happens
 once, on the first sync; later ones pay a pointer and strides comparison per tensor on the sender (in bulk: no Python per
 tensor) and a list lookup per bucket on the receiver. `forget_replays()` (an engine added, a sync that failed)
@@ -50,6 +51,7 @@ from weightsync.wire.errors import BucketRejected
 from weightsync.wire.specs import BucketDescriptor, dtype_from_str, element_size
 
 _uids = itertools.count()
+MAX_SENDERS = 2  # senders whose replays a receiver keeps
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
 _Signature = tuple[list[int], list[tuple[int, ...]]]  # a bucket's tensors: data_ptrs, strides
@@ -157,7 +159,7 @@ class CudaIpcSender(SenderTransport):
         where = (str(handle["key"]), self._nbytes[slot])
         if self.replay and self._described.get(index) == where:
             same = {"kind": self.kind, "device": self.device, "sync": self._sync, "same": True}
-            return {**same, "ready": handle["ready"]}
+            return {**same, "sender": self._uid, "ready": handle["ready"]}
         self._described[index] = where
         return handle
 
@@ -268,6 +270,7 @@ class CudaIpcSender(SenderTransport):
             self._dead.clear()
             if self._packed[slot]:
                 out["buffer"] = self._handles[slot]
+        out["sender"] = self._uid  # receivers keep replays per sender
         out["ready"] = self._record_ready(slot)
         return out
 
@@ -308,8 +311,24 @@ class CudaIpcReceiver(ReceiverTransport):
         self._storages: dict[str, list[Any]] = {}
         self._sync = 0
         # bucket index -> (nbytes, [(name, view)], the storage entries they use)
-        self._replays: dict[int, tuple[int, list[tuple[str, torch.Tensor]], list[list]]] = {}
+        # (sender, bucket index) -> (nbytes, [(name, view)], the storage entries they use):
+        # per sender, so senders taking turns never get each other's views
+        self._replays: dict[
+            tuple[str, int], tuple[int, list[tuple[str, torch.Tensor]], list[list]]
+        ] = {}
         self._events: dict[str, torch.cuda.Event] = {}  # the senders' slot events by handle
+        self._senders: list[str] = []  # senders with replays kept, least recent first
+
+    def _seen(self, sender: str) -> None:
+        """A sender describes a bucket: keep the replays of the last `MAX_SENDERS` senders
+        only (a trainer that went away leaves no views, or its buffers mapped, behind)."""
+        if sender in self._senders:
+            self._senders.remove(sender)
+        self._senders.append(sender)
+        while len(self._senders) > MAX_SENDERS:
+            gone = self._senders.pop(0)
+            for key in [k for k in self._replays if k[0] == gone]:
+                del self._replays[key]
 
     def _wait_ready(self, handle: dict[str, Any]) -> None:
         """Make this stream wait (on the GPU) for the sender's event of the slot: the bucket's
@@ -409,13 +428,14 @@ class CudaIpcReceiver(ReceiverTransport):
             return replayed
         self._wait_ready(handle)
         views = handle.get("views")
-        self._replays.pop(descriptor.index, None)
+        self._replays.pop(_replay_key(descriptor), None)
+        self._seen(str(handle.get("sender")))
         if views is None:
             whole = self._buffer(handle, descriptor.nbytes)
             descriptor.validate(whole.numel())
             out = [(m.name, tensor_view(whole, m)) for m in descriptor.tensors]
             # The views keep the buffer mapped while a later "same" may reuse them.
-            self._replays[descriptor.index] = (descriptor.nbytes, out, [])
+            self._replays[_replay_key(descriptor)] = (descriptor.nbytes, out, [])
             return out
         if len(views) != len(descriptor.tensors):
             raise BucketRejected(
@@ -471,12 +491,16 @@ class CudaIpcReceiver(ReceiverTransport):
             self._storages.pop(next(iter(self._storages)))
         if data is None:  # every tensor in place: the sender may say "same" next time
             entries = {p[0]: self._storages[p[0]] for p in places if p[0] in self._storages}
-            self._replays[descriptor.index] = (descriptor.nbytes, out, list(entries.values()))
+            self._replays[_replay_key(descriptor)] = (
+                descriptor.nbytes,
+                out,
+                list(entries.values()),
+            )
         return out
 
     def _replay(self, descriptor: BucketDescriptor) -> list[tuple[str, torch.Tensor]]:
         """The views made for this bucket the last time it was described in full."""
-        cached = self._replays.get(descriptor.index)
+        cached = self._replays.get(_replay_key(descriptor))
         if cached is None or cached[0] != descriptor.nbytes:
             raise BucketRejected(
                 f"bucket {descriptor.index}: the sender said 'same as last "
@@ -498,6 +522,10 @@ class CudaIpcReceiver(ReceiverTransport):
         torch.cuda.synchronize()
         self._open.clear()
         self._storages.clear()
+
+
+def _replay_key(descriptor: BucketDescriptor) -> tuple[str, int]:
+    return str(descriptor.handle.get("sender")), descriptor.index
 
 
 def device_uuid(device: torch.device) -> str:
