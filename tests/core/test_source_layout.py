@@ -78,3 +78,38 @@ def test_each_rank_s_pieces_follow_new_values_and_new_storage_of_the_same_tensor
     model[0].weight.data = torch.full((3, 4), 7.0)  # the same Parameter, new storage
     assert torch.equal(pieces()["0.weight"], torch.full((3, 4), 7.0))
     assert source._pieces[0][2] is not entries
+
+
+def test_kept_bucket_copies_follow_a_parameter_given_new_memory():
+    """A rank's copies of each bucket are kept between syncs (`_CopyLists`), but a parameter
+    given new memory in place of its old (`param.data = ...`, as `model.to()` does) is read
+    from its new memory at the next fill, not from the old one the kept copies pointed at."""
+    from types import SimpleNamespace
+
+    from weightsync.trainer.shard_writes import BucketShardWriter
+    from weightsync.wire.bucket import plan_buckets, tensor_view
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    source = DTensorV2Source(model)
+    group = SimpleNamespace(
+        rank=0, world_size=1, broadcast=lambda obj=None: obj, barrier=lambda: None
+    )
+    writer = BucketShardWriter(source, group, bucket_bytes=1 << 20)  # type: ignore[arg-type]
+    (plan,) = plan_buckets(source.specs(), capacity_bytes=1 << 20)
+    buffer = torch.zeros(plan.nbytes, dtype=torch.uint8)
+    transport = SimpleNamespace(handle=lambda slot: {"kind": "test"})
+
+    def fill() -> dict[str, torch.Tensor]:
+        writer.sender_hook(transport)(plan, 0, buffer)
+        return {m.name: tensor_view(buffer, m).clone() for m in plan.tensors}
+
+    first = fill()
+    assert torch.equal(first["0.weight"], model[0].weight.detach())
+    with torch.no_grad():
+        model[0].weight.add_(1)  # in place: the same memory, new values
+    assert torch.equal(fill()["0.weight"], model[0].weight.detach())
+    with torch.no_grad():
+        model[0].weight.data = model[0].weight.data * 0 + 7  # new memory, same object
+    got = fill()
+    assert torch.equal(got["0.weight"], torch.full((8, 8), 7.0))
+    assert torch.equal(got["1.bias"], model[1].bias.detach())

@@ -34,7 +34,6 @@ BLOCK = 1024  # columns a program takes (at most 2048: a program's sums stay bel
 WARPS = 8
 
 _kernel: list = []
-_ready: set[torch.device] = set()
 
 
 def _build():
@@ -55,8 +54,8 @@ def _build():
         BLOCK: tl.constexpr,
         BYTES: tl.constexpr,
     ):
-        block = tl.program_id(0)
-        group = tl.program_id(1)
+        group = tl.program_id(0)  # on grid x: more than 65,535 groups
+        block = tl.program_id(1)
         column = block * BLOCK + tl.arange(0, BLOCK)
         start = tl.load(starts + group)
         n = tl.load(lengths + group)
@@ -93,7 +92,8 @@ def _build():
 
 
 def available() -> bool:
-    """Whether Triton is importable, a GPU is visible, and the kernel has not failed to run."""
+    """Whether Triton is importable, a GPU is visible, and the kernel has not failed to run
+    (it compiles at its first launch; a failure there turns it off, see `group_sums`)."""
     if not _kernel:
         kernel = None
         if torch.cuda.is_available():
@@ -151,7 +151,7 @@ def group_sums(
     if num_groups:
         try:
             with torch.cuda.device(device):
-                _kernel[0][(ROW // BLOCK, num_groups)](
+                _kernel[0][(num_groups, ROW // BLOCK)](
                     table[0],
                     table[1],
                     col_weights,
@@ -168,5 +168,4 @@ def group_sums(
         except Exception as exc:  # noqa: BLE001 - cannot compile or launch: callers fall back
             disable(f"{type(exc).__name__}: {str(exc)[:300]}")
             raise RuntimeError("the GPU word-sum kernel failed to run") from exc
-        _ready.add(device)
     return partial.to(torch.int64).sum(1), table[2], table[3]

@@ -56,13 +56,16 @@ def _write_pieces(
         _copy(*cache.get(plan.index, buffer, got, build))
 
 
-def _bucket_pieces(source: DTensorV2Source, rank: int) -> Callable[[BucketPlan], list]:
-    """This rank's pieces of each bucket in turn (buckets asked for in order)."""
+def _bucket_pieces(source: DTensorV2Source, rank: int) -> tuple[Callable[[BucketPlan], list], bool]:
+    """This rank's pieces of each bucket in turn (buckets asked for in order), and whether
+    they are the model's own tensors (`ShardPieces.listed`): only those copies are kept between
+    syncs (converted or gathered pieces are new tensors every sync, and keeping them would hold
+    their memory)."""
     pieces = ShardPieces(source, rank=rank)
     listed = pieces.listed()
     if listed is None:
         stream = iter(pieces)
-        return lambda plan: [next(stream) for _ in plan.tensors]
+        return (lambda plan: [next(stream) for _ in plan.tensors]), False
     at = [0]
 
     def take(plan: BucketPlan) -> list:
@@ -70,7 +73,7 @@ def _bucket_pieces(source: DTensorV2Source, rank: int) -> Callable[[BucketPlan],
         at[0] = start + len(plan.tensors)
         return listed[start : at[0]]
 
-    return take
+    return take, True
 
 
 class _CopyLists:
@@ -92,18 +95,22 @@ class _CopyLists:
         """The bucket's copies as `_split` gives them, made by `build` when not kept."""
         where = (buffer.data_ptr(), buffer.numel())
         datas = [g[1] for g in got]
+        # Where each piece's memory is, too: `param.data = x` keeps the object and moves it.
+        pointers = [0 if d is None else d.data_ptr() for d in datas]
         kept = self._lists.get(index)
         if (
             kept is not None
             and kept[0] == where
             and len(kept[1]) == len(datas)
             and all(map(operator.is_, kept[1], datas))
+            and kept[5] == pointers
             and kept[2] == [g[0] for g in got]
             and kept[3] == [g[2] for g in got]
         ):
             return kept[4]
         lists = _split(*build())
-        self._lists[index] = (where, datas, [g[0] for g in got], [g[2] for g in got], lists)
+        names, offsets = [g[0] for g in got], [g[2] for g in got]
+        self._lists[index] = (where, datas, names, offsets, lists, pointers)
         return lists
 
     def clear(self) -> None:
@@ -134,13 +141,14 @@ class BucketShardWriter:
 
     def sender_hook(self, transport: Any) -> Callable[[BucketPlan, int, torch.Tensor], None]:
         """Rank 0: the sender's `write_bucket` for one sync."""
-        pieces = _bucket_pieces(self.source, 0)
+        pieces, own = _bucket_pieces(self.source, 0)
+        kept = self._copies if own else None
 
         def write_bucket(plan: BucketPlan, slot: int, buffer: torch.Tensor) -> None:
             if self.before_write is not None:
                 self.before_write("bucket", plan.index)
             self.group.broadcast(transport.handle(slot))
-            _write_pieces(pieces(plan), plan, buffer, self._copies)
+            _write_pieces(pieces(plan), plan, buffer, kept)
             self.group.barrier()
 
         return write_bucket
@@ -151,11 +159,12 @@ class BucketShardWriter:
 
         if self._maps is None:
             self._maps = ShmReceiver(max_open=4)
-        pieces = _bucket_pieces(self.source, self.group.rank)
+        pieces, own = _bucket_pieces(self.source, self.group.rank)
+        kept = self._copies if own else None
         for plan in plan_buckets(self.source.specs(), capacity_bytes=self.bucket_bytes):
             handle = self.group.broadcast()
             buffer = self._maps.receive(handle, plan.nbytes)
-            _write_pieces(pieces(plan), plan, buffer, self._copies)
+            _write_pieces(pieces(plan), plan, buffer, kept)
             self.group.barrier()
 
     def close(self) -> None:
@@ -330,21 +339,18 @@ class BucketGatherWriter:
         layout = self._layout_now()
         world_size = self.group.world_size
         received = self._buffer(world_size * max(layout.shares, default=0))
-        pieces = _bucket_pieces(self.source, 0)
+        pieces, own = _bucket_pieces(self.source, 0)
 
         def write_bucket(plan: BucketPlan, slot: int, buffer: torch.Tensor) -> None:
             if self.before_write is not None:
                 self.before_write("bucket", plan.index)
             got = pieces(plan)
             extents = layout.extents[plan.index]
-            _copy(
-                *self._copies.get(
-                    plan.index,
-                    buffer,
-                    got,
-                    lambda: _copies(iter(got), plan, extents, buffer, packed=False),
-                )
-            )
+
+            def build() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                return _copies(iter(got), plan, extents, buffer, packed=False)
+
+            _copy(*(self._copies.get(plan.index, buffer, got, build) if own else _split(*build())))
             share = layout.shares[plan.index]
             if not share:  # every byte of the bucket is rank 0's
                 return

@@ -40,6 +40,7 @@ import base64
 import itertools
 import math
 import os
+import secrets
 import weakref
 from typing import Any
 
@@ -123,7 +124,7 @@ class CudaIpcSender(SenderTransport):
         self._last: dict[int, tuple[_Signature, int, list[Any], dict[str, Any]]] = {}
         self._same: list[bool] = [False] * num_slots
         self._deaths = 0
-        self._uid = f"{os.getpid()}.{next(_uids)}"
+        self._uid = f"{os.getpid()}.{secrets.token_hex(4)}.{next(_uids)}"
         self._slots: list[torch.Tensor | None] = [None] * num_slots
         self._handles: list[dict[str, Any] | None] = [None] * num_slots
         self._generation = 0
@@ -156,6 +157,7 @@ class CudaIpcSender(SenderTransport):
         handle = self.handle(slot)
         if self._views[slot] is not None:  # tensors attached: replays are `attach`'s to find
             return handle
+        self._last.pop(index, None)  # written into the buffer: no in-place replay of it
         where = (str(handle["key"]), self._nbytes[slot])
         if self.replay and self._described.get(index) == where:
             same = {"kind": self.kind, "device": self.device, "sync": self._sync, "same": True}
@@ -209,6 +211,7 @@ class CudaIpcSender(SenderTransport):
         buffer; `handle(slot)` then describes both."""
         if plan.index == 0:
             self._sync += 1
+        self._described.pop(plan.index, None)  # passed in place: no buffer replay of it
         self._held[slot] = None  # the slot's previous tensors may go (and their exports die)
         self._same[slot] = False
         signature = (
@@ -320,8 +323,9 @@ class CudaIpcReceiver(ReceiverTransport):
         self._senders: list[str] = []  # senders with replays kept, least recent first
 
     def _seen(self, sender: str) -> None:
-        """A sender describes a bucket: keep the replays of the last `MAX_SENDERS` senders
-        only (a trainer that went away leaves no views, or its buffers mapped, behind)."""
+        """A sender's bucket arrived: keep the replays of the last `MAX_SENDERS` senders only
+        (the views of a trainer that went away, and the buffers they map, are let go here; the
+        loader's copy lists of them go when their buckets are described again)."""
         if sender in self._senders:
             self._senders.remove(sender)
         self._senders.append(sender)
@@ -425,6 +429,7 @@ class CudaIpcReceiver(ReceiverTransport):
         if handle.get("same"):
             replayed = self._replay(descriptor)  # refused first when it holds none
             self._wait_ready(handle)
+            self._seen(str(handle.get("sender")))
             return replayed
         self._wait_ready(handle)
         views = handle.get("views")

@@ -46,7 +46,7 @@ ROOTS = (1000005, 1000004)  # a primitive root of each prime
 _ROW = 1 << 16  # words per GEMM row: keeps every float64 row sum exact (see above)
 _BLOCK_WORDS = {"cpu": 1 << 20, "other": 1 << 24}  # float64 scratch per block of rows
 KERNEL = True  # CUDA tensors hashed by weightsync/gpu/word_sums.py where Triton runs
-_KERNEL_WORDS = 1 << 30  # words queued before the kernel runs on them
+_KERNEL_WORDS = 1 << 28  # words queued before the kernel runs on them
 
 Fingerprint = tuple[int, int, int]
 
@@ -254,9 +254,10 @@ def _kernel_sums(tensors: list[torch.Tensor], byte_words: bool) -> torch.Tensor:
 
 
 class FingerprintBatch:
-    """Fingerprints of many tensors with few kernels: tensors of one device and word count
-    are widened and hashed together (one GEMM per group, not per tensor), and results stay on
-    their device until `read()` reads them all back at once."""
+    """Fingerprints of many tensors with few kernels: on a GPU with Triton, tensors of one
+    device and word size hashed together by one kernel launch; elsewhere tensors of one device
+    and word count widened and hashed together (one GEMM per group, not per tensor). Results
+    stay on their device until `read()` reads them all back at once."""
 
     def __init__(self) -> None:
         self._groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
