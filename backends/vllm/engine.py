@@ -475,6 +475,26 @@ class VllmEngineActor(EngineSession):
     def _engine_load(self, descriptor: dict) -> LoadReport:
         return LoadReport.from_dict(self._rpc("weightsync_load", descriptor))
 
+    def _engine_p2p_open(
+        self, plan: dict, first_worker: int, host: str, port: int, backend: str, timeout_s: float
+    ) -> str | None:
+        whys = [
+            r["why"]
+            for r in self._rpc_all(
+                "weightsync_p2p_open", plan, first_worker, host, port, backend, timeout_s
+            )
+            if r["why"]
+        ]
+        return "; ".join(whys) if whys else None
+
+    def _engine_p2p_receive(self) -> LoadReport:
+        reports = [LoadReport.from_dict(r) for r in self._rpc_all("weightsync_p2p_receive")]
+        return LoadReport(
+            num_tensors=sum(r.num_tensors for r in reports),
+            nbytes=sum(r.nbytes for r in reports),
+            seconds=max(r.seconds for r in reports),
+        )
+
     def _engine_end(self, version: str) -> EndReport:
         # Still paused, before the update is committed: no answer after it may reuse KV cache
         # computed under the previous weights, and a reset that fails fails the update (the

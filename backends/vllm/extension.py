@@ -177,6 +177,43 @@ class WeightsyncWorkerExtension:
             state["gemms"].start()  # what was still pending, from the restored parameters
 
     @_guard
+    def weightsync_p2p_open(
+        self, plan: dict, first_worker: int, host: str, port: int, backend: str, timeout_s: float
+    ) -> dict[str, Any]:
+        """Join a transfer plan's group as worker `first_worker` + this worker's TP rank
+        (weightsync/engine/inbox.py); {"why": None} or why not (nothing joined)."""
+        state = self._ws_state()
+        if "inbox" not in state:
+            from weightsync.engine.inbox import PointToPointInbox
+
+            state["inbox"] = PointToPointInbox(state["receiver"], name="vllm")
+        receiver = state["receiver"]
+        why = state["inbox"].open(
+            plan,
+            first_worker + self._ws_tp()[0],
+            receiver.placements,
+            host=host,
+            port=port,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+        return {"why": why}
+
+    @_guard
+    def weightsync_p2p_receive(self) -> dict[str, Any]:
+        """Inside an open update: this worker's pieces from the trainer ranks, written into
+        its parameters in place; their layers compute from them until re-packed."""
+        import torch
+
+        state = self._ws_state()
+        if not state["open"] or "inbox" not in state:
+            raise RuntimeError("vllm: point-to-point receive outside an update or before open")
+        with torch.no_grad():
+            report = state["inbox"].receive(keep_previous=bool(state.get("keep")))
+        state["gemms"].mark_stale(set(state["inbox"].params.values()))
+        return report.to_dict()
+
+    @_guard
     def weightsync_load(self, descriptor: dict) -> dict[str, Any]:
         import torch
         from vllm.config import set_current_vllm_config

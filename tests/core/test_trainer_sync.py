@@ -193,7 +193,7 @@ def test_a_mixed_sync_reports_both_paths_parts():
         sync_s=1.0,
         engines={"b": EngineSyncReport(path="buckets", load_s=0.5)},
     )
-    merged = _merge(one_copy, buckets)
+    merged = _merge([one_copy, buckets])
     assert (merged.path, merged.num_buckets, merged.sync_s) == ("mixed", 2, 2.0)
     assert merged.bytes_written == 100 and merged.phases_s == one_copy.phases_s
     metrics = merged.metrics()

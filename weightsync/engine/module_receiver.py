@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from weightsync.engine.inbox import PointToPointInbox
 from weightsync.engine.refit import copy_loader
 from weightsync.engine.replica import ModelReceiver, sharing_of
 from weightsync.engine.session import EngineSession
@@ -85,6 +86,7 @@ class ModuleWeightReceiver(EngineSession):
         # load_fn hands each unfused tensor to the parameter of its name: plain copies may be
         # batched.
         self.receiver.buckets.plain_copies = not fused
+        self.inbox = PointToPointInbox(self.receiver, name=name)
 
     def check_refit(self, specs: list[dict]) -> dict:
         parsed = specs_from_dicts(specs)
@@ -120,6 +122,31 @@ class ModuleWeightReceiver(EngineSession):
         if self._one_copy:
             self.receiver.end_one_copy()
         return EndReport(weight_version=version, placements=self._placements())
+
+    def p2p_support(self) -> str | None:
+        if not self.sliced and self._given is None and not self._fused:
+            return (
+                f"{self.engine_name}: the receiver learns no placements (make it with "
+                f"sliced=True or fused=...), so the trainer cannot plan what it keeps"
+            )
+        return None
+
+    def _engine_p2p_open(
+        self, plan: dict, first_worker: int, host: str, port: int, backend: str, timeout_s: float
+    ) -> str | None:
+        placements = self._placements()
+        return self.inbox.open(
+            plan,
+            first_worker,
+            placements[0] if placements else {},
+            host=host,
+            port=port,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+
+    def _engine_p2p_receive(self) -> LoadReport:
+        return self.inbox.receive()
 
     def _engine_abort(self, reason: str) -> bool:
         # No previous weights are kept: once a bucket landed (or the trainer began writing

@@ -115,6 +115,33 @@ class WeightReceiver(ABC):
         a `ShareAnswer`."""
         return ShareAnswer(shared=None, why=f"{type(self).__name__} has no one-copy path").to_dict()
 
+    def p2p_support(self) -> str | None:
+        """Why this engine cannot take the point-to-point path (weightsync/transports/p2p.py),
+        or None when it can. Asked at connect by a trainer that syncs point to point."""
+        return f"{type(self).__name__} has no point-to-point receiver"
+
+    def p2p_open(
+        self,
+        plan: dict,
+        first_worker: int,
+        host: str,
+        port: int,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+    ) -> dict:
+        """Join a transfer plan's group (weightsync/wire/transfer_plan.py): the engine's
+        workers are the plan's workers `first_worker`, `first_worker + 1`, ... in worker (TP
+        rank) order, the group's store at `host:port`. Nothing is written. Answers {"why":
+        None}, or {"why": ...} saying why the engine cannot take this plan (then it joined
+        nothing)."""
+        return {"why": self.p2p_support()}
+
+    def p2p_receive(self, version: str) -> dict:
+        """Inside the open update `version`, instead of buckets: every worker receives its
+        pieces from the trainer ranks the plan links it with, at the same time as they send,
+        and writes each in place: a `LoadReport`."""
+        raise NotImplementedError(self.p2p_support())
+
 
 class EngineSession(WeightReceiver):
     """The update-session rules every engine actor follows, around engine-specific hooks.
@@ -348,6 +375,52 @@ class EngineSession(WeightReceiver):
             finally:
                 self._open = None
                 self._resume_generation()
+
+    def p2p_support(self) -> str | None:
+        if type(self)._engine_p2p_open is EngineSession._engine_p2p_open:
+            return f"{type(self).__name__} has no point-to-point receiver"
+        return None
+
+    def _engine_p2p_open(
+        self, plan: dict, first_worker: int, host: str, port: int, backend: str, timeout_s: float
+    ) -> str | None:
+        """Every worker joins the plan's group (`p2p_open`); why not, or None."""
+        raise NotImplementedError
+
+    def _engine_p2p_receive(self) -> LoadReport:
+        """Inside the open update: every worker receives and writes its pieces."""
+        raise NotImplementedError
+
+    def p2p_open(
+        self,
+        plan: dict,
+        first_worker: int,
+        host: str,
+        port: int,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+    ) -> dict:
+        why = self.p2p_support()
+        if why is None:
+            with self._lock:
+                why = self._engine_p2p_open(plan, first_worker, host, port, backend, timeout_s)
+        return {"why": why}
+
+    def p2p_receive(self, version: str) -> dict:
+        """As `load_bucket`, for the point-to-point path: refused outside update `version`;
+        once it began, the weights may be mixed until the update ends."""
+        with self._lock:
+            if self._open is None or self._open != version:
+                raise BucketRejected(
+                    f"{self.engine_name}: a point-to-point receive of update {version!r} while "
+                    f"update {self._open!r} is open; refused, nothing was read"
+                )
+            self._last_call = time.perf_counter()
+            self._loaded += 1  # from here on the parameters may hold parts of two versions
+            try:
+                return self._engine_p2p_receive().to_dict()
+            finally:
+                self._last_call = time.perf_counter()
 
     def share_params(self) -> dict:
         """Generation is paused while the engine moves its parameters and probes them."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,13 +42,21 @@ class Endpoint(ABC):
 
 class LocalEndpoint(Endpoint):
     """A receiver object in this process; calls run at submit time, and its exceptions are
-    raised unchanged (nothing crosses a wire)."""
+    raised unchanged (nothing crosses a wire). A call that runs while the trainer's ranks
+    send (`p2p_receive`, `CONCURRENT`) runs on a thread of its own, started at submit."""
+
+    CONCURRENT = frozenset({"p2p_receive"})
 
     def __init__(self, receiver: Any, *, name: str = "local") -> None:
         self.receiver = receiver
         self.name = name
+        self._pool: ThreadPoolExecutor | None = None
 
     def submit(self, method: str, *args: Any) -> Any:
+        if method in self.CONCURRENT:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"weightsync-{self.name}")
+            return ("future", self._pool.submit(getattr(self.receiver, method), *args))
         try:
             return ("ok", getattr(self.receiver, method)(*args))
         except Exception as exc:  # delivered at wait(), like a remote failure
@@ -54,6 +64,13 @@ class LocalEndpoint(Endpoint):
 
     def wait(self, ticket: Any, *, timeout_s: float) -> Any:
         status, value = ticket
+        if status == "future":
+            try:
+                return value.result(timeout=timeout_s)
+            except FutureTimeout:
+                raise RuntimeError(
+                    f"engine {self.name!r} did not answer within {timeout_s:.0f} s"
+                ) from None
         if status == "error":
             raise value
         return value

@@ -347,6 +347,74 @@ class WeightSender:
         )
         return report, fallback
 
+    def sync_p2p(
+        self,
+        send: Callable[[bool], dict[str, Any]],
+        *,
+        version: str,
+        engines: list[str],
+        verify: bool = False,
+        probe: dict[str, dict] | None = None,
+        peers: SyncPeers | None = None,
+    ) -> SyncReport:
+        """The point-to-point path (weightsync/transports/p2p.py) into engines that joined the
+        trainer's transfer plan: begin on each, every worker receiving (`p2p_receive`) while
+        `send(True)` has every trainer rank send its own pieces (it returns {"bytes": per
+        rank, "send_s": per rank}); with `verify`, staged and checked worker by worker against
+        fingerprints of the trainer's tensors (`peers.worker_prints`) before `end`. `send(False)`
+        when no engine began, so the ranks stay in step. Any failure aborts every engine."""
+        start = time.perf_counter()
+        phases: dict[str, Any] = {}
+        try:
+            self.calls.call_all("begin", version, False, self.owner, names=engines)
+        except BaseException as exc:
+            self.calls.abort(engines, f"{type(exc).__name__}: {exc}", self.owner)
+            send(False)
+            raise
+        checked: VerifyReport | None = None
+        try:
+            phases["begin"] = time.perf_counter() - start
+            receiving = [self.calls.submit(n, "p2p_receive", version) for n in engines]
+            sent = send(True)
+            if peers is not None:  # the other ranks sent: they follow the checks from here
+                peers.filled()
+            reports: list[LoadReport] = self.calls.wait_all(receiving)
+            phases["send"] = time.perf_counter() - start - phases["begin"]
+            phases["rank_send"] = sent["send_s"]
+            if verify:
+                staged = dict(zip(engines, self.calls.call_all("stage", version, names=engines)))
+                read = time.perf_counter()
+                worker_sent = peers.worker_prints(engines) if peers is not None else {}
+                read_s = time.perf_counter() - read
+                checked = self.verifier.check_staged(
+                    staged, {}, version=version, worker_sent=worker_sent
+                )
+                checked = VerifyReport(engines=checked.engines, verify_s=checked.verify_s + read_s)
+            ends = self._end_all(version, engines, probe)
+        except BaseException as exc:
+            self.calls.abort(engines, f"{type(exc).__name__}: {exc}", self.owner)
+            raise
+        sync_s = time.perf_counter() - start
+        self.num_syncs += 1
+        if checked is not None:  # the sync proper leaves out the checking
+            sync_s -= checked.verify_s
+        phases["end"] = sync_s - phases["begin"] - phases["send"]
+        return SyncReport(
+            version=version,
+            path="p2p",
+            nbytes=self.nbytes,
+            num_buckets=0,
+            sync_s=sync_s,
+            phases_s=phases,
+            bytes_written=sum(sent["bytes"]),
+            rank_bytes=list(sent["bytes"]),
+            verify=checked,
+            engines={
+                n: EngineSyncReport.of(e, path="p2p", load_s=r.seconds)
+                for n, e, r in zip(engines, ends, reports)
+            },
+        )
+
     def _end_all(
         self, version: str, names: list[str], probe: dict[str, dict] | None
     ) -> list[EndReport]:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from weightsync.trainer.endpoint import Endpoint, RayEndpoint
 from weightsync.trainer.one_copy.path import OneCopyPath
+from weightsync.trainer.p2p_path import PointToPointPath, unsendable
 from weightsync.trainer.probe import Probe, ProbeScorer
 from weightsync.trainer.sender import DEFAULT_TIMEOUT_S, WeightSender
 from weightsync.trainer.shard_writes import BucketGatherWriter, BucketShardWriter
@@ -95,6 +96,14 @@ class SyncOptions:
     """Before each sync every rank reads its own shards once: a NaN or an infinity (or a value
     the sending dtype cannot hold) refuses the sync, naming the tensors, before anything is
     written."""
+    point_to_point: bool = False
+    """From the second sync on, every rank sends the pieces of its own shards straight to the
+    engine workers that keep them (weightsync/transports/p2p.py, gloo; nccl with transport
+    "nccl" or "cuda_ipc"), as a transfer plan made once says: no byte passes through rank 0
+    but its own. The first sync goes by `transport` and shows where each worker's loader puts
+    each tensor. Needs tensors sent as the ranks hold them (no `sync_dtype` conversion, no
+    adapter) and engines that can (vLLM; refused at `connect` otherwise); the one-copy path
+    is off. The group's store listens on `collective_host`."""
     probe: Probe | None = None
     """An end-to-end check independent of the engines' loaders (weightsync/trainer/probe.py):
     on each engine's first sync after `connect` (and every `probe.every`-th), the engine
@@ -119,6 +128,11 @@ class SyncOptions:
                 f"the one-copy path needs transport='shm' or 'cuda_ipc' (engines "
                 f"on this host); set one_copy=None or "
                 f"False for {self.transport!r}"
+            )
+        if self.point_to_point and self.one_copy:
+            raise ValueError(
+                "SyncOptions.point_to_point=True with one_copy=True: the two paths exclude each "
+                "other; set one_copy=None (off with point_to_point) or point_to_point=False"
             )
         if self.probe is not None and not isinstance(self.probe, Probe):
             raise ValueError(
@@ -179,9 +193,18 @@ class TrainerSync:
         # redistribute per tensor (a bucket with no other rank's bytes gathers nothing), with
         # each bucket's copies made once (`ShardPieces` and the writers' copy lists).
         self.shard_writes = options.shard_writes
-        self.one_copy = options.one_copy is not False and options.transport in ONE_COPY_TRANSPORTS
+        self.one_copy = (
+            options.one_copy is not False
+            and options.transport in ONE_COPY_TRANSPORTS
+            and not options.point_to_point
+        )
         if options.one_copy is None and not self.one_copy and self.rank == 0:
-            self.log.info("one_copy off: transport %r has no one-copy path", options.transport)
+            why = (
+                "point_to_point=True"
+                if options.point_to_point
+                else f"transport {options.transport!r} has no one-copy path"
+            )
+            self.log.info("one_copy off: %s", why)
         writer = BucketShardWriter if options.transport == "shm" else BucketGatherWriter
         self.buckets = writer(self.source, self.group, bucket_bytes=options.bucket_bytes)
         rank_gpus = None
@@ -193,6 +216,18 @@ class TrainerSync:
             log=self.log,
             transport=options.transport,
             rank_gpus=rank_gpus,
+        )
+        self.p2p_path = (
+            PointToPointPath(
+                self.source,
+                self.group,
+                log=self.log,
+                host=options.collective_host,
+                backend="nccl" if options.transport in ("nccl", "cuda_ipc") else "gloo",
+                timeout_s=options.timeout_s,
+            )
+            if options.point_to_point
+            else None
         )
         self.sender: WeightSender | None = None
         self.probe = None if options.probe is None else ProbeScorer(options.probe, model)
@@ -228,6 +263,8 @@ class TrainerSync:
                 f"transport {opts.transport!r} forms one group for all engines: "
                 f"connect every engine in one connect() call"
             )
+        if self.p2p_path is not None and (why := unsendable(self.source, self.rank)):
+            raise ValueError(f"point_to_point=True: {why}")
         answers: dict[str, RefitAnswer] = {}
         for name, engine in engines.items():
             endpoint = _endpoint(name, engine)
@@ -240,6 +277,8 @@ class TrainerSync:
                 )
             if self.probe is not None:
                 self._check_probe_support(sender, name)
+            if self.p2p_path is not None:
+                self._check_p2p_support(sender, name)
             if opts.keep_previous:
                 self._keep_previous(sender, name)
         if sender.transport is None and answers:
@@ -269,6 +308,20 @@ class TrainerSync:
             )
         if self.probe is not None:  # always, when called: narrowed for the type checker
             self.probe.probed.discard(name)  # connected anew: probed on its next sync
+
+    def _check_p2p_support(self, sender: WeightSender, name: str) -> None:
+        """Refuse, at connect, an engine that cannot take the point-to-point path."""
+        try:
+            why = sender.call(name, "p2p_support")
+        except (AttributeError, RuntimeError) as exc:
+            why = f"it answers no p2p_support ({str(exc).splitlines()[0][:200]})"
+        if why:
+            del sender.engines[name]
+            raise ValueError(
+                f"engine {name!r} cannot take the point-to-point path "
+                f"(SyncOptions.point_to_point=True): {why}; connect it from a TrainerSync "
+                f"without point_to_point"
+            )
 
     def _keep_previous(self, sender: WeightSender, name: str) -> None:
         try:
@@ -332,6 +385,10 @@ class TrainerSync:
         if plan.get("probe") and self.probe is not None:  # every rank runs the forward
             request = self.probe.request()
             probe = {name: request for name in plan["probe"]}
+        p2p_report = None
+        if plan.get("p2p") and self.p2p_path is not None:
+            p2p_report, fallback = self._sync_p2p(version, plan["p2p"], verify=verify, probe=probe)
+            buckets += fallback
         one_copy_report = None
         if plan["one_copy"]:
             one_copy_report, fallback = self.one_copy_path.sync(
@@ -343,7 +400,9 @@ class TrainerSync:
             bucket_report = self._sync_buckets(version, buckets, verify=verify, probe=probe)
             if bucket_report is not None and self.one_copy:
                 bucket_report = self.one_copy_path.share(self._connected(), buckets, bucket_report)
-        report = _merge(one_copy_report, bucket_report) if self.rank == 0 else None
+            if bucket_report is not None and self.p2p_path is not None:
+                self.p2p_path.consider(self._connected(), buckets)
+        report = _merge([p2p_report, one_copy_report, bucket_report]) if self.rank == 0 else None
         if self.probe is not None:
             self.probe.probed.update(plan.get("probe") or [])
         if report is not None and plan.get("dropped"):
@@ -400,6 +459,8 @@ class TrainerSync:
             self.sender.close()
             self.sender = None
         self.one_copy_path.close()
+        if self.p2p_path is not None:
+            self.p2p_path.close()
         self.buckets.close()
         self.group.close()
 
@@ -444,10 +505,12 @@ class TrainerSync:
         if why:
             return {"error": f"sync(verify=True) refused, nothing was written: {why}"}
         one_copy = [n for n in names if self.one_copy_path.takes(n)]
+        p2p = [n for n in names if self.p2p_path is not None and self.p2p_path.takes(n)]
         return {
             "probe": self.probe.due(names, self._num_syncs) if self.probe is not None else [],
             "one_copy": one_copy,
-            "buckets": [n for n in names if n not in one_copy],
+            "p2p": p2p,
+            "buckets": [n for n in names if n not in one_copy and n not in p2p],
             "dropped": {n: dead[n] for n in self.sender.engines if n in dead} or None,
         }
 
@@ -492,6 +555,32 @@ class TrainerSync:
         if peers is not None:
             peers.done()
         return report
+
+    def _sync_p2p(
+        self, version: str, names: list[str], *, verify: bool, probe: dict[str, dict] | None
+    ) -> tuple[SyncReport | None, list[str]]:
+        """The point-to-point path (every rank): rank 0's report and the engines that go by
+        buckets instead."""
+        path = self.p2p_path
+        if path is None:  # only called with one: narrowed for the type checker
+            raise RuntimeError("point-to-point sync without point_to_point=True")
+        if self.rank != 0:
+            report, fallback = path.sync(None, version, names, verify=verify)
+            if verify and not fallback:
+                self._follow_checks()
+            return report, fallback
+        peers = _RankZeroSteps(self) if verify else None
+        try:
+            report, fallback = path.sync(
+                self._connected(), version, names, verify=verify, probe=probe, peers=peers
+            )
+        except BaseException as exc:
+            if peers is not None:
+                peers.failed(exc)
+            raise
+        if peers is not None:
+            peers.done()
+        return report, fallback
 
     def _follow_checks(self) -> None:
         """Every rank but 0, after its part of a verified bucket sync: read the tensors again
@@ -585,13 +674,20 @@ def _changed_since_connect(agreed: Layout, now: Layout) -> str | None:
     )
 
 
-def _merge(one_copy: SyncReport | None, buckets: SyncReport | None) -> SyncReport:
-    """One report for a sync whose engines took different paths."""
-    if one_copy is None or buckets is None:
-        report = one_copy or buckets
-        if report is None:
-            raise RuntimeError("a sync produced no report: no engine took either path")
-        return report
+def _merge(reports: list[SyncReport | None]) -> SyncReport:
+    """One report for a sync whose engines took different paths (point to point, one copy,
+    buckets)."""
+    taken = [r for r in reports if r is not None]
+    if not taken:
+        raise RuntimeError("a sync produced no report: no engine took any path")
+    report = taken[-1]
+    for other in reversed(taken[:-1]):
+        report = _merge_two(other, report)
+    return report
+
+
+def _merge_two(one_copy: SyncReport, buckets: SyncReport) -> SyncReport:
+    """One report of two parts: `one_copy` (or point to point), then `buckets`."""
     verify = one_copy.verify
     if buckets.verify is not None:
         verify = buckets.verify if verify is None else verify.merged(buckets.verify)
@@ -602,5 +698,6 @@ def _merge(one_copy: SyncReport | None, buckets: SyncReport | None) -> SyncRepor
         sync_s=one_copy.sync_s + buckets.sync_s,
         phases_s=one_copy.phases_s,  # the buckets path has none
         bytes_written=one_copy.bytes_written,
+        rank_bytes=one_copy.rank_bytes,
         verify=verify,
     )

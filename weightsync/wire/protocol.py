@@ -263,6 +263,7 @@ ANSWERS: dict[str, type[Answer]] = {
     "begin": BeginAnswer,
     "share_params": ShareAnswer,
     "load_bucket": LoadReport,
+    "p2p_receive": LoadReport,
     "end": EndReport,
     "settle": SettleReport,
     "stage": StageReport,
@@ -500,7 +501,8 @@ class SyncReport:
     version: str
     """The version tag the engines serve now."""
     path: str
-    """"buckets", "one_copy" (the one-copy path) or "mixed" (engines took different paths)."""
+    """"buckets", "one_copy" (the one-copy path), "p2p" (the point-to-point path) or "mixed"
+    (engines took different paths)."""
     nbytes: int
     """Bytes of one copy of the model's weights."""
     num_buckets: int
@@ -511,10 +513,13 @@ class SyncReport:
     """Engine name -> its part."""
     phases_s: dict[str, Any] | None = None
     """The one-copy path (a mixed sync's one-copy part): seconds of "begin", "write", "end",
-    and each rank's "rank_write"."""
+    and each rank's "rank_write"; the point-to-point path: "begin", "send", "end" and each
+    rank's "rank_send"."""
     bytes_written: int | None = None
-    """The one-copy path (a mixed sync's one-copy part): bytes the trainer's ranks wrote, into
-    all engines' workers."""
+    """The one-copy and point-to-point paths (a mixed sync's part): bytes the trainer's ranks
+    wrote or sent, into all engines' workers."""
+    rank_bytes: list[int] | None = None
+    """The point-to-point path: bytes each trainer rank sent (index: rank), padding left out."""
     verify: VerifyReport | None = None
     """With verify: what each engine holds, compared with what was sent."""
     dropped: dict[str, str] | None = None
@@ -533,7 +538,8 @@ class SyncReport:
         (None) for this sync is left out rather than logged as 0:
 
         - `version` (str): the version tag the engines serve now.
-        - `path` (str): "buckets", "one_copy" or "mixed" (engines took different paths).
+        - `path` (str): "buckets", "one_copy", "p2p" or "mixed" (engines took different
+          paths).
         - `sync_s`: seconds the sync took, from the first `begin` to the last `end` (a mixed
           sync: both paths' seconds summed); excludes verification, and sharing parameters
           after a sync by buckets (`<engine>/share_s`).
@@ -541,8 +547,9 @@ class SyncReport:
           `nbytes / sync_s / 1e9`, 0.0 when `sync_s` is 0 (as `gbps`).
         - `nbytes`: bytes of one copy of the model's weights (not times the engines).
         - `num_buckets`: buckets sent (0 on the one-copy path).
-        - `bytes_written` (the one-copy path, or a mixed sync's one-copy part): bytes the
-          trainer's ranks wrote, into all engines' workers together.
+        - `bytes_written` (the one-copy or point-to-point path, or a mixed sync's part): bytes
+          the trainer's ranks wrote or sent, into all engines' workers together;
+          `rank0_bytes` (point-to-point): the bytes trainer rank 0 sent.
         - `phase_<name>_s` (the same): seconds of each one-copy phase, `phase_begin_s`,
           `phase_write_s`, `phase_end_s`; `phase_rank_write_max_s`: the slowest rank's seconds
           writing its shards (the one the write phase waits for).
@@ -574,6 +581,8 @@ class SyncReport:
         }
         if self.bytes_written is not None:
             out[f"{prefix}bytes_written"] = int(self.bytes_written)
+        if self.rank_bytes:
+            out[f"{prefix}rank0_bytes"] = int(self.rank_bytes[0])
         for phase, seconds in (self.phases_s or {}).items():
             if isinstance(seconds, list | tuple):  # one per rank
                 _put_seconds(out, f"{prefix}phase_{phase}_max_s", max(seconds, default=None))
@@ -608,6 +617,7 @@ class SyncReport:
                 {
                     "phases_s": self.phases_s,
                     "bytes_written": self.bytes_written,
+                    "rank_bytes": self.rank_bytes,
                     "verify": None if self.verify is None else self.verify.to_dict(),
                     "dropped": self.dropped,
                 }
@@ -627,6 +637,7 @@ class SyncReport:
             engines={n: EngineSyncReport.from_dict(e) for n, e in engines.items()},
             phases_s=_get(d, cls, "phases_s", None),
             bytes_written=_get(d, cls, "bytes_written", None),
+            rank_bytes=_get(d, cls, "rank_bytes", None),
             verify=None if verify is None else VerifyReport.from_dict(verify),
             dropped=_get(d, cls, "dropped", None),
         )
