@@ -1,5 +1,7 @@
 """Two Ray nodes (two raylets on this machine): an engine placed on the other node gets its env
-built there, from files Ray ships (not from this checkout), and is synced over gloo."""
+built there, from files Ray ships (not from this checkout), and is synced over gloo; and a
+tensor-parallel vLLM engine there takes the point-to-point path, each trainer rank sending its
+own shards across the nodes."""
 
 from __future__ import annotations
 
@@ -8,51 +10,72 @@ import shutil
 import pytest
 import ray
 
-from tests.engine_checks import assert_engine_matches_reference
+from tests.engine_checks import assert_engine_matches_reference, training_batch
 from weightsync.apps.models import make_tiny_model
 from weightsync.driver import envs, launcher
 
 pytestmark = pytest.mark.slow  # a whole demo or a second Ray node: minutes
 
-NAME = "sglang"
 
-
-def test_an_engine_on_another_node_is_built_there_and_kept_in_step(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """A head node and another one, each seeing its own node-local folder: what a separate
+    machine without this checkout would use."""
     from ray.cluster_utils import Cluster
 
-    model = make_tiny_model(str(tmp_path / "model"), arch="opt", seed=0)
-    monkeypatch.setenv("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    # Each node's processes see their own node-local folder: what a separate machine without
-    # this checkout would use.
-    head_dir = tmp_path / "head-node"
-    monkeypatch.setenv("WEIGHTSYNC_NODE_DIR", str(head_dir))
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    other_dir = tmp_path / "other-node"
-    monkeypatch.setenv("WEIGHTSYNC_NODE_DIR", str(other_dir))
-    other = cluster.add_node(num_cpus=2)
-    monkeypatch.delenv("WEIGHTSYNC_NODE_DIR")
+    tmp_path = tmp_path_factory.mktemp("nodes")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+        head_dir = tmp_path / "head-node"
+        patch.setenv("WEIGHTSYNC_NODE_DIR", str(head_dir))
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+        other_dir = tmp_path / "other-node"
+        patch.setenv("WEIGHTSYNC_NODE_DIR", str(other_dir))
+        other = cluster.add_node(num_cpus=2)
+        patch.delenv("WEIGHTSYNC_NODE_DIR")
+        try:
+            launcher.init_ray(address=cluster.address)
+            head_id = ray.get_runtime_context().get_node_id()
+            assert other.node_id != head_id and len([n for n in ray.nodes() if n["Alive"]]) == 2
+            yield {
+                "tmp": tmp_path,
+                "head_id": head_id,
+                "other_id": other.node_id,
+                "head_dir": head_dir,
+                "other_dir": other_dir,
+            }
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            shutil.rmtree(other_dir, ignore_errors=True)
+            shutil.rmtree(head_dir, ignore_errors=True)
+
+
+def _built_on_both(nodes, name: str) -> dict:
+    every = launcher.build_env_on_all_nodes(name)
+    assert set(every) == {nodes["head_id"], nodes["other_id"]}
+    assert every[nodes["head_id"]]["python"].startswith(str(nodes["head_dir"]))
+    built = every[nodes["other_id"]]
+    print(
+        f"env {name} on the other node: {built['action']} in {built['seconds']:.1f} s, "
+        f"{built['python']}"
+    )
+    assert built["node_id"] == nodes["other_id"]
+    assert built["python"].startswith(str(nodes["other_dir"]))
+    assert not built["python"].startswith(str(envs.REPO_ROOT))
+    return built
+
+
+def test_an_engine_on_another_node_is_built_there_and_kept_in_step(nodes):
+    name = "sglang"
+    model = make_tiny_model(str(nodes["tmp"] / "opt"), arch="opt", seed=0)
+    built = _built_on_both(nodes, name)
+    engine = launcher.launch(
+        "weightsync.backends.sglang.engine.SglEngineActor", model, node_id=nodes["other_id"]
+    )
     try:
-        launcher.init_ray(address=cluster.address)
-        head_id = ray.get_runtime_context().get_node_id()
-        assert other.node_id != head_id and len([n for n in ray.nodes() if n["Alive"]]) == 2
-
-        every = launcher.build_env_on_all_nodes(NAME)
-        assert set(every) == {head_id, other.node_id}
-        assert every[head_id]["python"].startswith(str(head_dir))
-        built = every[other.node_id]
-        print(
-            f"env {NAME} on the other node: {built['action']} in {built['seconds']:.1f} s, "
-            f"{built['python']}"
-        )
-        assert built["node_id"] == other.node_id
-        assert built["python"].startswith(str(other_dir))
-        assert not built["python"].startswith(str(envs.REPO_ROOT))
-
-        engine = launcher.launch(
-            "weightsync.backends.sglang.engine.SglEngineActor", model, node_id=other.node_id
-        )
         where = ray.get(engine.handle.where.remote(), timeout=600)
-        assert where["node_id"] == other.node_id
+        assert where["node_id"] == nodes["other_id"]
         assert where["python"] == built["python"]
 
         # The trainer stays on the driver's node; bytes cross nodes over gloo (no shared memory).
@@ -62,17 +85,62 @@ def test_an_engine_on_another_node_is_built_there_and_kept_in_step(tmp_path, mon
             bucket_bytes=1 << 20,
             seed=0,
             transport="gloo",
-            node_id=head_id,
+            node_id=nodes["head_id"],
             collective_host=ray.util.get_node_ip_address(),
         )
-        assert all(ray.get(r.handle.where.remote())["node_id"] == head_id for r in trainer.ranks)
-        trainer.call("connect", {NAME: engine})
+        assert all(
+            ray.get(r.handle.where.remote())["node_id"] == nodes["head_id"] for r in trainer.ranks
+        )
+        trainer.call("connect", {name: engine})
         trainer.call("train_step", [[5, 6, 7, 8, 9, 10, 11, 12]] * 2)
         report = trainer.call("sync", "across-nodes", verify=True)
-        assert report["verify"][NAME]["verified"], report["verify"]
+        assert report["verify"][name]["verified"], report["verify"]
         assert_engine_matches_reference(engine, trainer)
+        trainer.call("shutdown")
+        trainer.kill()
     finally:
-        ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(other_dir, ignore_errors=True)
-        shutil.rmtree(head_dir, ignore_errors=True)
+        ray.kill(engine.handle)
+
+
+def test_point_to_point_across_nodes_each_rank_sends_its_own_shards(nodes):
+    """A TP=2 vLLM engine on the other node; two FSDP2 ranks on the head node with
+    `point_to_point=True`: after a first sync over gloo, each rank sends its own pieces to both
+    workers across the nodes (rank 0 hosts only the group's store), verified per worker, tokens
+    equal; rank 0 sends about half of the bytes."""
+    model = make_tiny_model(str(nodes["tmp"] / "qwen2"), arch="qwen2", seed=0)
+    name = envs.default_vllm_env()
+    built = _built_on_both(nodes, name)
+    engine = launcher.launch(
+        "weightsync.backends.vllm.engine.VllmEngineActor",
+        model,
+        tensor_parallel_size=2,
+        node_id=nodes["other_id"],
+    )
+    try:
+        where = ray.get(engine.handle.where.remote(), timeout=600)
+        assert where["node_id"] == nodes["other_id"] and where["python"] == built["python"]
+        trainer = launcher.TrainerGroup(
+            "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+            model_path=model,
+            bucket_bytes=1 << 20,
+            seed=0,
+            transport="gloo",
+            point_to_point=True,
+            node_id=nodes["head_id"],
+            collective_host=ray.util.get_node_ip_address(),
+        )
+        trainer.call("connect", {"tp2": engine})
+        assert trainer.sync("first", verify=True).path == "buckets"
+        trainer.call("train_step", training_batch(1))
+        report = trainer.sync("p2p", verify=True)
+        assert report.path == "p2p" and report.verify["tp2"].verified, report
+        assert report.verify["tp2"].num_checked == 2 * 17
+        sent = report.bytes_written
+        assert sum(report.rank_bytes) == sent and report.nbytes <= sent < 1.05 * report.nbytes
+        assert abs(report.rank_bytes[0] - sent / 2) < 0.05 * sent, report.rank_bytes
+        assert ray.get(engine.weight_version.remote()) == "p2p"
+        assert_engine_matches_reference(engine, trainer)
+        trainer.call("shutdown")
+        trainer.kill()
+    finally:
+        ray.kill(engine.handle)

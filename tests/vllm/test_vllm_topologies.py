@@ -212,3 +212,45 @@ def test_a_collective_transport_reaches_every_worker_of_every_engine(setup):
     finally:
         other.call("shutdown")
         other.kill()
+
+
+def test_point_to_point_each_rank_sends_its_own_shards_into_every_worker(setup):
+    """`point_to_point=True` (weightsync/trainer/p2p_path.py): after a first sync over gloo,
+    both trainer ranks send the pieces of their own shards straight to the workers that keep
+    them (the TP=2 engine's two workers, the replica's one), planned once; each worker verified
+    against what it holds; the engines answer as the trainer's weights do. Rank 0 sends about
+    half of the bytes: its own rows, nothing of rank 1's."""
+    engines, _, model, _ = setup
+    other = launcher.TrainerGroup(
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+        world_size=2,
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=3,
+        transport="gloo",
+        point_to_point=True,
+    )
+    try:
+        other.call("connect", dict(engines))
+        first = other.sync("p2p-0", verify=True)
+        assert first.path == "buckets" and first.verify.verified
+        for step in range(2):
+            other.call("train_step", training_batch(20 + step))
+            report = other.sync(f"p2p-{step + 1}", verify=step == 0)
+            assert report.path == "p2p", report
+            assert {e.path for e in report.engines.values()} == {"p2p"}
+            checked = report.verify if step == 0 else other.verify()
+            assert checked["tp2"].verified and checked["tp1"].verified, checked
+            assert checked["tp2"].num_checked == 2 * 17
+            # One model into the replica; into the TP=2 engine its workers' slices (one model,
+            # plus the norms and biases both hold).
+            nbytes, sent = report.nbytes, report.bytes_written
+            assert 2 * nbytes <= sent < 2.05 * nbytes, sent
+            assert sum(report.rank_bytes) == sent
+            assert abs(report.rank_bytes[0] - sent / 2) < 0.05 * sent, report.rank_bytes
+            for engine in engines.values():
+                assert ray.get(engine.weight_version.remote()) == f"p2p-{step + 1}"
+                assert_engine_matches_reference(engine, other)
+    finally:
+        other.call("shutdown")
+        other.kill()
