@@ -16,6 +16,10 @@ parameters of the same names in another process, reached over a pipe. Each path 
 receiver and trainer sync:
 - buckets: both ranks write their shards into shared-memory buckets, the receiver copies every
   tensor out into its parameters (two copies of every byte);
+- p2p (`--paths p2p`): after a first sync by buckets (the receiver learns where each tensor
+  lands), both ranks send their own shards to the receiver process over gloo (NCCL with
+  `--device cuda`), one message per rank; the receiver writes each piece into its parameter
+  (weightsync/trainer/p2p_path.py; two copies of every byte, one of them through a socket);
 - one_copy: after two warm-up syncs (the first by buckets, after which the receiver shares its
   parameters; the second maps them into the ranks) both ranks write their shards straight into
   the receiver's parameters (weightsync/trainer/one_copy/targets.py; one copy of every byte).
@@ -59,7 +63,7 @@ from gpu_bench import PipeEndpoint, stop_receiver, timed_copy  # noqa: E402
 from weightsync.apps import layouts  # noqa: E402
 from weightsync.trainer.endpoint import Endpoint  # noqa: E402
 
-PATHS = ("buckets", "one_copy")
+PATHS = ("buckets", "one_copy", "p2p")
 
 
 class _PipeEndpoint(PipeEndpoint, Endpoint):
@@ -96,7 +100,11 @@ _PROCESS_CALLS = {
 
 
 def _receiver_main(
-    shapes: layouts.Layout, conn, device: str = "cpu", receiver_layout: str = "checkpoint"
+    shapes: layouts.Layout,
+    conn,
+    device: str = "cpu",
+    receiver_layout: str = "checkpoint",
+    sliced: bool = False,
 ) -> None:
     from weightsync.engine.module_receiver import ModuleWeightReceiver
     from weightsync.wire.errors import error_to_wire
@@ -109,7 +117,7 @@ def _receiver_main(
         )
     else:
         receiver = ModuleWeightReceiver(
-            layouts.build_module(shapes, device=device), name="receiver"
+            layouts.build_module(shapes, device=device), name="receiver", sliced=sliced
         )
     while (item := conn.recv()) is not None:
         method, args = item
@@ -199,6 +207,7 @@ def _bench_path(
             shard_writes=not args.no_shard_writes,
             bucket_bytes=args.bucket_mb << 20,
             one_copy=path == "one_copy",
+            point_to_point=path == "p2p",
             timeout_s=600,
         ),
     )
@@ -208,12 +217,15 @@ def _bench_path(
         here, there = ctx.Pipe()
         # daemon: should this rank fail, its exit does not wait for the receiver
         child = ctx.Process(
-            target=_receiver_main, args=(shapes, there, args.device, args.receiver), daemon=True
+            target=_receiver_main,
+            # p2p: the checkpoint-shaped receiver learns its placements in the first sync
+            args=(shapes, there, args.device, args.receiver, path == "p2p"),
+            daemon=True,
         )
         child.start()
         engines = {"receiver": _PipeEndpoint(here, "receiver")}
     sync.connect(engines)
-    expected = "one_copy" if path == "one_copy" else "buckets"
+    expected = path if path in ("one_copy", "p2p") else "buckets"
     warm = [sync.sync(f"warm-{i}") for i in range(2)]
     pids = trainer_pids + ([engines["receiver"].call("pid", timeout_s=60)] if rank == 0 else [])
     dist.barrier()
@@ -464,7 +476,10 @@ def main() -> None:
         help="divide every width (hidden, heads, intermediate, vocabulary) by this",
     )
     parser.add_argument(
-        "--paths", default=",".join(PATHS), help="comma-separated: buckets,one_copy"
+        "--paths",
+        default="buckets,one_copy",
+        help="comma-separated: buckets, one_copy, p2p (SyncOptions.point_to_point: every rank "
+        "sends its own shards to the receiver over gloo, or NCCL with --device cuda)",
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(

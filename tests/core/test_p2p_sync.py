@@ -71,6 +71,19 @@ def _rank(rank: int, port: int, results) -> None:
         shard_model,
     )
 
+    class Garbled(ModuleWeightReceiver):
+        """A worker whose bytes of one parameter differ from what was sent, once received
+        (as a bad transfer would leave them), while `garbled` is set."""
+
+        garbled = False
+
+        def _engine_p2p_receive(self):
+            report = super()._engine_p2p_receive()
+            if self.garbled:
+                with torch.no_grad():
+                    self.receiver.model.model.norm.weight.add_(1.0)
+            return report
+
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     full = build_model("qwen2", "tiny", seed=SEED)
     model = shard_model(build_model("qwen2", "tiny", seed=SEED), device="cpu")
@@ -93,7 +106,7 @@ def _rank(rank: int, port: int, results) -> None:
         engines = {
             "whole": ModuleWeightReceiver(build_model("qwen2", "tiny", seed=99), sliced=True),
             "tp0": ModuleWeightReceiver(sliced_model(full, 0, 2), name="tp0", sliced=True),
-            "tp1": ModuleWeightReceiver(sliced_model(full, 1, 2), name="tp1", sliced=True),
+            "tp1": Garbled(sliced_model(full, 1, 2), name="tp1", sliced=True),
         }
     sync.connect({n: LocalEndpoint(e, name=n) for n, e in engines.items()})
     reports = [sync.sync("v1", verify=True), sync.sync("v2", verify=True)]
@@ -106,6 +119,16 @@ def _rank(rank: int, port: int, results) -> None:
         for param in model.parameters():
             param.to_local().mul_(-0.5)
     reports.append(sync.sync("v4", verify=True))
+    if rank == 0:
+        engines["tp1"].garbled = True
+    try:  # every rank raises: rank 0 what failed, the others that it did
+        sync.sync("v5", verify=True)
+    except Exception as exc:
+        out["garbled_error"] = f"{type(exc).__name__}: {exc}"
+    if rank == 0:
+        out["versions_after_garbled"] = {n: e.weight_version() for n, e in engines.items()}
+        engines["tp1"].garbled = False
+    reports.append(sync.sync("v6", verify=True))
     tensors = dict(sync.source.tensors())  # the trainer's weights now (every rank gathers)
     if rank == 0:
         out["reports"] = reports
@@ -150,14 +173,21 @@ def test_each_rank_sends_its_own_shards_to_the_workers_that_keep_them_verified()
     assert "point_to_point=True: some tensors reach the engines converted" in out["refused_cast"]
     first, *p2p = out["reports"]
     assert first.path == "buckets" and first.verify.verified
-    assert [r.path for r in p2p] == ["p2p", "p2p", "p2p"]
-    for report in (p2p[0], p2p[2]):
+    assert [r.path for r in p2p] == ["p2p"] * 4
+    for report in (p2p[0], p2p[2], p2p[3]):
         assert report.verify.verified, report.verify
         for name in ("whole", "tp0", "tp1"):
             assert report.verify[name].num_checked > 0 and not report.verify[name].pending
     assert out["verify_v3"].verified  # an unverified p2p sync, checked afterwards
     assert out["whole_equal"] and out["tp_equal"]
-    assert out["num_planned"] == 1  # planned once, for the three engines
+    # Each rank hashed the pieces it sent: a worker whose bytes differ fails the sync before
+    # any engine adopts it, on every rank, naming the worker's parameter.
+    assert out["garbled_error"].startswith("VerificationFailed: verification failed, update 'v5'")
+    assert "'tp1': ['worker 0: model.norm.weight']" in out["garbled_error"], out["garbled_error"]
+    assert out["versions_after_garbled"] == {"whole": "v4", "tp0": "v4", "tp1": "v4"}
+    assert got[1]["garbled_error"].startswith("RuntimeError: rank 0 failed this sync")
+    # Planned once for the three engines; after the failed sync, again (its group is rebuilt).
+    assert out["num_planned"] == 2
     # Every byte the workers keep came from the rank that holds it: rank 0 sent exactly the
     # kept bytes of its own rows, rank 1 the rest.
     kept = out["kept"]
@@ -165,4 +195,4 @@ def test_each_rank_sends_its_own_shards_to_the_workers_that_keep_them_verified()
         assert report.rank_bytes[0] == out["kept_of_rank0"]
         assert sum(report.rank_bytes) == report.bytes_written == kept
         assert 0 < report.rank_bytes[0] < kept
-    assert got[1] == {"verify_v3": None}
+    assert got[1]["verify_v3"] is None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from weightsync.trainer.source import DTensorV2Source, ShardPieces
 from weightsync.trainer.sync_group import SyncGroup
 from weightsync.transports.p2p import PointToPointSender
+from weightsync.wire.fingerprint import Fingerprint, combine
 from weightsync.wire.protocol import SyncReport
 from weightsync.wire.specs import element_size
 from weightsync.wire.transfer_plan import TransferPlan, plan_transfers
@@ -85,6 +86,10 @@ class PointToPointPath:
         self._ready: list[str] = []  # rank 0: engines whose placements allow a plan
         self._no: dict[str, str] = {}  # rank 0: engine -> why it keeps buckets
         self._key: tuple | None = None  # rank 0: the engines (and worker counts) planned for
+        # rank 0: each engine's workers in the plan (first, count), each worker's tensor ->
+        # the parameter it lands in
+        self._workers: dict[str, tuple[int, int]] = {}
+        self._params: list[dict[str, str]] = []
         self.sender: PointToPointSender | None = None
         self.plan: TransferPlan | None = None
         self.num_planned = 0
@@ -194,6 +199,8 @@ class PointToPointPath:
             return list(refused)
         self.group.broadcast({"plan": plan_dict, "port": p2p.port})
         self.sender, self.plan, self._key = p2p, plan, key
+        self._workers = {n: (first[n], len(sender.engines[n].placements or [])) for n in names}
+        self._params = [{t: placed[0] for t, placed in w.items()} for w in workers]
         self.num_planned += 1
         self.log.info(
             "point-to-point plan for %s: %d links, made in %.3f s",
@@ -224,13 +231,30 @@ class PointToPointPath:
             timeout_s=self.timeout_s,
         )
 
-    def _send(self) -> tuple[int, float]:
-        """This rank's pieces to every worker the plan links it with: (bytes, seconds)."""
+    def _send(self, verify: bool) -> tuple[int, float, list | None]:
+        """This rank's pieces to every worker the plan links it with: (bytes, seconds, and
+        with `verify` each piece's fingerprint contribution, `PointToPointSender.sent_prints`)."""
         if self.sender is None:
             raise RuntimeError(f"rank {self.group.rank}: point-to-point send without a plan")
         start = time.perf_counter()
         sent = self.sender.send(self._shards())
-        return sum(sent.values()), time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        return sum(sent.values()), seconds, self.sender.sent_prints() if verify else None
+
+    def _expected(self, everyone: list[list]) -> dict[str, list[dict[str, Fingerprint]]]:
+        """Rank 0: each engine's workers' expected fingerprints, combined from every rank's
+        contributions (each rank hashed the pieces it sent)."""
+        parts: list[dict[str, list[Fingerprint]]] = [{} for _ in self._params]
+        for contributions in everyone:
+            for worker, tensor, fp in contributions:
+                parts[worker].setdefault(self._params[worker][tensor], []).append(fp)
+        return {
+            name: [
+                {p: combine(fps) for p, fps in parts[w].items()}
+                for w in range(first, first + count)
+            ]
+            for name, (first, count) in self._workers.items()
+        }
 
     def sync(
         self,
@@ -251,8 +275,7 @@ class PointToPointPath:
             if go.get("error"):
                 raise RuntimeError(f"rank 0 failed this sync before sending: {go['error']}")
             if go["send"]:
-                sent, seconds = self._send()
-                self.group.gather((sent, seconds))
+                self.group.gather(self._send(verify))
             return None, go["fallback"]
         if sender is None:
             raise RuntimeError("rank 0 has no sender for a sync: connect({name: engine}) first")
@@ -270,9 +293,14 @@ class PointToPointPath:
                 self.group.broadcast({"send": False, "fallback": [], "error": "begin failed"})
                 return {}
             self.group.broadcast({"send": True, "fallback": []})
-            sent, seconds = self._send()
-            everyone = self.group.gather((sent, seconds)) or []
-            return {"bytes": [b for b, _ in everyone], "send_s": [s for _, s in everyone]}
+            everyone = self.group.gather(self._send(verify)) or []
+            out: dict[str, Any] = {
+                "bytes": [b for b, _, _ in everyone],
+                "send_s": [s for _, s, _ in everyone],
+            }
+            if verify:
+                out["worker_sent"] = self._expected([p or [] for _, _, p in everyone])
+            return out
 
         try:
             report = sender.sync_p2p(

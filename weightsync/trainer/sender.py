@@ -360,9 +360,11 @@ class WeightSender:
         """The point-to-point path (weightsync/transports/p2p.py) into engines that joined the
         trainer's transfer plan: begin on each, every worker receiving (`p2p_receive`) while
         `send(True)` has every trainer rank send its own pieces (it returns {"bytes": per
-        rank, "send_s": per rank}); with `verify`, staged and checked worker by worker against
-        fingerprints of the trainer's tensors (`peers.worker_prints`) before `end`. `send(False)`
-        when no engine began, so the ranks stay in step. Any failure aborts every engine."""
+        rank, "send_s": per rank, and with `verify` "worker_sent": per engine, each worker's
+        expected fingerprints, which the ranks hashed from what they sent}); with `verify`,
+        staged and checked worker by worker before `end`. `send(False)` when no engine began,
+        so the ranks stay in step. `peers` hears when the ranks' part is over and whether the
+        sync failed after it. Any failure aborts every engine."""
         start = time.perf_counter()
         phases: dict[str, Any] = {}
         try:
@@ -381,15 +383,11 @@ class WeightSender:
             reports: list[LoadReport] = self.calls.wait_all(receiving)
             phases["send"] = time.perf_counter() - start - phases["begin"]
             phases["rank_send"] = sent["send_s"]
-            if verify:
+            if verify:  # each rank hashed what it sent (`send`'s "worker_sent")
                 staged = dict(zip(engines, self.calls.call_all("stage", version, names=engines)))
-                read = time.perf_counter()
-                worker_sent = peers.worker_prints(engines) if peers is not None else {}
-                read_s = time.perf_counter() - read
                 checked = self.verifier.check_staged(
-                    staged, {}, version=version, worker_sent=worker_sent
+                    staged, {}, version=version, worker_sent=sent["worker_sent"]
                 )
-                checked = VerifyReport(engines=checked.engines, verify_s=checked.verify_s + read_s)
             ends = self._end_all(version, engines, probe)
         except BaseException as exc:
             self.calls.abort(engines, f"{type(exc).__name__}: {exc}", self.owner)

@@ -25,6 +25,13 @@ import torch.distributed as dist
 
 from weightsync.transports.collective import _failing_as, _make_group
 from weightsync.transports.rendezvous import host_store
+from weightsync.wire.fingerprint import (
+    Fingerprint,
+    FingerprintBatch,
+    placed,
+    shift,
+    words_per_element,
+)
 from weightsync.wire.placement import pattern_view
 from weightsync.wire.specs import align
 from weightsync.wire.transfer_plan import Move, TransferPlan
@@ -167,6 +174,34 @@ class PointToPointSender(_Member):
             sent[worker] = payload
         self._wait(works)
         return sent
+
+    def sent_prints(self) -> list[tuple[int, str, Fingerprint]]:
+        """After `send`: (worker, tensor, contribution) of every piece sent, hashed from the
+        buffers as they went out, each where it lands in the worker's parameter (weightsync/
+        wire/fingerprint.py `placed`): summed over every rank's pieces of a parameter
+        (`combine`), what the worker's parameter must fingerprint to. Each rank hashes only
+        the bytes it sent."""
+        if self._copies is None:
+            raise RuntimeError(f"rank {self.rank}: sent_prints before send")
+        views = iter(self._copies[1])
+        batch = FingerprintBatch()
+        whole: list[tuple[int, int, int]] = []  # (its place in out, its batch index, shift)
+        out: list[tuple[int, str, Fingerprint]] = []
+        for worker, (moves, _, _, _) in self.links.items():
+            for move in moves:
+                view = next(views)
+                if move[4] == 1:  # one run: hashed with the others, shifted to its place
+                    whole.append(
+                        (len(out), batch.add(view), move[1] * words_per_element(view.dtype))
+                    )
+                    out.append((worker, move[0], (0, 0, 0)))
+                else:
+                    out.append((worker, move[0], placed(view, move[1], move[5])))
+        read = batch.read()
+        for at, index, words in whole:
+            worker, name, _ = out[at]
+            out[at] = (worker, name, shift(read[index], words))
+        return out
 
     def _views(
         self, shards: Mapping[str, tuple[int, torch.Tensor]]
