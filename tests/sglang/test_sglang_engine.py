@@ -142,6 +142,31 @@ def test_a_sync_that_fails_verification_is_never_adopted(setup):
     assert_engine_matches_reference(engine, trainer)
 
 
+def test_a_trainer_that_syncs_point_to_point_refuses_sglang_at_connect(setup, tmp_path):
+    """SGLang has no point-to-point receiver (docs/scale.md): a trainer with
+    `point_to_point=True` refuses it at connect, naming it, before anything is written."""
+    engine, trainer, _ = setup
+    version = ray.get(engine.weight_version.remote())
+    other = launcher.TrainerGroup(
+        "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
+        world_size=1,
+        model_path=make_tiny_model(str(tmp_path / "model"), arch=ARCH, seed=0),
+        bucket_bytes=1 << 20,
+        seed=1,
+        point_to_point=True,
+    )
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            other.call("connect", {"sglang": engine})
+        message = str(info.value)
+        assert "engine 'sglang' cannot take the point-to-point path" in message, message
+        assert "SglEngineActor has no point-to-point receiver" in message, message
+        assert ray.get(engine.weight_version.remote()) == version
+    finally:
+        other.call("shutdown")
+        other.kill()
+
+
 EOS_PROMPT = 2  # of prompt_ids(): the third engine's model ends after its first token
 
 
