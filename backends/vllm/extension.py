@@ -182,6 +182,13 @@ class WeightsyncWorkerExtension:
     ) -> dict[str, Any]:
         """Join a transfer plan's group as worker `first_worker` + this worker's TP rank
         (weightsync/engine/inbox.py); {"why": None} or why not (nothing joined)."""
+        from vllm.distributed import get_pp_group
+
+        if get_pp_group().world_size > 1:  # the plan numbers workers by TP rank
+            return {
+                "why": "vllm: pipeline parallelism > 1 has no point-to-point path; the engine "
+                "takes buckets"
+            }
         state = self._ws_state()
         if "inbox" not in state:
             from weightsync.engine.inbox import PointToPointInbox

@@ -196,3 +196,71 @@ def test_each_rank_sends_its_own_shards_to_the_workers_that_keep_them_verified()
         assert sum(report.rank_bytes) == report.bytes_written == kept
         assert 0 < report.rank_bytes[0] < kept
     assert got[1]["verify_v3"] is None
+
+
+def _failing_rank(rank: int, port: int, results) -> None:
+    from weightsync import SyncOptions, TrainerSync
+    from weightsync.apps.models import build_model
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
+    from weightsync.trainer.endpoint import LocalEndpoint
+    from weightsync.trainer.process_group import (
+        close_trainer_group,
+        init_trainer_group,
+        shard_model,
+    )
+
+    class Lost(ModuleWeightReceiver):
+        """A worker whose point-to-point messages never arrive (a trainer rank's link gone):
+        its receive fails before it writes anything."""
+
+        def _engine_p2p_receive(self):
+            def lost():
+                raise TimeoutError("a trainer rank's message never came")
+
+            self.inbox.p2p.receive_buffers = lost  # type: ignore[union-attr]
+            return super()._engine_p2p_receive()
+
+    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    model = shard_model(build_model("qwen2", "tiny", seed=SEED), device="cpu")
+    sync = TrainerSync(model, options=SyncOptions(point_to_point=True, timeout_s=5.0))
+    engine = Lost(build_model("qwen2", "tiny", seed=99), name="lost", sliced=True)
+    sync.connect({"lost": LocalEndpoint(engine, name="lost")} if rank == 0 else {})
+    first = sync.sync("v1")
+    out: dict = {"paths": [first.path if first is not None else None], "errors": []}
+    for version in ("v2", "v3"):
+        try:
+            sync.sync(version)
+        except Exception as exc:  # every rank raises
+            out["errors"].append(f"{type(exc).__name__}: {exc}"[:300])
+        if rank == 0:  # nothing was written: the engine serves its last version
+            engine.check_serving()
+            out.setdefault("versions", []).append(engine.weight_version())
+    report = sync.sync("v4", verify=True)
+    if rank == 0:
+        out["paths"].append(report.path)
+        out["verified"] = report.verify.verified
+    sync.close()
+    results.put((rank, out))
+    close_trainer_group()
+
+
+def test_a_receive_that_fails_before_writing_leaves_the_engine_serving_then_buckets_take_over():
+    """A point-to-point receive that fails before it wrote anything (no message came) fails
+    the sync on every rank but leaves the engine serving its last version; after two such
+    syncs in a row the engine keeps buckets, and the next sync passes."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_failing_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    zero, one = got[0], got[1]
+    assert zero["paths"] == ["buckets", "buckets"] and zero["verified"]
+    assert zero["versions"] == ["v1", "v1"]
+    assert len(zero["errors"]) == len(one["errors"]) == 2, (zero, one)
+    assert all("point-to-point" in e or "lost" in e for e in zero["errors"]), zero["errors"]
+    assert all(e.startswith("RuntimeError: rank 0 failed this sync") for e in one["errors"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from weightsync.wire.errors import BucketRejected
 from weightsync.wire.protocol import LoadReport
 
 if TYPE_CHECKING:
@@ -69,6 +70,16 @@ class PointToPointInbox:
                 )
             if not param.data.is_contiguous():
                 return f"{self.name}: parameter {placed[0]!r} is not contiguous"
+        for moves in parsed.receives(worker).values():  # every write inside its parameter
+            for move in moves:
+                name, dst, length, count, dst_stride = move[0], move[1], move[3], move[4], move[5]
+                numel = params[placements[name][0]].numel()
+                if dst < 0 or dst + (count - 1) * dst_stride + length > numel:
+                    return (
+                        f"{self.name}: the plan writes elements {dst}.."
+                        f"{dst + (count - 1) * dst_stride + length} of parameter "
+                        f"{placements[name][0]!r} for tensor {name!r}, which holds {numel}"
+                    )
         self.close()
         self.p2p = PointToPointReceiver(
             parsed, worker, host=host, port=port, backend=backend, timeout_s=timeout_s
@@ -86,9 +97,15 @@ class PointToPointInbox:
         start = time.perf_counter()
         if keep_previous:
             self.receiver.previous.keep(self.tensors)
+        try:
+            got = self.p2p.receive_buffers()
+        except Exception as exc:  # nothing written yet: the weights are still whole
+            raise BucketRejected(
+                f"{self.name}: the point-to-point receive failed before anything was "
+                f"written: {type(exc).__name__}: {exc}"
+            ) from exc
         params = dict(self.receiver.model.named_parameters())
-        flat = {t: params[p].data.view(-1) for t, p in self.params.items()}
-        got = self.p2p.receive(flat)
+        self.p2p.write({t: params[p].data.view(-1) for t, p in self.params.items()})
         return LoadReport(
             num_tensors=len(self.tensors),
             nbytes=sum(got.values()),

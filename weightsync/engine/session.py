@@ -416,11 +416,17 @@ class EngineSession(WeightReceiver):
                     f"update {self._open!r} is open; refused, nothing was read"
                 )
             self._last_call = time.perf_counter()
-            self._loaded += 1  # from here on the parameters may hold parts of two versions
             try:
-                return self._engine_p2p_receive().to_dict()
+                result = self._engine_p2p_receive()
+            except BucketRejected:
+                raise  # failed before any byte was written: the weights are still whole
+            except BaseException:
+                self._loaded += 1  # it may have been partly written
+                raise
             finally:
                 self._last_call = time.perf_counter()
+            self._loaded += 1
+            return result.to_dict()
 
     def share_params(self) -> dict:
         """Generation is paused while the engine moves its parameters and probes them."""

@@ -23,6 +23,8 @@ from weightsync.wire.protocol import SyncReport
 from weightsync.wire.specs import element_size
 from weightsync.wire.transfer_plan import TransferPlan, plan_transfers
 
+MAX_FAILURES = 2  # point-to-point syncs failed in a row before their engines keep buckets
+
 if TYPE_CHECKING:
     import torch
 
@@ -93,6 +95,7 @@ class PointToPointPath:
         self.sender: PointToPointSender | None = None
         self.plan: TransferPlan | None = None
         self.num_planned = 0
+        self._failures = 0  # rank 0: point-to-point syncs failed in a row
 
     def takes(self, name: str) -> bool:
         """Rank 0: whether engine `name`'s next sync is point to point."""
@@ -156,6 +159,7 @@ class PointToPointPath:
             workers.extend(p or {} for p in sender.engines[name].placements or [])
         start = time.perf_counter()
         self.close()
+        p2p: PointToPointSender | None = None
         try:
             plan = plan_transfers(
                 {s.name: element_size(s.dtype) for s in sender.specs},
@@ -183,6 +187,8 @@ class PointToPointPath:
                 ]
             )
         except BaseException as exc:
+            if p2p is not None:
+                p2p.close()
             self.group.broadcast({"plan": None, "error": f"{type(exc).__name__}: {exc}"[:2000]})
             raise
         refused: dict[str, str] = {}
@@ -231,20 +237,30 @@ class PointToPointPath:
             timeout_s=self.timeout_s,
         )
 
-    def _send(self, verify: bool) -> tuple[int, float, list | None]:
-        """This rank's pieces to every worker the plan links it with: (bytes, seconds, and
-        with `verify` each piece's fingerprint contribution, `PointToPointSender.sent_prints`)."""
-        if self.sender is None:
-            raise RuntimeError(f"rank {self.group.rank}: point-to-point send without a plan")
-        start = time.perf_counter()
-        sent = self.sender.send(self._shards())
-        seconds = time.perf_counter() - start
-        return sum(sent.values()), seconds, self.sender.sent_prints() if verify else None
+    def _send(self, verify: bool) -> dict[str, Any]:
+        """This rank's pieces to every worker the plan links it with: {"bytes", "seconds",
+        and with `verify` "prints": each piece's fingerprint contribution,
+        `PointToPointSender.sent_prints`}, or {"error"} (every rank still takes part in the
+        gather that follows)."""
+        try:
+            if self.sender is None:
+                raise RuntimeError("point-to-point send without a plan")
+            start = time.perf_counter()
+            sent = self.sender.send(self._shards())
+            seconds = time.perf_counter() - start
+            prints = self.sender.sent_prints() if verify else None
+        except Exception as exc:
+            return {"error": f"rank {self.group.rank}: {type(exc).__name__}: {exc}"[:2000]}
+        return {"bytes": sum(sent.values()), "seconds": seconds, "prints": prints}
 
     def _expected(self, everyone: list[list]) -> dict[str, list[dict[str, Fingerprint]]]:
         """Rank 0: each engine's workers' expected fingerprints, combined from every rank's
         contributions (each rank hashed the pieces it sent)."""
-        parts: list[dict[str, list[Fingerprint]]] = [{} for _ in self._params]
+        # Every parameter a worker's tensors land in, an empty tensor's too (it contributes
+        # nothing: its parameter must fingerprint to zero words).
+        parts: list[dict[str, list[Fingerprint]]] = [
+            {p: [] for p in params.values()} for params in self._params
+        ]
         for contributions in everyone:
             for worker, tensor, fp in contributions:
                 parts[worker].setdefault(self._params[worker][tensor], []).append(fp)
@@ -268,21 +284,22 @@ class PointToPointPath:
     ) -> tuple[SyncReport | None, list[str]]:
         """Every rank sends its own pieces to the engines' workers (`sender`: rank 0's).
         Returns rank 0's report and the engines to sync by buckets instead (they refused the
-        plan). With `verify`, the other ranks then follow rank 0's checks (`peers`)."""
+        plan). Once they sent, the other ranks wait for rank 0's done or error (`peers`,
+        `TrainerSync._follow_checks`): a send that failed on any rank fails the sync there."""
         if self.group.rank != 0:
             self._follow_open()
             go = self.group.broadcast()
             if go.get("error"):
                 raise RuntimeError(f"rank 0 failed this sync before sending: {go['error']}")
-            if go["send"]:
+            if go["send"]:  # a failed send is reported to rank 0, which fails the sync
                 self.group.gather(self._send(verify))
             return None, go["fallback"]
         if sender is None:
             raise RuntimeError("rank 0 has no sender for a sync: connect({name: engine}) first")
         try:
             refused = self._open(sender, names)
-        except BaseException:
-            self._key = None
+        except BaseException as exc:
+            self._failed(names, exc)
             raise
         if refused:
             self.group.broadcast({"send": False, "fallback": names})
@@ -294,22 +311,46 @@ class PointToPointPath:
                 return {}
             self.group.broadcast({"send": True, "fallback": []})
             everyone = self.group.gather(self._send(verify)) or []
+            if peers is not None:  # every rank is done sending and waits for rank 0's word
+                peers.filled()
+            errors = [e["error"] for e in everyone if "error" in e]
+            if errors:
+                raise RuntimeError(f"point-to-point send failed: {'; '.join(errors)}")
             out: dict[str, Any] = {
-                "bytes": [b for b, _, _ in everyone],
-                "send_s": [s for _, s, _ in everyone],
+                "bytes": [e["bytes"] for e in everyone],
+                "send_s": [e["seconds"] for e in everyone],
             }
             if verify:
-                out["worker_sent"] = self._expected([p or [] for _, _, p in everyone])
+                out["worker_sent"] = self._expected([e["prints"] or [] for e in everyone])
             return out
 
         try:
             report = sender.sync_p2p(
                 send, version=version, engines=names, verify=verify, probe=probe, peers=peers
             )
-        except BaseException:
-            self._key = None  # the engines' group may be broken: plan and join again
+        except BaseException as exc:
+            self._failed(names, exc)
             raise
+        self._failures = 0
         return report, []
+
+    def _failed(self, names: list[str], exc: BaseException) -> None:
+        """Rank 0, after a point-to-point sync of `names` failed: the next one plans and joins
+        again; after `MAX_FAILURES` failures in a row these engines keep buckets (what failed
+        may fail every time: a store the engines cannot reach, a plan that cannot be made)."""
+        self._key = None
+        self._failures += 1
+        if self._failures < MAX_FAILURES:
+            return
+        why = f"{self._failures} point-to-point syncs failed in a row, the last: {exc}"[:500]
+        for name in names:
+            if name in self._ready:
+                self._ready.remove(name)
+                self._no[name] = why
+                self.log.warning(
+                    "point_to_point off for engine %r, it keeps buckets: %s", name, why
+                )
+        self._failures = 0
 
     def close(self) -> None:
         if self.sender is not None:

@@ -278,7 +278,13 @@ class TrainerSync:
             if self.probe is not None:
                 self._check_probe_support(sender, name)
             if self.p2p_path is not None:
-                self._check_p2p_support(sender, name)
+                self._refuse_unless(
+                    sender,
+                    name,
+                    "p2p_support",
+                    "cannot take the point-to-point path (SyncOptions.point_to_point=True)",
+                    "without point_to_point",
+                )
             if opts.keep_previous:
                 self._keep_previous(sender, name)
         if sender.transport is None and answers:
@@ -294,34 +300,33 @@ class TrainerSync:
             )
         return self.sender
 
+    def _refuse_unless(
+        self, sender: WeightSender, name: str, method: str, cannot: str, instead: str
+    ) -> None:
+        """Refuse, at connect, an engine whose `method` ("probe_support", "p2p_support") says
+        why it cannot do what this trainer asks (`cannot`); `instead`: the trainer that would
+        take it."""
+        try:
+            why = sender.call(name, method)
+        except (AttributeError, RuntimeError) as exc:
+            why = f"it answers no {method} ({str(exc).splitlines()[0][:200]})"
+        if why:
+            del sender.engines[name]
+            raise ValueError(
+                f"engine {name!r} {cannot}: {why}; connect it from a TrainerSync {instead}"
+            )
+
     def _check_probe_support(self, sender: WeightSender, name: str) -> None:
         """Refuse, at connect, an engine that cannot score this trainer's probe."""
-        try:
-            why = sender.call(name, "probe_support")
-        except (AttributeError, RuntimeError) as exc:
-            why = f"it answers no probe_support ({str(exc).splitlines()[0][:200]})"
-        if why:
-            del sender.engines[name]
-            raise ValueError(
-                f"engine {name!r} cannot score this trainer's probe (SyncOptions.probe): {why}; "
-                f"connect it from a TrainerSync without a probe"
-            )
+        self._refuse_unless(
+            sender,
+            name,
+            "probe_support",
+            "cannot score this trainer's probe (SyncOptions.probe)",
+            "without a probe",
+        )
         if self.probe is not None:  # always, when called: narrowed for the type checker
             self.probe.probed.discard(name)  # connected anew: probed on its next sync
-
-    def _check_p2p_support(self, sender: WeightSender, name: str) -> None:
-        """Refuse, at connect, an engine that cannot take the point-to-point path."""
-        try:
-            why = sender.call(name, "p2p_support")
-        except (AttributeError, RuntimeError) as exc:
-            why = f"it answers no p2p_support ({str(exc).splitlines()[0][:200]})"
-        if why:
-            del sender.engines[name]
-            raise ValueError(
-                f"engine {name!r} cannot take the point-to-point path "
-                f"(SyncOptions.point_to_point=True): {why}; connect it from a TrainerSync "
-                f"without point_to_point"
-            )
 
     def _keep_previous(self, sender: WeightSender, name: str) -> None:
         try:
@@ -566,20 +571,20 @@ class TrainerSync:
             raise RuntimeError("point-to-point sync without point_to_point=True")
         if self.rank != 0:
             report, fallback = path.sync(None, version, names, verify=verify)
-            if verify and not fallback:
+            if not fallback:  # sent: wait to hear whether rank 0 finished the sync
                 self._follow_checks()
             return report, fallback
-        peers = _RankZeroSteps(self) if verify else None
+        # Once the ranks sent, they wait for rank 0's done or error (verified or not), so a
+        # failure after the sends reaches every rank before any goes on to other paths.
+        peers = _RankZeroSteps(self)
         try:
             report, fallback = path.sync(
                 self._connected(), version, names, verify=verify, probe=probe, peers=peers
             )
         except BaseException as exc:
-            if peers is not None:
-                peers.failed(exc)
+            peers.failed(exc)
             raise
-        if peers is not None:
-            peers.done()
+        peers.done()
         return report, fallback
 
     def _follow_checks(self) -> None:

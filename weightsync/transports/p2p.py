@@ -177,13 +177,13 @@ class PointToPointSender(_Member):
 
     def sent_prints(self) -> list[tuple[int, str, Fingerprint]]:
         """After `send`: (worker, tensor, contribution) of every piece sent, hashed from the
-        buffers as they went out, each where it lands in the worker's parameter (weightsync/
-        wire/fingerprint.py `placed`): summed over every rank's pieces of a parameter
-        (`combine`), what the worker's parameter must fingerprint to. Each rank hashes only
-        the bytes it sent."""
+        shard's elements the plan names (so a piece taken from the wrong elements fails the
+        check too), each where it lands in the worker's parameter (weightsync/wire/
+        fingerprint.py `placed`): summed over every rank's pieces of a parameter (`combine`),
+        what the worker's parameter must fingerprint to. Each rank hashes only its own."""
         if self._copies is None:
             raise RuntimeError(f"rank {self.rank}: sent_prints before send")
-        views = iter(self._copies[1])
+        views = iter(self._copies[2])
         batch = FingerprintBatch()
         whole: list[tuple[int, int, int]] = []  # (its place in out, its batch index, shift)
         out: list[tuple[int, str, Fingerprint]] = []
@@ -256,6 +256,13 @@ class PointToPointReceiver(_Member):
     def receive(self, params: Mapping[str, torch.Tensor]) -> dict[int, int]:
         """Receive this worker's pieces into `params` ({tensor: the flat parameter it is placed
         in}). Returns {rank: bytes of the pieces received}."""
+        got = self.receive_buffers()
+        self.write(params)
+        return got
+
+    def receive_buffers(self) -> dict[int, int]:
+        """The first half of `receive`: every linked rank's buffer received, nothing written
+        yet. Returns {rank: bytes of the pieces received}."""
         self._join()
         self.num_syncs += 1
         works, got = [], {}
@@ -264,13 +271,16 @@ class PointToPointReceiver(_Member):
             works.append((self.group.recv([buf], rank, self.num_syncs), f"trainer rank {rank}"))
             got[rank] = payload
         self._wait(works)
+        return got
+
+    def write(self, params: Mapping[str, torch.Tensor]) -> None:
+        """The second half of `receive`: each received piece copied to its place."""
         key = tuple((n, p.data_ptr(), p.numel(), p.dtype) for n, p in params.items())
         if self._copies is None or self._copies[0] != key:
             self._copies = (key, *self._views(params))
         if self._copies[1]:
             with torch.no_grad():
                 torch._foreach_copy_(self._copies[1], self._copies[2])
-        return got
 
     def _views(
         self, params: Mapping[str, torch.Tensor]
