@@ -20,7 +20,10 @@ def _pair(arch="opt", capacity_bytes=1 << 16):
     engine_model = build_model(arch, "tiny", seed=2)
     receiver = ModuleWeightReceiver(engine_model, name="ref")
     source = DTensorV2Source(trainer)
-    sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=capacity_bytes)
+    # Replays on: the mechanism is tested here (off by default, `ShmSender` says why).
+    sender = WeightSender(
+        source.specs(), transport=ShmSender(replays=True), capacity_bytes=capacity_bytes
+    )
     return trainer, engine_model, receiver, source, sender
 
 

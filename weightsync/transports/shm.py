@@ -234,7 +234,13 @@ class ShmSender(SenderTransport):
 
     kind = "shm"
 
-    def __init__(self, *, num_slots: int = 2, shm_dir: str = SHM_DIR) -> None:
+    def __init__(
+        self, *, num_slots: int = 2, shm_dir: str = SHM_DIR, replays: bool = False
+    ) -> None:
+        """`replays`: a bucket described before in the same segment is announced as "same"
+        (the receiver reuses its views). Off by default: a receiver keeps the views of a few
+        segments only, so with several trainers taking turns on one engine it refuses a "same"
+        whose views it dropped (tests/reliability/test_sglang_faults.py)."""
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots}: need at least 1")
         self._shm_dir = shm_dir
@@ -248,6 +254,7 @@ class ShmSender(SenderTransport):
         sweep_stale_segments(shm_dir)
         self._nbytes: list[int] = [0] * num_slots  # what `buffer` was last asked for
         self._described: dict[int, tuple[str, int]] = {}  # bucket -> (segment, nbytes)
+        self.replays = replays
 
     @property
     def num_slots(self) -> int:
@@ -271,7 +278,7 @@ class ShmSender(SenderTransport):
     def describe(self, slot: int, index: int) -> dict[str, Any]:
         handle = self.handle(slot)
         where = (str(handle["name"]), self._nbytes[slot])
-        if self._described.get(index) == where:
+        if self.replays and self._described.get(index) == where:
             return {**handle, "same": True}
         self._described[index] = where
         return handle
