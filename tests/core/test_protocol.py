@@ -86,6 +86,10 @@ def test_answer_survives_to_dict_json_and_from_dict(answer):
 def test_to_dict_carries_the_keys_the_wire_always_carried():
     assert BeginAnswer(one_copy=True).to_dict() == {"one_copy": True}
     assert BeginAnswer(one_copy=False, why="x").to_dict() == {"one_copy": False, "why": "x"}
+    assert BeginAnswer(one_copy=False, replays=True).to_dict() == {
+        "one_copy": False,
+        "replays": True,
+    }
     assert ShareAnswer(shared=None, why="x").to_dict() == {
         "shared": None,
         "why": "x",

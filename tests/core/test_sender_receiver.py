@@ -20,10 +20,7 @@ def _pair(arch="opt", capacity_bytes=1 << 16):
     engine_model = build_model(arch, "tiny", seed=2)
     receiver = ModuleWeightReceiver(engine_model, name="ref")
     source = DTensorV2Source(trainer)
-    # Replays on: the mechanism is tested here (off by default, `ShmSender` says why).
-    sender = WeightSender(
-        source.specs(), transport=ShmSender(replays=True), capacity_bytes=capacity_bytes
-    )
+    sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=capacity_bytes)
     return trainer, engine_model, receiver, source, sender
 
 
@@ -48,11 +45,7 @@ def test_unchanged_buckets_are_replayed_and_still_carry_each_syncs_values():
     bucket refuses "same" before reading anything, and after `forget_replays` every bucket is
     described in full again."""
     trainer, engine_model, receiver, source, sender = _pair()
-    handles = []
-    describe = sender.transport.describe
-    sender.transport.describe = lambda slot, index: (
-        handles.append(describe(slot, index)) or (handles[-1])
-    )
+    handles = _recording(sender)
     try:
         sender.add_engine(LocalEndpoint(receiver, name="ref"))
         for version in ("v1", "v2", "v3"):
@@ -81,6 +74,54 @@ def test_unchanged_buckets_are_replayed_and_still_carry_each_syncs_values():
         assert not any(h.get("same") for h in handles)
     finally:
         sender.close()
+
+
+def _recording(sender):
+    """The handles `sender` describes its buckets with, as a list it appends to."""
+    handles = []
+    describe = sender.transport.describe
+    sender.transport.describe = lambda slot, index: (
+        handles.append(describe(slot, index)) or (handles[-1])
+    )
+    return handles
+
+
+def test_trainers_taking_turns_on_one_engine_replay_only_after_their_own_update():
+    """Three trainers take turns on one engine, more segments than its receiver keeps mapped
+    (the first trainer's views are dropped): after another trainer's update the engine's
+    `begin` says so and the first trainer describes every bucket in full (a "same" would be
+    refused); after its own update it replays again. Every sync is verified."""
+    engine_model = build_model("opt", "tiny", seed=2)
+    receiver = ModuleWeightReceiver(engine_model, name="ref")
+    trainers = [build_model("opt", "tiny", seed=10 + i) for i in range(3)]
+    senders = [
+        WeightSender(DTensorV2Source(t).specs(), transport=ShmSender(), capacity_bytes=1 << 16)
+        for t in trainers
+    ]
+    handles = [_recording(s) for s in senders]
+    try:
+        for sender in senders:
+            sender.add_engine(LocalEndpoint(receiver, name="ref"))
+
+        def sync(i, version):
+            handles[i].clear()
+            report = senders[i].sync(
+                DTensorV2Source(trainers[i]).tensors(), version=version, verify=True
+            )
+            assert report.verify["ref"].verified, report.verify
+            want = trainers[i].state_dict()
+            assert all(torch.equal(t, want[n]) for n, t in engine_model.state_dict().items())
+            return [bool(h.get("same")) for h in handles[i]]
+
+        sync(0, "a1")
+        assert any(sync(0, "a2"))  # its own update came last: replayed
+        for i, version in ((1, "b1"), (2, "c1")):
+            assert not any(sync(i, version))
+        assert not any(sync(0, "a3"))  # the others came between: everything in full
+        assert all(sync(0, "a4"))
+    finally:
+        for sender in senders:
+            sender.close()
 
 
 def test_verification_catches_an_engine_weight_that_differs():

@@ -178,6 +178,7 @@ class EngineSession(WeightReceiver):
         self._version: str | None = None
         self._open: str | None = None
         self._owner: str | None = None  # who opened `_open` (its sender's name)
+        self._last_owner: str | None = None  # who opened the last update that opened
         self._loaded = 0
         self._broken: str | None = None
         self._begin_t = 0.0
@@ -262,9 +263,13 @@ class EngineSession(WeightReceiver):
                 self._resume_generation()
                 return BeginAnswer(one_copy=False, why=why).to_dict()
             self._open, self._one_copy, self._owner = version, bool(one_copy), owner
+            # The receivers keep the views of the last trainer's buckets only (transports/):
+            # another trainer's update in between, and that trainer's "same" would be refused.
+            replays = owner is not None and owner == self._last_owner
+            self._last_owner = owner
             if one_copy:
                 self._loaded = 1  # the trainer writes into the parameters from now on
-            return BeginAnswer(one_copy=bool(one_copy)).to_dict()
+            return BeginAnswer(one_copy=bool(one_copy), replays=replays).to_dict()
 
     def load_bucket(self, descriptor: dict) -> dict:
         with self._lock:

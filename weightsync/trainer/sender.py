@@ -174,7 +174,11 @@ class WeightSender:
         sent = SentPrints(self.engines, names, self.verifier.specs) if verify else None
         load_s: dict[str, float] = {}
         start = time.perf_counter()
-        self.calls.call_all("begin", version, False, self.owner, names=names)
+        began: list[BeginAnswer] = self.calls.call_all(
+            "begin", version, False, self.owner, names=names
+        )
+        if not all(answer.replays for answer in began):  # another trainer's update came between
+            transport.forget_replays()
         try:
 
             def wait_slot(plan: BucketPlan) -> int:

@@ -19,7 +19,9 @@ views it made for that bucket then (their storages stay open). A bucket written 
 buffer (the trainer's ranks filling it from their shards) is announced the same way when it was
 described last time in the same buffer, of the same size: its tensors lie where they lay, and
 the receiver's views of that buffer (and the copy lists it built on them) are reused. Receivers
-keep replays per sender (every handle names its sender), for the last `MAX_SENDERS` senders. The per-tensor work of a sync
+keep replays per sender (every handle names its sender), for the last `MAX_SENDERS` senders, and
+a sender replays only into engines whose previous update was its own (`BeginAnswer.replays`;
+after another trainer's turn it describes every bucket in full once). The per-tensor work of a sync
 (exports, view lists, descriptors, their pickling, checks and views on the receiver) then happens
 once, on the first sync; later ones pay a pointer and strides comparison per tensor on the sender (in bulk: no Python per
 tensor) and a list lookup per bucket on the receiver. `forget_replays()` (an engine added, a sync that failed)

@@ -16,7 +16,10 @@ with the segment's name and no tensor list; the receiver hands back the views it
 then, and the loader the copy lists it built on them, so a sync after the first pays no
 per-tensor work for descriptors or views. A receiver that holds no views of that bucket in that
 segment refuses it (`BucketRejected`) before anything is read; the sender then describes
-everything in full (`forget_replays`).
+everything in full (`forget_replays`). A receiver keeps the views of its `KEPT_SEGMENTS` most
+recently used segments, so a sender replays only while it has that many slots or fewer, and
+only into engines whose previous update was its own (`begin` says so: `BeginAnswer.replays`);
+after another trainer's turn it describes every bucket in full once.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 PREFIX = "weightsync-"
+KEPT_SEGMENTS = 4  # segments a receiver keeps mapped (and the views of their buckets)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -234,13 +238,10 @@ class ShmSender(SenderTransport):
 
     kind = "shm"
 
-    def __init__(
-        self, *, num_slots: int = 2, shm_dir: str = SHM_DIR, replays: bool = False
-    ) -> None:
+    def __init__(self, *, num_slots: int = 2, shm_dir: str = SHM_DIR, replays: bool = True) -> None:
         """`replays`: a bucket described before in the same segment is announced as "same"
-        (the receiver reuses its views). Off by default: a receiver keeps the views of a few
-        segments only, so with several trainers taking turns on one engine it refuses a "same"
-        whose views it dropped (tests/reliability/test_sglang_faults.py)."""
+        (the receiver reuses its views; see the module doc); with more than `KEPT_SEGMENTS`
+        slots, never."""
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots}: need at least 1")
         self._shm_dir = shm_dir
@@ -254,7 +255,7 @@ class ShmSender(SenderTransport):
         sweep_stale_segments(shm_dir)
         self._nbytes: list[int] = [0] * num_slots  # what `buffer` was last asked for
         self._described: dict[int, tuple[str, int]] = {}  # bucket -> (segment, nbytes)
-        self.replays = replays
+        self.replays = replays and num_slots <= KEPT_SEGMENTS
 
     @property
     def num_slots(self) -> int:
@@ -314,7 +315,7 @@ class ShmSender(SenderTransport):
 class ShmReceiver(ReceiverTransport):
     """Maps the sender's segments by name and keeps the most recent few mapped."""
 
-    def __init__(self, *, shm_dir: str = SHM_DIR, max_open: int = 4) -> None:
+    def __init__(self, *, shm_dir: str = SHM_DIR, max_open: int = KEPT_SEGMENTS) -> None:
         self._shm_dir = shm_dir
         self._max_open = max_open
         self._open: dict[str, _Segment] = {}

@@ -103,13 +103,23 @@ class BeginAnswer:
     """True: the trainer writes into the shared parameters (the one-copy path) this update."""
     why: str | None = None
     """Why a one-copy update was refused (then nothing was opened); None otherwise."""
+    replays: bool = False
+    """True: this engine's previous update was opened by the same trainer (the `owner` of this
+    `begin`), so its receivers may still hold the views of that trainer's buckets, and a bucket
+    announced as "same" can be replayed. False (another trainer's update came between, or the
+    engine is new): the trainer describes every bucket in full this update."""
 
     def to_dict(self) -> dict[str, Any]:
-        return _without_none({"one_copy": self.one_copy, "why": self.why})
+        out = _without_none({"one_copy": self.one_copy, "why": self.why})
+        return {**out, "replays": True} if self.replays else out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> BeginAnswer:
-        return cls(one_copy=bool(_get(d, cls, "one_copy")), why=_get(d, cls, "why", None))
+        return cls(
+            one_copy=bool(_get(d, cls, "one_copy")),
+            why=_get(d, cls, "why", None),
+            replays=bool(_get(d, cls, "replays", False)),
+        )
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
