@@ -39,7 +39,8 @@ Measured per path:
 - verified syncs timed the same way (best of `--repeats`): what verification adds to a sync,
   and whether the write plan verified them (GPU: one fused copy-and-read-back kernel).
 `--profile DIR` writes each rank's cProfile (CPU time) of the timed syncs of each path, and the
-receiver's (wall time, from the first timed sync to the last rank's dump).
+receiver's (wall time, from the first timed sync to the last rank's dump); the verified syncs
+likewise, in `PATH-verified-*.prof`. Progress goes to stderr as the run goes.
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ PATHS = ("buckets", "one_copy", "p2p")
 
 class _PipeEndpoint(PipeEndpoint, Endpoint):
     """gpu_bench's pipe endpoint, as the `Endpoint` that `TrainerSync.connect` takes."""
+
+
+_T0 = time.perf_counter()
+
+
+def _say(rank: int, message: str) -> None:
+    """Progress on rank 0, on stderr (a run stopped by a time limit shows how far it got)."""
+    if rank == 0:
+        print(f"[{time.perf_counter() - _T0:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def _gpu_reset() -> int:
@@ -225,8 +235,10 @@ def _bench_path(
         child.start()
         engines = {"receiver": _PipeEndpoint(here, "receiver")}
     sync.connect(engines)
+    _say(rank, f"{path}: connected")
     expected = path if path in ("one_copy", "p2p") else "buckets"
     warm = [sync.sync(f"warm-{i}") for i in range(2)]
+    _say(rank, f"{path}: two warm-up syncs done (the first shares, where it can)")
     pids = trainer_pids + ([engines["receiver"].call("pid", timeout_s=60)] if rank == 0 else [])
     dist.barrier()
     rss = _reset_peak_rss(pids) if rank == 0 else []
@@ -250,6 +262,7 @@ def _bench_path(
         if profile is not None:
             profile.disable()
         reports.append(report)
+    _say(rank, f"{path}: timed syncs {[round(t, 4) for t in times]}")
     rank_cpu_s: list[float] = [0.0] * dist.get_world_size()
     dist.all_gather_object(rank_cpu_s, min(cpu_times))
     if profile is not None:
@@ -280,13 +293,29 @@ def _bench_path(
     checked = sync.sync("checked", verify=True)
     # Verified syncs, timed the same way (what verification adds to a sync).
     verified_times = []
+    vprofile = cProfile.Profile(time.process_time) if args.profile else None
+    if vprofile is not None and rank == 0:
+        engines["receiver"].call("profile_start", timeout_s=60)
     for i in range(args.repeats):
         dist.barrier()
+        if vprofile is not None:
+            vprofile.enable()
         start = time.perf_counter()
         report = sync.sync(f"verified-{i}", verify=True)
         verified_times.append(time.perf_counter() - start)
+        if vprofile is not None:
+            vprofile.disable()
         if report is not None and not report.verify["receiver"].verified:  # rank 0
             raise RuntimeError(f"{path}: verified sync {i} failed: {report.verify}")
+    _say(rank, f"{path}: verified syncs {[round(t, 4) for t in verified_times]}")
+    if vprofile is not None:
+        vprofile.dump_stats(os.path.join(args.profile, f"{path}-verified-rank{rank}.prof"))
+        if rank == 0:
+            engines["receiver"].call(
+                "profile_dump",
+                os.path.abspath(os.path.join(args.profile, f"{path}-verified-receiver.prof")),
+                timeout_s=60,
+            )
     plan = sync.one_copy_path.writer.plan
     plan_verifies = bool(path == "one_copy" and getattr(plan, "dsts", None) and plan.checks)
     sync.close()
@@ -350,6 +379,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, results) -> None:
         layouts.build_module(shapes, fill=True, seed=0, device=args.device), device=args.device
     )
     built_s = time.perf_counter() - start
+    _say(rank, f"{len(shapes)} tensors built and sharded in {built_s:.1f} s")
     pids: list[int] = [0] * args.ranks
     dist.all_gather_object(pids, os.getpid())
     out = {
