@@ -7,8 +7,13 @@ from weightsync.wire.fingerprint import (
     MASK,
     PRIMES,
     ROOTS,
+    FingerprintBatch,
+    KeptHashes,
+    ModelPrints,
     combine,
     fingerprint,
+    fingerprints,
+    model_fingerprints,
     placed,
     shift,
     words_per_element,
@@ -162,3 +167,60 @@ def test_a_float32_change_that_keeps_the_word_sum_moves_both_hashes():
     before, after = fingerprint(base), fingerprint(changed)
     assert before[0] == after[0]
     assert before[1] != after[1] and before[2] != after[2]
+
+
+def _kept_tensors(device="cpu"):
+    gen = torch.Generator().manual_seed(3)
+    made = [
+        torch.randn(5, 7, generator=gen).bfloat16(),
+        torch.randn(5, 7, generator=gen).bfloat16(),  # a group of equal lengths
+        torch.randn(3, 70001, generator=gen),  # more than one row of words
+        torch.randint(0, 255, (9,), generator=gen).to(torch.uint8),
+        torch.rand(11, generator=gen) > 0.5,
+        torch.empty(0, dtype=torch.float16),
+    ]
+    return [t.to(device) for t in made]
+
+
+def _kept_round(tensors, kept):
+    batch = FingerprintBatch()
+    batch.add_all(tensors, kept)
+    return batch.read()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_kept_hashes_hash_the_same_tensors_again_with_their_values_then(device):
+    """`FingerprintBatch.add_all` with `KeptHashes`: the second call on the same list reuses
+    the groups made by the first, and gives the fingerprints of the values the tensors hold
+    then (they are read again, not remembered); a list holding a tensor hashed through a
+    contiguous copy is not kept."""
+    tensors = _kept_tensors(device)
+    kept = KeptHashes()
+    assert _kept_round(tensors, kept) == fingerprints(tensors)
+    assert kept.tensors is tensors and kept.flushes
+    with torch.no_grad():
+        for t in tensors:
+            if t.dtype == torch.bool:
+                t.logical_not_()
+            elif t.numel():
+                t.view(-1)[0] += 1
+    groups = kept.flushes
+    assert _kept_round(tensors, kept) == fingerprints(tensors)
+    assert kept.flushes is groups  # reused, not made again
+    strided = [torch.randn(6, 4, device=device)[:, ::2]]
+    kept = KeptHashes()
+    assert _kept_round(strided, kept) == fingerprints(strided) and kept.tensors is None
+
+
+def test_model_prints_follow_a_parameter_whose_memory_moved():
+    """`ModelPrints` keeps its parameter list and hashing between calls, and still hashes a
+    parameter given new memory (`param.data = ...`) and values written in place."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    param_of = {n: [n] for n, _ in model.named_parameters()}
+    prints = ModelPrints(model)
+    assert prints(param_of) == model_fingerprints(model, param_of)
+    with torch.no_grad():
+        model[0].weight.add_(1)
+        model[1].bias.data = torch.randn(2)
+    assert prints(param_of) == model_fingerprints(model, param_of)
+    assert prints({"0.weight": ["0.weight"]}) == {"0.weight": list(fingerprint(model[0].weight))}

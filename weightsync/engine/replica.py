@@ -19,7 +19,7 @@ from weightsync.engine.loading import BucketLoader
 from weightsync.engine.one_copy.sharing import ParameterSharing
 from weightsync.engine.refit import RefitCheck
 from weightsync.engine.rollback import PreviousWeights
-from weightsync.wire.fingerprint import model_fingerprints
+from weightsync.wire.fingerprint import ModelPrints
 from weightsync.wire.protocol import (
     LoadReport,
     RefitAnswer,
@@ -65,6 +65,9 @@ class ModelReceiver:
         self.placements: dict[str, list] = {}
         self._unplaced: set[str] = set()
         self._writing = False  # a one-copy update is open: trainer ranks write the parameters
+        self._prints = ModelPrints(model)
+        # bucket index -> (its views, the map they were checked against, the parameters written)
+        self._mapped: dict[int, tuple[list, dict, frozenset[str]]] = {}
 
     @property
     def param_of(self) -> dict[str, list[str]]:
@@ -103,20 +106,31 @@ class ModelReceiver:
         start = time.perf_counter()
         views = self.receive(descriptor)
         param_of = self.param_of
-        known = [(n, t) for n, t in views if n in param_of]
-        if len(known) == len(views):
-            known = views  # the very list received: a replayed bucket's copies are reused
+        mapped = self._mapped.get(descriptor.index)
+        if not descriptor.handle.get("same"):
+            self._mapped.pop(descriptor.index, None)  # its views changed
+            mapped = None
+        if mapped is not None and mapped[0] is views and mapped[1] is param_of:
+            known, written = views, set(mapped[2])  # a replayed bucket, every tensor mapped
+        else:
+            known = [(n, t) for n, t in views if n in param_of]
+            if len(known) == len(views):
+                known = views  # the very list received: a replayed bucket's copies are reused
+            written = None
         if keep_previous:
             if len(known) < len(views):  # where a new tensor lands is not known yet
                 self.previous.keep_all(dict(self.model.named_parameters()))
             self.previous.keep([name for name, _ in known])
         if known:
             self.buckets.load(known)
-        written = {param for name, _ in known for param in param_of[name]}
-        for name, tensor in views:
-            if name not in param_of:
-                param_of[name] = sorted(self.load_fn([(name, tensor)]) or ())
-                written.update(param_of[name])
+        if written is None:
+            written = {param for name, _ in known for param in param_of[name]}
+            for name, tensor in views:
+                if name not in param_of:
+                    param_of[name] = sorted(self.load_fn([(name, tensor)]) or ())
+                    written.update(param_of[name])
+            if known is views:  # kept while the bucket is replayed (`receive` hands back views)
+                self._mapped[descriptor.index] = (views, param_of, frozenset(written))
         if learn_placements:
             self.learn_placements(views)
         num_tensors = len(views)  # a replayed bucket's descriptor lists none
@@ -209,9 +223,10 @@ class ModelReceiver:
         self.sharing.end()
 
     def fingerprints(self) -> dict[str, list[int]]:
-        return model_fingerprints(self.model, self.refit.param_of)
+        return self._prints(self.refit.param_of)
 
     def close(self) -> None:
+        self._mapped.clear()
         self.buckets.close()
         self.sharing.close()
 

@@ -33,7 +33,7 @@ from weightsync.wire.bucket import (
     take_bucket,
     tensor_view,
 )
-from weightsync.wire.fingerprint import Fingerprint
+from weightsync.wire.fingerprint import Fingerprint, KeptHashes
 from weightsync.wire.protocol import (
     BeginAnswer,
     EndReport,
@@ -95,6 +95,8 @@ class WeightSender:
         # and their buckets and aborts do not touch it (weightsync/engine/session.py).
         self.owner = f"trainer {socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._last_names: list[str] = []
+        # bucket index -> (its plan, (buffer address, size), names, views, their hashing)
+        self._views: dict[int, tuple[BucketPlan, tuple[int, int], list, list, KeptHashes]] = {}
         self.num_syncs = 0
 
     def add_engine(self, endpoint: Endpoint, *, timeout_s: float | None = None) -> RefitAnswer:
@@ -134,6 +136,20 @@ class WeightSender:
         reports: list[LoadReport] = self.calls.wait_all(calls)
         for (name, _, _), report in zip(calls, reports):
             load_s[name] = load_s.get(name, 0.0) + report.seconds
+
+    def _bucket_views(
+        self, plan: BucketPlan, buffer: torch.Tensor
+    ) -> tuple[list[str], list[torch.Tensor], KeptHashes]:
+        """The names and views of `plan`'s tensors in `buffer`, and how they were hashed: made
+        once per bucket, kept while its buffer is the same memory (verified syncs hash each
+        bucket without per-tensor work from the second on)."""
+        where = (buffer.data_ptr(), buffer.numel())
+        kept = self._views.get(plan.index)
+        if kept is None or kept[0] is not plan or kept[1] != where:
+            names = [meta.name for meta in plan.tensors]
+            views = [tensor_view(buffer, meta) for meta in plan.tensors]
+            kept = self._views[plan.index] = (plan, where, names, views, KeptHashes())
+        return kept[2], kept[3], kept[4]
 
     def sync(
         self,
@@ -213,11 +229,7 @@ class WeightSender:
                 in_flight[slot] = [self.calls.submit(n, "load_bucket", descriptor) for n in names]
                 transport.send(slot, plan.nbytes)
                 if sent and attach is None:
-                    buffer = transport.buffer(slot, plan.nbytes)
-                    sent.add(
-                        [meta.name for meta in plan.tensors],
-                        [tensor_view(buffer, meta) for meta in plan.tensors],
-                    )
+                    sent.add(*self._bucket_views(plan, transport.buffer(slot, plan.nbytes)))
             if peers is not None:
                 peers.filled()
             for slot in list(in_flight):
@@ -453,6 +465,7 @@ class WeightSender:
         return self.verifier.verify(sent, engines=engines, worker_sent=worker_sent)
 
     def close(self) -> None:
+        self._views.clear()  # they hold the transport's buffers
         if self.transport is not None:
             self.transport.close()
 

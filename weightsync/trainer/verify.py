@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.trainer.endpoint import EngineCalls
 from weightsync.wire.errors import VerificationFailed
-from weightsync.wire.fingerprint import Fingerprint, FingerprintBatch, expected_fingerprints
+from weightsync.wire.fingerprint import (
+    Fingerprint,
+    FingerprintBatch,
+    KeptHashes,
+    expected_fingerprints,
+    sole_holders,
+)
 from weightsync.wire.placement import WorkerPrints, placed_params, prints_from_sent, sliced
 from weightsync.wire.protocol import EngineVerification, StageReport, VerifyReport
 from weightsync.wire.specs import TensorSpec
@@ -54,14 +60,16 @@ class SentPrints:
             and any(sliced(p, specs) for p in engines[n].placements)
         }
 
-    def add(self, names: list[str], tensors: list[torch.Tensor]) -> None:
-        """One bucket's tensors, hashed before its memory is reused."""
-        for name, tensor in zip(names, tensors):
-            self._order.append(name)
-            self._batch.add(tensor)
-            for prints in self._workers.values():
+    def add(
+        self, names: list[str], tensors: list[torch.Tensor], kept: KeptHashes | None = None
+    ) -> None:
+        """One bucket's tensors, hashed before its memory is reused. `kept`: how the same list
+        was hashed last time (`FingerprintBatch.add_all`): no per-tensor work then."""
+        self._order.extend(names)
+        self._batch.add_all(tensors, kept)
+        for prints in self._workers.values():
+            for name, tensor in zip(names, tensors):
                 prints.add(name, tensor)
-        self._batch.flush()
 
     def result(self) -> dict[str, Fingerprint]:
         return dict(zip(self._order, self._batch.read()))
@@ -81,6 +89,8 @@ class Verifier:
         self.specs = {spec.name: spec for spec in specs}
         # False: a verified sync fails when an engine holds a parameter it could not compare.
         self.allow_unchecked = allow_unchecked
+        # engine -> (its param_of, `sole_holders` of it): made once per map the engine reports
+        self._holders: dict[str, tuple[dict, dict[str, str]]] = {}
 
     def verify(
         self,
@@ -178,7 +188,10 @@ class Verifier:
     ) -> EngineVerification:
         state = self.engines[name]
         if isinstance(want, str) or state.placements is None:  # "by-name"
-            expected = expected_fingerprints(state.param_of, sent)
+            kept = self._holders.get(name)
+            if kept is None or kept[0] is not state.param_of:
+                kept = self._holders[name] = (state.param_of, sole_holders(state.param_of))
+            expected = expected_fingerprints(state.param_of, sent, kept[1])
             bad = _mismatched(expected, workers[0])
             return EngineVerification(
                 verified=not bad and bool(expected),

@@ -253,6 +253,39 @@ def _kernel_sums(tensors: list[torch.Tensor], byte_words: bool) -> torch.Tensor:
     return out.index_add_(0, run, sums)
 
 
+def _hash(key: tuple, items: list[torch.Tensor]) -> torch.Tensor:
+    """[G, 3] int64 sums of one group of `FingerprintBatch` (`key`: device, word kind, length;
+    length None: tensors of any length for the GPU kernel, else flat word tensors of it)."""
+    device, byte_words, n = key
+    if n is None:
+        try:
+            return _kernel_sums(items, byte_words)
+        except RuntimeError:  # the kernel stopped running here: the GEMM, by length
+            sums = torch.zeros((len(items), 3), dtype=torch.int64, device=device)
+            words = [_words(t) for t in items]
+            for length in sorted({w.numel() for w in words} - {0}):
+                same = [i for i, w in enumerate(words) if w.numel() == length]
+                part = torch.zeros((len(same), 3), dtype=torch.int64, device=device)
+                _whole_sums([words[i] for i in same], part)
+                sums[same] = part
+            return sums
+    out = torch.zeros((len(items), 3), dtype=torch.int64, device=device)
+    if n:
+        _whole_sums(items, out)
+    return out
+
+
+class KeptHashes:
+    """How `FingerprintBatch.add_all` grouped one list of tensors (each group's word tensors,
+    hashed by one kernel launch or GEMM call), kept to hash the same list again."""
+
+    __slots__ = ("tensors", "flushes")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] | None = None  # the list these groups were made for
+        self.flushes: list[tuple[tuple, list[int], list[torch.Tensor]]] = []
+
+
 class FingerprintBatch:
     """Fingerprints of many tensors with few kernels: on a GPU with Triton, tensors of one
     device and word size hashed together by one kernel launch; elsewhere tensors of one device
@@ -264,6 +297,7 @@ class FingerprintBatch:
         self._done: list[tuple[list[int], torch.Tensor]] = []
         self._queued: dict[tuple, int] = {}  # words queued per kernel group
         self._count = 0
+        self._recording: list[tuple[tuple, list[int], list[torch.Tensor]]] | None = None
 
     def add(self, tensor: torch.Tensor) -> int:
         """Queue `tensor`; its index in `read()`'s list."""
@@ -296,25 +330,37 @@ class FingerprintBatch:
         self._queued.pop(key, None)
         if not group:
             return
-        device, byte_words, n = key
-        if n is None:
-            tensors = [t for _, t in group]
-            try:
-                sums = _kernel_sums(tensors, byte_words)
-            except RuntimeError:  # the kernel stopped running here: the GEMM, by length
-                sums = torch.zeros((len(tensors), 3), dtype=torch.int64, device=device)
-                words = [_words(t) for t in tensors]
-                for length in sorted({w.numel() for w in words} - {0}):
-                    same = [i for i, w in enumerate(words) if w.numel() == length]
-                    part = torch.zeros((len(same), 3), dtype=torch.int64, device=device)
-                    _whole_sums([words[i] for i in same], part)
-                    sums[same] = part
-            self._done.append(([i for i, _ in group], sums))
+        indices, items = [i for i, _ in group], [t for _, t in group]
+        self._done.append((indices, _hash(key, items)))
+        if self._recording is not None:
+            self._recording.append((key, indices, items))
+
+    def add_all(self, tensors: list[torch.Tensor], kept: KeptHashes | None = None) -> None:
+        """`add` each of `tensors` and hash them now (before their memory is reused). With
+        `kept`, how they were grouped and hashed is kept there, and the next call with the same
+        list object hashes them again without any per-tensor work: the caller keeps that list
+        to tensors whose memory has not moved."""
+        if kept is not None and kept.tensors is tensors:
+            base = self._count
+            for key, indices, items in kept.flushes:
+                self._done.append(([base + i for i in indices], _hash(key, items)))
+            self._count += len(tensors)
             return
-        out = torch.zeros((len(group), 3), dtype=torch.int64, device=device)
-        if n:
-            _whole_sums([words for _, words in group], out)
-        self._done.append(([i for i, _ in group], out))
+        self.flush()
+        base = self._count
+        self._recording = [] if kept is not None else None
+        try:
+            for tensor in tensors:
+                self.add(tensor)
+            self.flush()
+            recorded = self._recording
+        finally:
+            self._recording = None
+        if kept is not None and recorded is not None:
+            # A tensor hashed through a contiguous copy cannot be hashed again from that copy.
+            keepable = all(t.is_contiguous() for t in tensors)
+            kept.tensors = tensors if keepable else None
+            kept.flushes = [(k, [i - base for i in idx], items) for k, idx, items in recorded]
 
     def flush(self) -> None:
         """Hash what is queued now (before its memory is reused); results stay on device."""
@@ -404,19 +450,28 @@ def combine(prints: list[Fingerprint]) -> Fingerprint:
 
 
 def expected_fingerprints(
-    param_of: dict[str, list[str]], sent: dict[str, Fingerprint]
+    param_of: dict[str, list[str]],
+    sent: dict[str, Fingerprint],
+    holders: dict[str, str] | None = None,
 ) -> dict[str, Fingerprint]:
     """What each engine parameter's fingerprint must be, for a receiver that reports no
     placements: a parameter exactly one trainer tensor lands in holds it from its first word
     (the reference receiver's and a padded vocabulary's layout). Parameters made of several
     tensors, and tensors landing in several parameters, cannot be placed this way and are left
-    out (engines report placements for those)."""
+    out (engines report placements for those). `holders`: `sole_holders(param_of)`, if kept."""
+    if holders is None:
+        holders = sole_holders(param_of)
+    return {p: sent[name] for p, name in holders.items()}
+
+
+def sole_holders(param_of: dict[str, list[str]]) -> dict[str, str]:
+    """{engine parameter: the one trainer tensor it holds whole} (`expected_fingerprints`)."""
     holders: dict[str, list[str]] = {}
     for name, targets in param_of.items():
         for target in targets:
             holders.setdefault(target, []).append(name)
     return {
-        p: as_fingerprint(sent[names[0]])
+        p: names[0]
         for p, names in holders.items()
         if len(names) == 1 and len(param_of[names[0]]) == 1
     }
@@ -425,7 +480,34 @@ def expected_fingerprints(
 def model_fingerprints(model: nn.Module, param_of: dict[str, list[str]]) -> dict[str, list[int]]:
     """Engine side: {parameter name: [s, h1, h2]} of every parameter some trainer tensor lands
     in (`param_of`: trainer tensor -> engine parameters), as plain data."""
-    covered = {p for targets in param_of.values() for p in targets}
-    named = [(name, p.data) for name, p in model.named_parameters() if name in covered]
-    prints = fingerprints([t for _, t in named])
-    return {name: list(fp) for (name, _), fp in zip(named, prints)}
+    return ModelPrints(model)(param_of)
+
+
+class ModelPrints:
+    """`model_fingerprints` of one model, asked again and again (every verified sync): the
+    parameters `param_of` covers are found once per `param_of` object, and their hashing kept
+    (`KeptHashes`) while every one of them still lies where it lay (its data pointer)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._param_of: dict[str, list[str]] | None = None
+        self._names: list[str] = []
+        self._params: list[torch.Tensor] = []
+        self._tensors: list[torch.Tensor] = []
+        self._pointers: list[int] = []
+        self._kept = KeptHashes()
+
+    def __call__(self, param_of: dict[str, list[str]]) -> dict[str, list[int]]:
+        if param_of is not self._param_of:
+            covered = {p for targets in param_of.values() for p in targets}
+            named = [(n, p) for n, p in self.model.named_parameters() if n in covered]
+            self._names = [n for n, _ in named]
+            self._params = [p for _, p in named]
+            self._param_of, self._pointers = param_of, []
+        pointers = [p.data_ptr() for p in self._params]
+        if pointers != self._pointers:  # new parameters, or a parameter's memory moved
+            self._tensors = [p.data for p in self._params]
+            self._pointers, self._kept = pointers, KeptHashes()
+        batch = FingerprintBatch()
+        batch.add_all(self._tensors, self._kept)
+        return {name: list(fp) for name, fp in zip(self._names, batch.read())}
