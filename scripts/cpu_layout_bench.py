@@ -196,6 +196,18 @@ def _segment_bytes(pids: list[int]) -> int:
     )
 
 
+def _dump_profiles(
+    profile: cProfile.Profile, folder: str, name: str, rank: int, engines: dict
+) -> None:
+    """This rank's profile as NAME-rankR.prof in `folder`; rank 0 has the receiver write its
+    own as NAME-receiver.prof."""
+    os.makedirs(folder, exist_ok=True)
+    profile.dump_stats(os.path.join(folder, f"{name}-rank{rank}.prof"))
+    if rank == 0:
+        where = os.path.abspath(os.path.join(folder, f"{name}-receiver.prof"))
+        engines["receiver"].call("profile_dump", where, timeout_s=60)
+
+
 def _bench_path(
     path: str,
     model: torch.nn.Module,
@@ -266,14 +278,7 @@ def _bench_path(
     rank_cpu_s: list[float] = [0.0] * dist.get_world_size()
     dist.all_gather_object(rank_cpu_s, min(cpu_times))
     if profile is not None:
-        os.makedirs(args.profile, exist_ok=True)
-        profile.dump_stats(os.path.join(args.profile, f"{path}-rank{rank}.prof"))
-        if rank == 0:
-            engines["receiver"].call(
-                "profile_dump",
-                os.path.abspath(os.path.join(args.profile, f"{path}-receiver.prof")),
-                timeout_s=60,
-            )
+        _dump_profiles(profile, args.profile, path, rank, engines)
     peak = _peak_rss(pids) if rank == 0 else []
     gpu_growth = {}
     if gpu and rank == 0:
@@ -309,13 +314,7 @@ def _bench_path(
             raise RuntimeError(f"{path}: verified sync {i} failed: {report.verify}")
     _say(rank, f"{path}: verified syncs {[round(t, 4) for t in verified_times]}")
     if vprofile is not None:
-        vprofile.dump_stats(os.path.join(args.profile, f"{path}-verified-rank{rank}.prof"))
-        if rank == 0:
-            engines["receiver"].call(
-                "profile_dump",
-                os.path.abspath(os.path.join(args.profile, f"{path}-verified-receiver.prof")),
-                timeout_s=60,
-            )
+        _dump_profiles(vprofile, args.profile, f"{path}-verified", rank, engines)
     plan = sync.one_copy_path.writer.plan
     plan_verifies = bool(path == "one_copy" and getattr(plan, "dsts", None) and plan.checks)
     sync.close()
