@@ -223,4 +223,7 @@ def test_model_prints_follow_a_parameter_whose_memory_moved():
         model[0].weight.add_(1)
         model[1].bias.data = torch.randn(2)
     assert prints(param_of) == model_fingerprints(model, param_of)
-    assert prints({"0.weight": ["0.weight"]}) == {"0.weight": list(fingerprint(model[0].weight))}
+    learned = {"0.weight": ["0.weight"]}
+    assert prints(learned) == {"0.weight": list(fingerprint(model[0].weight))}
+    learned["1.bias"] = ["1.bias"]  # an engine that learns its map while loading adds to it
+    assert prints(learned) == model_fingerprints(model, learned) and len(prints(learned)) == 2

@@ -68,6 +68,7 @@ class ModelReceiver:
         self._prints = ModelPrints(model)
         # bucket index -> (its views, the map they were checked against, the parameters written)
         self._mapped: dict[int, tuple[list, dict, frozenset[str]]] = {}
+        self._loaded: set[int] = set()  # buckets loaded in this update
 
     @property
     def param_of(self) -> dict[str, list[str]]:
@@ -106,6 +107,7 @@ class ModelReceiver:
         start = time.perf_counter()
         views = self.receive(descriptor)
         param_of = self.param_of
+        self._loaded.add(descriptor.index)
         mapped = self._mapped.get(descriptor.index)
         if not descriptor.handle.get("same"):
             self._mapped.pop(descriptor.index, None)  # its views changed
@@ -154,6 +156,7 @@ class ModelReceiver:
         serve whatever those ranks write next. So the parameters leave the shared memory first
         (fenced): each takes its kept copy as its own memory, the writers are left with a
         segment nobody reads, and the next sync goes by buckets and shares again."""
+        self._prints.forget()  # parameters may take other memory
         if not self._writing:
             return self.previous.restore()
         self._writing = False
@@ -171,6 +174,10 @@ class ModelReceiver:
         later rollback does not fence the parameters off."""
         self._writing = False
         self.previous.drop()
+        # Replayed buckets' kept views: only those the last update loaded (the others may be
+        # of segments or senders the transport let go; kept, they would stay mapped).
+        self._mapped = {i: m for i, m in self._mapped.items() if i in self._loaded}
+        self._loaded = set()
 
     def learn_placements(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """After loading: for each tensor seen for the first time
@@ -195,6 +202,7 @@ class ModelReceiver:
                 self.placements[name] = [targets[0], pats]
 
     def share(self, placements: dict[str, Any] | None = None) -> ShareAnswer:
+        self._prints.forget()  # the parameters move into shared memory
         return self.sharing.share(placements)
 
     def begin_one_copy(
@@ -204,6 +212,7 @@ class ModelReceiver:
         `keep_previous`, copied first), else why not. `sharing`: the sharings the trainer
         writes into (`ParameterSharing.begin`)."""
         why = self.sharing.begin(sharing)
+        self._prints.forget()  # one-copy syncs verify by the ranks' read-back, not by these
         if why is None and keep_previous and self.sharing.shared.device is not None:
             why = (
                 f"{self.sharing.name}: keep_previous on GPU parameters: the previous weights "

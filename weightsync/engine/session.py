@@ -259,13 +259,13 @@ class EngineSession(WeightReceiver):
             except BaseException:
                 self._resume_generation()
                 raise
-            if why is not None:
-                self._resume_generation()
-                return BeginAnswer(one_copy=False, why=why).to_dict()
-            self._open, self._one_copy, self._owner = version, bool(one_copy), owner
             # The receivers keep the views of the last trainer's buckets only (transports/):
             # another trainer's update in between, and that trainer's "same" would be refused.
             replays = owner is not None and owner == self._last_owner
+            if why is not None:
+                self._resume_generation()
+                return BeginAnswer(one_copy=False, why=why, replays=replays).to_dict()
+            self._open, self._one_copy, self._owner = version, bool(one_copy), owner
             self._last_owner = owner
             if one_copy:
                 self._loaded = 1  # the trainer writes into the parameters from now on

@@ -137,6 +137,13 @@ class WeightSender:
         for (name, _, _), report in zip(calls, reports):
             load_s[name] = load_s.get(name, 0.0) + report.seconds
 
+    def _began(self, answers: list[BeginAnswer]) -> None:
+        """After `begin` on engines, by any path: where another trainer's update came between
+        on any of them, its receivers may have dropped this sender's bucket views, so every
+        bucket is described in full next time (`BeginAnswer.replays`)."""
+        if self.transport is not None and not all(answer.replays for answer in answers):
+            self.transport.forget_replays()
+
     def _bucket_views(
         self, plan: BucketPlan, buffer: torch.Tensor
     ) -> tuple[list[str], list[torch.Tensor], KeptHashes]:
@@ -190,11 +197,7 @@ class WeightSender:
         sent = SentPrints(self.engines, names, self.verifier.specs) if verify else None
         load_s: dict[str, float] = {}
         start = time.perf_counter()
-        began: list[BeginAnswer] = self.calls.call_all(
-            "begin", version, False, self.owner, names=names
-        )
-        if not all(answer.replays for answer in began):  # another trainer's update came between
-            transport.forget_replays()
+        self._began(self.calls.call_all("begin", version, False, self.owner, names=names))
         try:
 
             def wait_slot(plan: BucketPlan) -> int:
@@ -319,6 +322,7 @@ class WeightSender:
                 ]
             )
             phases["begin"] = time.perf_counter() - start
+            self._began(answers)
             for name, answer in zip(engines, answers):
                 if answer.one_copy:
                     one_copy.append(name)
@@ -384,7 +388,7 @@ class WeightSender:
         start = time.perf_counter()
         phases: dict[str, Any] = {}
         try:
-            self.calls.call_all("begin", version, False, self.owner, names=engines)
+            self._began(self.calls.call_all("begin", version, False, self.owner, names=engines))
         except BaseException as exc:
             self.calls.abort(engines, f"{type(exc).__name__}: {exc}", self.owner)
             send(False)

@@ -485,25 +485,34 @@ def model_fingerprints(model: nn.Module, param_of: dict[str, list[str]]) -> dict
 
 class ModelPrints:
     """`model_fingerprints` of one model, asked again and again (every verified sync): the
-    parameters `param_of` covers are found once per `param_of` object, and their hashing kept
+    parameters `param_of` covers are found once per `param_of` (object and size), and their hashing kept
     (`KeptHashes`) while every one of them still lies where it lay (its data pointer)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._param_of: dict[str, list[str]] | None = None
+        self._size = 0  # entries of `_param_of` then
         self._names: list[str] = []
         self._params: list[torch.Tensor] = []
         self._tensors: list[torch.Tensor] = []
         self._pointers: list[int] = []
         self._kept = KeptHashes()
 
+    def forget(self) -> None:
+        """Let go of the kept tensors (they hold their memory): parameters were given new
+        memory (shared, fenced off) and the next call may be far away."""
+        self._param_of, self._size = None, 0
+        self._params, self._tensors, self._pointers = [], [], []
+        self._kept = KeptHashes()
+
     def __call__(self, param_of: dict[str, list[str]]) -> dict[str, list[int]]:
-        if param_of is not self._param_of:
+        # An engine that learns where tensors land while loading adds to the same map.
+        if param_of is not self._param_of or len(param_of) != self._size:
             covered = {p for targets in param_of.values() for p in targets}
             named = [(n, p) for n, p in self.model.named_parameters() if n in covered]
             self._names = [n for n, _ in named]
             self._params = [p for _, p in named]
-            self._param_of, self._pointers = param_of, []
+            self._param_of, self._size, self._pointers = param_of, len(param_of), []
         pointers = [p.data_ptr() for p in self._params]
         if pointers != self._pointers:  # new parameters, or a parameter's memory moved
             self._tensors = [p.data for p in self._params]
