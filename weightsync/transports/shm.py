@@ -238,10 +238,8 @@ class ShmSender(SenderTransport):
 
     kind = "shm"
 
-    def __init__(self, *, num_slots: int = 2, shm_dir: str = SHM_DIR, replays: bool = True) -> None:
-        """`replays`: a bucket described before in the same segment is announced as "same"
-        (the receiver reuses its views; see the module doc); with more than `KEPT_SEGMENTS`
-        slots, never."""
+    def __init__(self, *, num_slots: int = 2, shm_dir: str = SHM_DIR) -> None:
+        """With more than `KEPT_SEGMENTS` slots no bucket is replayed (see the module doc)."""
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots}: need at least 1")
         self._shm_dir = shm_dir
@@ -255,7 +253,7 @@ class ShmSender(SenderTransport):
         sweep_stale_segments(shm_dir)
         self._nbytes: list[int] = [0] * num_slots  # what `buffer` was last asked for
         self._described: dict[int, tuple[str, int]] = {}  # bucket -> (segment, nbytes)
-        self.replays = replays and num_slots <= KEPT_SEGMENTS
+        self._replays = num_slots <= KEPT_SEGMENTS
 
     @property
     def num_slots(self) -> int:
@@ -279,7 +277,7 @@ class ShmSender(SenderTransport):
     def describe(self, slot: int, index: int) -> dict[str, Any]:
         handle = self.handle(slot)
         where = (str(handle["name"]), self._nbytes[slot])
-        if self.replays and self._described.get(index) == where:
+        if self._replays and self._described.get(index) == where:
             return {**handle, "same": True}
         self._described[index] = where
         return handle
