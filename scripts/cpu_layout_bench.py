@@ -40,7 +40,10 @@ Measured per path:
   and whether the write plan verified them (GPU: one fused copy-and-read-back kernel).
 `--profile DIR` writes each rank's cProfile (CPU time) of the timed syncs of each path, and the
 receiver's (wall time, from the first timed sync to the last rank's dump); the verified syncs
-likewise, in `PATH-verified-*.prof`. Progress goes to stderr as the run goes.
+likewise, in `PATH-verified-*.prof`. `--trace DIR` (GPU): after the verified syncs, one more
+sync and one more verified sync under torch.profiler (host and device time) on rank 0 and in the
+receiver: each side's table of ops by device time (`PATH-SYNC-SIDE.txt`) and its timeline
+(`PATH-SYNC-SIDE.json.gz`, chrome://tracing). Progress goes to stderr as the run goes.
 """
 
 from __future__ import annotations
@@ -99,6 +102,43 @@ def _profile_dump(path: str) -> None:
     _receiver_profile[0].dump_stats(path)
 
 
+_receiver_trace: list = []
+
+
+def _trace_start() -> None:
+    _receiver_trace[:] = [_torch_profiler()]
+    _receiver_trace[0].__enter__()
+
+
+def _trace_dump(path: str) -> None:
+    _trace_write(_receiver_trace.pop(), path)
+
+
+def _torch_profiler():
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def _trace_write(prof, path: str) -> None:
+    """End `prof` (entered) and write PATH.txt (ops by device time) and PATH.json.gz."""
+    import gzip
+    import shutil
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof.__exit__(None, None, None)
+    with open(f"{path}.txt", "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
+        f.write("\n")
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+    prof.export_chrome_trace(f"{path}.json")
+    with open(f"{path}.json", "rb") as src, gzip.open(f"{path}.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(f"{path}.json")
+
+
 # Calls the receiver process answers itself (not its receiver).
 _PROCESS_CALLS = {
     "pid": os.getpid,
@@ -106,6 +146,8 @@ _PROCESS_CALLS = {
     "gpu_peak": lambda: torch.cuda.max_memory_allocated(),
     "profile_start": _profile_start,
     "profile_dump": _profile_dump,
+    "trace_start": _trace_start,
+    "trace_dump": _trace_dump,
 }
 
 
@@ -206,6 +248,25 @@ def _dump_profiles(
     if rank == 0:
         where = os.path.abspath(os.path.join(folder, f"{name}-receiver.prof"))
         engines["receiver"].call("profile_dump", where, timeout_s=60)
+
+
+def _traced_sync(sync, path: str, verify: bool, *, rank: int, folder: str, engines: dict) -> None:
+    """One more sync under torch.profiler on rank 0 and in the receiver (`--trace`)."""
+    import torch.distributed as dist
+
+    name = os.path.join(os.path.abspath(folder), f"{path}-{'verified' if verify else 'sync'}")
+    os.makedirs(folder, exist_ok=True)
+    dist.barrier()
+    prof = None
+    if rank == 0:
+        engines["receiver"].call("trace_start", timeout_s=60)
+        prof = _torch_profiler()
+        prof.__enter__()
+    sync.sync(f"traced-{int(verify)}", verify=verify)
+    if prof is not None:
+        _trace_write(prof, f"{name}-rank0")
+        engines["receiver"].call("trace_dump", f"{name}-receiver", timeout_s=600)
+    _say(rank, f"{path}: traced {'verified ' if verify else ''}sync written to {name}-*")
 
 
 def _bench_path(
@@ -315,6 +376,9 @@ def _bench_path(
     _say(rank, f"{path}: verified syncs {[round(t, 4) for t in verified_times]}")
     if vprofile is not None:
         _dump_profiles(vprofile, args.profile, f"{path}-verified", rank, engines)
+    if args.trace:
+        for verify in (False, True):
+            _traced_sync(sync, path, verify, rank=rank, folder=args.trace, engines=engines)
     plan = sync.one_copy_path.writer.plan
     plan_verifies = bool(path == "one_copy" and getattr(plan, "dsts", None) and plan.checks)
     sync.close()
@@ -537,6 +601,12 @@ def main() -> None:
         "--profile",
         metavar="DIR",
         help="write each rank's cProfile of the timed syncs of each path here",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="GPU: one more sync and verified sync of each path under torch.profiler on rank 0 "
+        "and the receiver, written here (ops by device time, and timelines)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object, no table")
     args = parser.parse_args()
