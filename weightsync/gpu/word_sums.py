@@ -112,24 +112,12 @@ def disable(why: str) -> None:
     _kernel[:] = [None]
 
 
-def group_sums(
-    starts: list[int],
-    counts: list[int],
-    *,
-    byte_words: bool,
-    col_weights: torch.Tensor,
-    row_weights: torch.Tensor,
-    moduli: tuple[int, int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For runs of words at device addresses `starts` (`counts[i]` words each; bytes if
-    `byte_words`, else 16-bit words; the caller keeps their memory alive until the sums are
-    read), `col_weights` ([2, ROW] float64 on their device), `row_weights` ([2, ROWS] float64)
-    and `moduli` (p_1, p_2): (sums, run, first_row): `sums` [groups, 3] int64 as the module doc
-    defines them (h_m not yet reduced mod p_m), `run` the index of each group's run and
-    `first_row` the index of its first row in the run. Asynchronous: nothing is read back."""
-    if not available():
-        raise RuntimeError("the GPU word-sum kernel does not run here (see `available`)")
-    device = col_weights.device
+def group_table(
+    starts: list[int], counts: list[int], *, byte_words: bool, device: torch.device
+) -> torch.Tensor:
+    """[4, groups] int64 on `device`: each group's first word's address, its word count, its
+    run's index and the index of its first row in the run (`group_sums`'s work list, made on
+    the host: kept by callers that hash the same runs again)."""
     size = 1 if byte_words else 2
     span = ROW * ROWS
     at = torch.tensor(starts, dtype=torch.int64)
@@ -138,7 +126,7 @@ def group_sums(
     run = torch.repeat_interleave(torch.arange(len(starts)), per)
     first = torch.cumsum(per, 0) - per
     group = torch.arange(run.numel()) - first[run]
-    table = torch.stack(
+    return torch.stack(
         [
             at[run] + group * (span * size),
             torch.clamp(count[run] - group * span, max=span),
@@ -146,7 +134,32 @@ def group_sums(
             group * ROWS,
         ]
     ).to(device, non_blocking=True)
-    num_groups = run.numel()
+
+
+def group_sums(
+    starts: list[int],
+    counts: list[int],
+    *,
+    byte_words: bool,
+    col_weights: torch.Tensor,
+    row_weights: torch.Tensor,
+    moduli: tuple[int, int],
+    table: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For runs of words at device addresses `starts` (`counts[i]` words each; bytes if
+    `byte_words`, else 16-bit words; the caller keeps their memory alive until the sums are
+    read), `col_weights` ([2, ROW] float64 on their device), `row_weights` ([2, ROWS] float64)
+    and `moduli` (p_1, p_2): (sums, run, first_row): `sums` [groups, 3] int64 as the module doc
+    defines them (h_m not yet reduced mod p_m), `run` the index of each group's run and
+    `first_row` the index of its first row in the run. `table`: `group_table` of the same
+    runs, made before (`starts` and `counts` are then not read). Asynchronous: nothing is read
+    back."""
+    if not available():
+        raise RuntimeError("the GPU word-sum kernel does not run here (see `available`)")
+    device = col_weights.device
+    if table is None:
+        table = group_table(starts, counts, byte_words=byte_words, device=device)
+    num_groups = table.shape[1]
     partial = torch.empty((num_groups, ROW // BLOCK, 3), dtype=torch.float64, device=device)
     if num_groups:
         try:

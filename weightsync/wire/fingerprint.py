@@ -208,7 +208,7 @@ def _kernel_checked(device: torch.device) -> bool:
             _whole_sums([_words(tensors[0])], want[0:1])
             _whole_sums([_words(tensors[2])], want[2:3])
             try:
-                got = _kernel_sums(tensors, dtype == torch.uint8)
+                got, _ = _kernel_sums(tensors, dtype == torch.uint8)
             except RuntimeError:
                 ok = False
                 break
@@ -226,40 +226,73 @@ def _reduced(sums: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _kernel_sums(tensors: list[torch.Tensor], byte_words: bool) -> torch.Tensor:
+class _KernelWork:
+    """What the host prepares for one `_kernel_sums` call (the kernel's work list, row
+    weights, moduli on the device), kept to hash the same tensors again with no host work
+    beyond the launches."""
+
+    __slots__ = ("table", "weights", "row_weights", "primes", "count")
+
+    def __init__(self, tensors: list[torch.Tensor], byte_words: bool) -> None:
+        from weightsync.gpu import word_sums
+
+        device = tensors[0].device
+        size = 1 if byte_words else 2
+        counts = [t.numel() * t.element_size() // size for t in tensors]
+        rows = -(-max(counts) // _ROW)
+        self.count = len(tensors)
+        self.table: torch.Tensor | None = None
+        if rows == 0:
+            return
+        self.weights = _row_weights(max(rows, word_sums.ROWS), device)
+        self.row_weights = self.weights[: word_sums.ROWS, 1:].t().to(torch.float64).contiguous()
+        self.primes = torch.tensor(PRIMES, dtype=torch.int64, device=device)
+        self.table = word_sums.group_table(
+            [t.data_ptr() for t in tensors], counts, byte_words=byte_words, device=device
+        )
+
+
+def _kernel_sums(
+    tensors: list[torch.Tensor], byte_words: bool, work: _KernelWork | None = None
+) -> tuple[torch.Tensor, _KernelWork]:
     """[G, 3] int64: what `_whole_sums` adds for `tensors` (contiguous, one device, words of one
-    size: bytes if `byte_words`), from the GPU kernel (weightsync/gpu/word_sums.py). Raises
-    RuntimeError where the kernel cannot run."""
+    size: bytes if `byte_words`), from the GPU kernel (weightsync/gpu/word_sums.py), and the
+    host's preparation of it (`work`: the same, made before for the same tensors, lying where
+    they lay). Raises RuntimeError where the kernel cannot run."""
     from weightsync.gpu import word_sums
 
     device = tensors[0].device
-    out = torch.zeros((len(tensors), 3), dtype=torch.int64, device=device)
-    size = 1 if byte_words else 2
-    counts = [t.numel() * t.element_size() // size for t in tensors]
-    rows = -(-max(counts) // _ROW)
-    if rows == 0:
-        return out
-    weights = _row_weights(max(rows, word_sums.ROWS), device)
+    if work is None:
+        work = _KernelWork(tensors, byte_words)
+    out = torch.zeros((work.count, 3), dtype=torch.int64, device=device)
+    if work.table is None:
+        return out, work
     sums, run, first_row = word_sums.group_sums(
-        [t.data_ptr() for t in tensors],
-        counts,
+        [],
+        [],
         byte_words=byte_words,
         col_weights=_table(device)[1:],
-        row_weights=weights[: word_sums.ROWS, 1:].t().to(torch.float64).contiguous(),
+        row_weights=work.row_weights,
         moduli=PRIMES,
+        table=work.table,
     )
-    sums[:, 1:] = sums[:, 1:].remainder(torch.tensor(PRIMES, dtype=torch.int64, device=device))
-    sums *= weights[first_row]
-    return out.index_add_(0, run, sums)
+    sums[:, 1:] = sums[:, 1:].remainder(work.primes)
+    sums *= work.weights[first_row]
+    return out.index_add_(0, run, sums), work
 
 
-def _hash(key: tuple, items: list[torch.Tensor]) -> torch.Tensor:
+def _hash(key: tuple, items: list[torch.Tensor], work: list | None = None) -> torch.Tensor:
     """[G, 3] int64 sums of one group of `FingerprintBatch` (`key`: device, word kind, length;
-    length None: tensors of any length for the GPU kernel, else flat word tensors of it)."""
+    length None: tensors of any length for the GPU kernel, else flat word tensors of it).
+    `work`: a list kept with the group, holding the kernel's host preparation (filled here on
+    the first call, reused on the next)."""
     device, byte_words, n = key
     if n is None:
         try:
-            return _kernel_sums(items, byte_words)
+            sums, prepared = _kernel_sums(items, byte_words, work[0] if work else None)
+            if work is not None and not work:
+                work.append(prepared)
+            return sums
         except RuntimeError:  # the kernel stopped running here: the GEMM, by length
             sums = torch.zeros((len(items), 3), dtype=torch.int64, device=device)
             words = [_words(t) for t in items]
@@ -283,7 +316,8 @@ class KeptHashes:
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] | None = None  # the list these groups were made for
-        self.flushes: list[tuple[tuple, list[int], list[torch.Tensor]]] = []
+        # per group: its key, indices, word tensors, and the kernel's host preparation of it
+        self.flushes: list[tuple[tuple, list[int], list[torch.Tensor], list]] = []
 
 
 class FingerprintBatch:
@@ -297,7 +331,7 @@ class FingerprintBatch:
         self._done: list[tuple[list[int], torch.Tensor]] = []
         self._queued: dict[tuple, int] = {}  # words queued per kernel group
         self._count = 0
-        self._recording: list[tuple[tuple, list[int], list[torch.Tensor]]] | None = None
+        self._recording: list[tuple[tuple, list[int], list[torch.Tensor], list]] | None = None
 
     def add(self, tensor: torch.Tensor) -> int:
         """Queue `tensor`; its index in `read()`'s list."""
@@ -331,9 +365,10 @@ class FingerprintBatch:
         if not group:
             return
         indices, items = [i for i, _ in group], [t for _, t in group]
-        self._done.append((indices, _hash(key, items)))
+        work: list = []
+        self._done.append((indices, _hash(key, items, work)))
         if self._recording is not None:
-            self._recording.append((key, indices, items))
+            self._recording.append((key, indices, items, work))
 
     def add_all(self, tensors: list[torch.Tensor], kept: KeptHashes | None = None) -> None:
         """`add` each of `tensors` and hash them now (before their memory is reused). With
@@ -342,8 +377,8 @@ class FingerprintBatch:
         to tensors whose memory has not moved."""
         if kept is not None and kept.tensors is tensors:
             base = self._count
-            for key, indices, items in kept.flushes:
-                self._done.append(([base + i for i in indices], _hash(key, items)))
+            for key, indices, items, work in kept.flushes:
+                self._done.append(([base + i for i in indices], _hash(key, items, work)))
             self._count += len(tensors)
             return
         self.flush()
@@ -360,7 +395,9 @@ class FingerprintBatch:
             # A tensor hashed through a contiguous copy cannot be hashed again from that copy.
             keepable = all(t.is_contiguous() for t in tensors)
             kept.tensors = tensors if keepable else None
-            kept.flushes = [(k, [i - base for i in idx], items) for k, idx, items in recorded]
+            kept.flushes = [
+                (k, [i - base for i in idx], items, work) for k, idx, items, work in recorded
+            ]
 
     def flush(self) -> None:
         """Hash what is queued now (before its memory is reused); results stay on device."""
