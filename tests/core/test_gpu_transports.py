@@ -40,6 +40,16 @@ def test_nccl_sync_to_another_gpu_is_verified():
 def ipc_pair():
     """A CUDA IPC sender for 4 bf16 tensors of 1 Mi elements (2 per bucket) and a receiver
     process holding parameters of the same names."""
+    yield from _ipc_pair(per_bucket=2)
+
+
+@pytest.fixture
+def ipc_pair_one_per_bucket():
+    """As `ipc_pair`, one tensor per bucket: 4 buckets through 2 slots."""
+    yield from _ipc_pair(per_bucket=1)
+
+
+def _ipc_pair(per_bucket: int):
     from weightsync.trainer.sender import WeightSender
     from weightsync.trainer.source import DTensorV2Source
     from weightsync.transports.cuda_ipc import CudaIpcSender
@@ -53,7 +63,7 @@ def ipc_pair():
     sender = WeightSender(
         DTensorV2Source(model).specs(),
         transport=transport,
-        capacity_bytes=2 * numel * 2,
+        capacity_bytes=per_bucket * numel * 2,
         timeout_s=60,
     )
     sender.add_engine(endpoint)
@@ -153,6 +163,37 @@ def test_cuda_ipc_buffer_buckets_are_replayed_while_their_layout_holds(ipc_pair)
     assert _verified(sender.sync(None, version="d", verify=True, write_bucket=write_bucket))
     assert [bool(h.get("same")) for h in described] == [False, False]
     assert endpoint.call("weight_version", timeout_s=30) == "d"
+
+
+@needs_gpu
+def test_cuda_ipc_slots_are_written_again_only_after_the_receivers_reads(ipc_pair_one_per_bucket):
+    """More buckets than slots: the receiver answers each load with an event recorded after its
+    reads (not a wait on its CPU), the sender's stream waits for it before writing the slot
+    again; every sync's new values arrive, and the update's `end` waits for the last copies."""
+    from weightsync.wire.bucket import write_tensor
+    from weightsync.wire.fingerprint import fingerprint
+
+    sender, transport, endpoint, params = ipc_pair_one_per_bucket
+    answers = []
+    released = transport.released
+    transport.released = lambda got: answers.append(got) or released(got)
+
+    def write_bucket(plan, slot, buffer):
+        for meta in plan.tensors:
+            write_tensor(buffer, meta, params[int(meta.name.split(".")[1])])
+
+    for version in ["a", "b", "c"]:
+        for p in params:
+            p.add_(1)  # new values every sync, through the same two slots
+        # unverified: nothing reads the parameters on the receiver before `end` answers
+        report = sender.sync(None, version=version, write_bucket=write_bucket)
+        assert report.num_buckets == 4
+        sent = {f"layers.{i}.weight": fingerprint(p) for i, p in enumerate(params)}
+        assert sender.verify(sent, engines=["receiver"])["receiver"].verified
+    assert _verified(sender.sync(None, version="d", verify=True, write_bucket=write_bucket))
+    assert len(answers) == 4 * 4
+    assert all(len(got) == 1 and got[0] and got[0]["done"] for got in answers)
+    assert len({got[0]["done"] for got in answers}) == 2  # one event per slot, recorded again
 
 
 def test_cuda_ipc_same_from_another_sender_is_refused_before_anything_is_read():

@@ -23,7 +23,7 @@ parameter whose memory moved rebuilds the lists and the graph) and one graph lau
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,8 +49,11 @@ class BucketLoader:
         load_fn: LoadFn,
         name: str = "engine",
         plain_copies: bool = False,
+        answers_reach_sender: bool = False,
     ) -> None:
         self.refit = refit
+        # this process's load reports reach the sender whole (`ReceiverTransport`)
+        self.answers_reach_sender = answers_reach_sender
         self.load_fn = load_fn
         self.name = name
         self._transports: dict[str, ReceiverTransport] = {}
@@ -67,6 +70,7 @@ class BucketLoader:
         transport = self._transports.get(kind)
         if transport is None:
             transport = self._transports[kind] = make_receiver(kind)
+            transport.answers_reach_sender = self.answers_reach_sender
         return transport
 
     def check_descriptor(self, descriptor: BucketDescriptor) -> None:
@@ -176,9 +180,15 @@ class BucketLoader:
             return None
         return param
 
-    def release(self, descriptor: BucketDescriptor) -> None:
-        """The bucket is loaded: its transport may hand the bytes back to the sender."""
-        self.transport(descriptor.handle["kind"]).release(descriptor.handle)
+    def release(self, descriptor: BucketDescriptor) -> dict[str, Any] | None:
+        """The bucket is loaded: its transport may hand the bytes back to the sender (what
+        the sender waits for, if anything: `ReceiverTransport.release`)."""
+        return self.transport(descriptor.handle["kind"]).release(descriptor.handle)
+
+    def settle(self) -> None:
+        """Wait until every load so far is written (`ReceiverTransport.settle`)."""
+        for transport in self._transports.values():
+            transport.settle()
 
     def close(self) -> None:
         for transport in self._transports.values():

@@ -82,7 +82,14 @@ class ModuleWeightReceiver(EngineSession):
                 if param is not None:
                     getattr(param, "weight_loader", copy_loader)(param, tensor)
 
-        self.receiver = ModelReceiver(model, load_fn=load_fn, default_loader=copy_loader, name=name)
+        # One process receives for this engine, and its load reports go back whole.
+        self.receiver = ModelReceiver(
+            model,
+            load_fn=load_fn,
+            default_loader=copy_loader,
+            name=name,
+            answers_reach_sender=True,
+        )
         # load_fn hands each unfused tensor to the parameter of its name: plain copies may be
         # batched.
         self.receiver.buckets.plain_copies = not fused
@@ -121,6 +128,7 @@ class ModuleWeightReceiver(EngineSession):
     def _engine_end(self, version: str) -> EndReport:
         if self._one_copy:
             self.receiver.end_one_copy()
+        self.receiver.buckets.settle()  # every bucket's copies written before the update ends
         return EndReport(weight_version=version, placements=self._placements())
 
     def p2p_support(self) -> str | None:
@@ -151,6 +159,7 @@ class ModuleWeightReceiver(EngineSession):
     def _engine_abort(self, reason: str) -> bool:
         # No previous weights are kept: once a bucket landed (or the trainer began writing
         # into the shared parameters) the module may hold two versions.
+        self.receiver.buckets.settle()  # no copy still reads the sender's buckets
         return self._loaded > 0
 
     def _engine_stage(self) -> StageReport:

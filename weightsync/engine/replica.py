@@ -52,12 +52,18 @@ class ModelReceiver:
         load_fn: LoadFn,
         default_loader: WeightLoader,
         name: str = "engine",
+        answers_reach_sender: bool = False,
     ) -> None:
+        """`answers_reach_sender`: this process's load reports go back to the sender as they
+        are (one receiving process per engine): transports may answer with what the sender
+        waits for instead of waiting themselves (weightsync/transports/cuda_ipc.py)."""
         self.model = model
         self.name = name
         self.load_fn = load_fn
         self.refit = RefitCheck(model, load_fn=load_fn, default_loader=default_loader, name=name)
-        self.buckets = BucketLoader(self.refit, load_fn=load_fn, name=name)
+        self.buckets = BucketLoader(
+            self.refit, load_fn=load_fn, name=name, answers_reach_sender=answers_reach_sender
+        )
         self.previous = PreviousWeights(model, self.refit, name=name)
         self.sharing = ParameterSharing(model, self.refit, load_fn=load_fn, name=name)
         # Trainer tensor -> [parameter, patterns] (`learn_placements`): for verification, and
@@ -137,16 +143,17 @@ class ModelReceiver:
             self.learn_placements(views)
         num_tensors = len(views)  # a replayed bucket's descriptor lists none
         del views, known
-        self.release(descriptor)
+        released = self.release(descriptor)
         report = LoadReport(
             num_tensors=num_tensors,
             nbytes=descriptor.nbytes,
             seconds=time.perf_counter() - start,
+            released=released,
         )
         return report, written
 
-    def release(self, descriptor: BucketDescriptor) -> None:
-        self.buckets.release(descriptor)
+    def release(self, descriptor: BucketDescriptor) -> dict[str, Any] | None:
+        return self.buckets.release(descriptor)
 
     def restore_previous(self) -> int:
         """Put back what this update overwrote; how many parameters that was.

@@ -132,10 +132,13 @@ class WeightSender:
         return self.calls.call(name, method, *args, timeout_s=timeout_s)
 
     def _wait_loads(self, calls: list[Call], load_s: dict[str, float]) -> None:
-        """Wait for `load_bucket` calls, adding each engine's loading seconds to `load_s`."""
+        """Wait for `load_bucket` calls, adding each engine's loading seconds to `load_s`; the
+        transport then orders what comes next after the engines' reads (`released`)."""
         reports: list[LoadReport] = self.calls.wait_all(calls)
         for (name, _, _), report in zip(calls, reports):
             load_s[name] = load_s.get(name, 0.0) + report.seconds
+        if reports and self.transport is not None:
+            self.transport.released([report.released for report in reports])
 
     def _began(self, answers: list[BeginAnswer]) -> None:
         """After `begin` on engines, by any path: where another trainer's update came between

@@ -88,6 +88,12 @@ class SenderTransport(ABC):
         """Move the bytes, for transports that push (collectives); called after the receiver
         was asked to receive. Shared memory and CUDA IPC need nothing here."""
 
+    def released(self, answers: list[dict[str, Any] | None]) -> None:  # noqa: B027 - optional
+        """The receivers' answers to `release` of one slot's bucket (each a plain dict, or None
+        where the receiver waited until its reads were done): called before the slot is
+        written again, and after the last bucket, so that whatever comes next on the trainer's
+        side is ordered after those reads."""
+
     def forget_replays(self) -> None:  # noqa: B027 - optional hook
         """Describe every bucket in full from now on: called when the receivers may not all
         hold what earlier syncs described (an engine added, a sync that failed or skipped
@@ -101,6 +107,11 @@ class SenderTransport(ABC):
 class ReceiverTransport(ABC):
     """Engine side of a transport. One per receiving process and kind, used from one thread."""
 
+    # True where the answer to `release` reaches the sender whole (one receiving process per
+    # engine, its load reports passed back as they are): a transport may then answer with
+    # what the sender waits for (a CUDA event) instead of waiting itself.
+    answers_reach_sender: bool = False
+
     @abstractmethod
     def receive(self, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
         """The first `nbytes` of the slot `handle` names, as a 1-D uint8 tensor (a view when
@@ -112,8 +123,13 @@ class ReceiverTransport(ABC):
         in place (CUDA IPC) returns them itself."""
         return unpack(self.receive(descriptor.handle, descriptor.nbytes), descriptor)
 
-    def release(self, handle: dict[str, Any]) -> None:  # noqa: B027 - optional hook
-        """The bytes of `handle` are loaded; the sender may overwrite them."""
+    def release(self, handle: dict[str, Any]) -> dict[str, Any] | None:
+        """The bytes of `handle` are loaded: once this returns None the sender may overwrite
+        them; a plain dict instead goes back to the sender's `released` (what to wait for)."""
+        return None
+
+    def settle(self) -> None:  # noqa: B027 - optional hook
+        """Wait until everything loaded so far is written (the update ends)."""
 
     @abstractmethod
     def close(self) -> None:

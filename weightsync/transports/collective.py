@@ -323,13 +323,14 @@ class CollectiveReceiver(ReceiverTransport):
         work.wait()  # the loader's (current) stream waits for the bytes
         return data
 
-    def release(self, handle: dict[str, Any]) -> None:
+    def release(self, handle: dict[str, Any]) -> dict[str, Any] | None:
         if handle.get("backend") == "nccl":
             loaded = torch.cuda.Event()
             loaded.record(torch.cuda.current_stream())
             slot = int(handle.get("slot", 0))
             self._loaded[slot] = loaded
             self._unreleased.discard(slot)
+        return None
 
     def close(self) -> None:
         if self._stream is not None:

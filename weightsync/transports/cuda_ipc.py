@@ -31,9 +31,14 @@ Only plain data crosses: handles as base64 text, offsets, strides and sizes as i
 the sender records an interprocess CUDA event of its slot on its stream when it announces a
 bucket (after the trainer's writes) and sends the event's handle ("ready"); the receiver's
 stream waits for that event before its loader reads (on the GPU: neither side's CPU waits, and
-the receiver's copies start the moment the bucket is complete). The receiver synchronises its
-stream in `release` (its reads are done) before the sender may reuse a slot or the trainer
-change a tensor.
+the receiver's copies start the moment the bucket is complete). Back the other way, where the
+receiver's answer reaches the sender whole (`answers_reach_sender`: one receiving process per
+engine) and the sender asks for it ("done" in the handle), `release` records an interprocess
+event after the receiver's reads and answers its handle at once; the sender's stream waits for
+it (`released`) before the slot is written again and after the last bucket, so the trainer's
+next writes to its tensors come after the reads. Otherwise the receiver synchronises its stream
+in `release` (its reads are done) before answering. Either way the receiver's `settle` (at the
+end of an update) waits for its copies.
 """
 
 from __future__ import annotations
@@ -145,6 +150,8 @@ class CudaIpcSender(SenderTransport):
         self._ready: list[tuple[torch.cuda.Event, str] | None] = [None] * num_slots
         # plan index -> (buffer key, nbytes) it was last described in (buffer replays)
         self._described: dict[int, tuple[str, int]] = {}
+        # the receivers' "done" events (`released`), by handle
+        self._done: dict[str, torch.cuda.Event] = {}
 
     @property
     def num_slots(self) -> int:
@@ -163,7 +170,7 @@ class CudaIpcSender(SenderTransport):
         where = (str(handle["key"]), self._nbytes[slot])
         if self.replay and self._described.get(index) == where:
             same = {"kind": self.kind, "device": self.device, "sync": self._sync, "same": True}
-            return {**same, "sender": self._uid, "ready": handle["ready"]}
+            return {**same, "sender": self._uid, "ready": handle["ready"], "done": True}
         self._described[index] = where
         return handle
 
@@ -277,7 +284,24 @@ class CudaIpcSender(SenderTransport):
                 out["buffer"] = self._handles[slot]
         out["sender"] = self._uid  # receivers keep replays per sender
         out["ready"] = self._record_ready(slot)
+        out["done"] = True  # a receiver may answer `release` with an event (`released`)
         return out
+
+    def released(self, answers: list[dict[str, Any] | None]) -> None:
+        """This stream waits (on the GPU) for each receiver's "done" event: their reads of the
+        slot come before anything queued after this."""
+        stream = torch.cuda.current_stream(self.device)
+        for answer in answers:
+            text = (answer or {}).get("done")
+            if not text:
+                continue  # that receiver waited for its reads before answering
+            event = self._done.get(text)
+            if event is None:
+                event = torch.cuda.Event.from_ipc_handle(self.device, base64.b64decode(text))
+                self._done[text] = event
+                while len(self._done) > 64:
+                    self._done.pop(next(iter(self._done)))
+            stream.wait_event(event)
 
     def _record_ready(self, slot: int) -> str:
         """Record the slot's event after everything the trainer queued so far (its writes into
@@ -322,6 +346,9 @@ class CudaIpcReceiver(ReceiverTransport):
             tuple[str, int], tuple[int, list[tuple[str, torch.Tensor]], list[list]]
         ] = {}
         self._events: dict[str, torch.cuda.Event] = {}  # the senders' slot events by handle
+        # this receiver's events recorded after its reads of a sender's slot (by that slot's
+        # "ready" handle), and their handles (`release`)
+        self._done: dict[str, tuple[torch.cuda.Event, str]] = {}
         self._senders: list[str] = []  # senders with replays kept, least recent first
 
     def _seen(self, sender: str) -> None:
@@ -521,8 +548,28 @@ class CudaIpcReceiver(ReceiverTransport):
             entry[1] = sync
         return cached[1]
 
-    def release(self, handle: dict[str, Any]) -> None:
-        # The sender may reuse the slot, and the trainer change its tensors, once we reply.
+    def release(self, handle: dict[str, Any]) -> dict[str, Any] | None:
+        # The sender may reuse the slot, and the trainer change its tensors, once we reply:
+        # once this stream's reads are done, or once the sender's stream waited for them.
+        stream = torch.cuda.current_stream()
+        ready = handle.get("ready")
+        if not (self.answers_reach_sender and handle.get("done") and ready):
+            stream.synchronize()
+            return None
+        done = self._done.get(ready)
+        if done is None:
+            with torch.cuda.device(self._device(handle)):
+                event = torch.cuda.Event(interprocess=True)
+                event.record(stream)
+                done = (event, base64.b64encode(event.ipc_handle()).decode("ascii"))
+            self._done[ready] = done
+            while len(self._done) > 64:
+                self._done.pop(next(iter(self._done)))
+        else:
+            done[0].record(stream)
+        return {"done": done[1]}
+
+    def settle(self) -> None:
         torch.cuda.current_stream().synchronize()
 
     def close(self) -> None:

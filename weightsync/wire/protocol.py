@@ -155,16 +155,28 @@ class LoadReport:
     """How many bytes of the buffer the bucket used."""
     seconds: float
     """How long the engine took to load it."""
+    released: dict[str, Any] | None = None
+    """What the sender's transport waits for before it writes the bucket's slot again (a
+    CUDA event's handle), or None: the engine's reads of the bucket are done."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"num_tensors": self.num_tensors, "nbytes": self.nbytes, "seconds": self.seconds}
+        out: dict[str, Any] = {
+            "num_tensors": self.num_tensors,
+            "nbytes": self.nbytes,
+            "seconds": self.seconds,
+        }
+        if self.released is not None:
+            out["released"] = dict(self.released)
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LoadReport:
+        released = _get(d, cls, "released", None)
         return cls(
             num_tensors=int(_get(d, cls, "num_tensors")),
             nbytes=int(_get(d, cls, "nbytes")),
             seconds=float(_get(d, cls, "seconds")),
+            released=None if released is None else dict(released),
         )
 
 
