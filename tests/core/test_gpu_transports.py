@@ -302,10 +302,11 @@ def test_zero_copy_hooks_pass_tensors_in_place_on_cpu():
 
 @needs_gpu
 def test_one_copy_into_a_gpu_receiver_writes_its_exported_storages():
-    """TrainerSync over CUDA IPC: the first sync by buckets, after which the receiver exports
-    its parameters' CUDA storages; the timed syncs write straight into them (the bench refuses
-    any other path), an unverified one after the weights were negated is checked by `verify`,
-    and verified ones pass through the write plan; no GPU memory is added on either side."""
+    """TrainerSync over CUDA IPC, by buckets alone first; then one-copy: the first sync by
+    buckets, after which the receiver exports its parameters' CUDA storages; the timed syncs
+    write straight into them (the bench refuses any other path), an unverified one after the
+    weights were negated is checked by `verify`, and verified ones pass through the write
+    plan; no GPU memory is added on either side."""
     import argparse
 
     sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "scripts"))
@@ -316,16 +317,22 @@ def test_one_copy_into_a_gpu_receiver_writes_its_exported_storages():
         layers=2,
         experts=None,
         shrink=8,
-        paths=["one_copy"],
+        paths=["buckets", "one_copy"],
         repeats=2,
         bucket_mb=64,
         profile=None,
+        trace=None,
         device="cuda",
         ranks=1,
         receiver="checkpoint",
         no_shard_writes=False,
     )
-    result = cpu_layout_bench.run(args)["paths"]["one_copy"]
+    results = cpu_layout_bench.run(args)["paths"]
+    # The bucket path first: from the second sync on, the rank's copies into each bucket are
+    # one captured graph, and every sync after the weights changed is still checked.
+    buckets = results["buckets"]
+    assert buckets["unverified_sync_checked"] and buckets["verified"]
+    result = results["one_copy"]
     assert result["unverified_sync_checked"] and result["verified"]
     # The timed verified syncs (each checked verified by the bench) ran the plan's fused
     # copy-and-read-back kernel.

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from weightsync.gpu import copies
 from weightsync.gpu.copies import ONE_COPY_BYTES
 from weightsync.trainer.source import DTensorV2Source, ShardPieces
 from weightsync.trainer.sync_group import SyncGroup
@@ -80,7 +81,11 @@ class _CopyLists:
     """A rank's copies of each bucket (destinations in the bucket, sources in its shards),
     made once and kept while the bucket's buffer and every piece are the same as when they
     were made (the same tensor objects, which `ShardPieces` yields while the model's tensors
-    stay where they are): a sync then copies each bucket with no Python work per tensor."""
+    stay where they are): a sync then copies each bucket with no Python work per tensor. On a
+    GPU a kept list, the first time it is used again, is coalesced and captured into a CUDA
+    graph (weightsync/gpu/copies.py, as the engine's loader does with a replayed bucket): one
+    launch per bucket, each copy at the copy rate (many small tensors copied as bytes by
+    `_foreach_copy_` run at a fraction of it)."""
 
     def __init__(self) -> None:
         self._lists: dict[int, tuple] = {}
@@ -91,7 +96,7 @@ class _CopyLists:
         buffer: torch.Tensor,
         got: list[tuple[str, torch.Tensor | None, int]],
         build: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]],
-    ) -> tuple[list, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    ) -> tuple[list, list]:
         """The bucket's copies as `_split` gives them, made by `build` when not kept."""
         where = (buffer.data_ptr(), buffer.numel())
         datas = [g[1] for g in got]
@@ -107,10 +112,24 @@ class _CopyLists:
             and kept[2] == [g[0] for g in got]
             and kept[3] == [g[2] for g in got]
         ):
-            return kept[4]
-        lists = _split(*build())
+            lists = kept[4]
+            if kept[6] is not None:  # used again: on a GPU, as one graph from now on
+                lists = _graphed(*kept[6])
+                self._lists[index] = (*kept[:4], lists, pointers, None)
+            return lists
+        dsts, srcs = build()
+        lists = _split(dsts, srcs)
         names, offsets = [g[0] for g in got], [g[2] for g in got]
-        self._lists[index] = (where, datas, names, offsets, lists, pointers)
+        cuda = bool(dsts) and dsts[0].is_cuda
+        self._lists[index] = (
+            where,
+            datas,
+            names,
+            offsets,
+            lists,
+            pointers,
+            (dsts, srcs) if cuda else None,
+        )
         return lists
 
     def clear(self) -> None:
@@ -266,11 +285,9 @@ def _copies(
     return dsts, srcs
 
 
-def _split(
-    dsts: list[torch.Tensor], srcs: list[torch.Tensor]
-) -> tuple[list, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+def _split(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[list, list]:
     """Byte copies as few calls: the large alone (a single copy runs at the copy engine's
-    rate), the rest in one `_foreach_copy_`: ([(dst, src)], (dsts, srcs))."""
+    rate), the rest in one `_foreach_copy_`: ([(dst, src)], [(dsts, srcs)])."""
     big, small = [], ([], [])  # type: ignore[var-annotated]
     for dst, src in zip(dsts, srcs):
         if dst.numel() >= ONE_COPY_BYTES:
@@ -278,14 +295,20 @@ def _split(
         else:
             small[0].append(dst)
             small[1].append(src)
-    return big, small
+    return big, [small]
 
 
-def _copy(big: list, small: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
-    for dst, src in big:
-        dst.copy_(src)
-    if small[0]:
-        torch._foreach_copy_(*small)
+def _graphed(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[list, list]:
+    """GPU byte copies kept for reuse: coalesced where both sides lie back to back, then
+    captured into one CUDA graph (`copies.GRAPHS`), as `_copy` takes them."""
+    big, small = copies.coalesce(list(zip(dsts, srcs)))
+    if not copies.GRAPHS:
+        return big, small
+    return [(copies.capture(big, small, dsts[0].device), None)], []
+
+
+def _copy(big: list, small: list) -> None:
+    copies.issue(big, small)
 
 
 class BucketGatherWriter:
