@@ -34,8 +34,10 @@ def _write_pieces(
     plan: BucketPlan,
     buffer: torch.Tensor,
     cache: _CopyLists | None = None,
+    walk: list | None = None,
 ) -> None:
-    """Copy this rank's pieces `got` of `plan`'s tensors into the bucket at their offsets."""
+    """Copy this rank's pieces `got` of `plan`'s tensors into the bucket at their offsets
+    (`walk`: the list `got` was taken from, see `_CopyLists.get`)."""
 
     def build() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         dsts, srcs = [], []
@@ -54,19 +56,21 @@ def _write_pieces(
     if cache is None:
         _copy(*_split(*build()))
     else:
-        _copy(*cache.get(plan.index, buffer, got, build))
+        _copy(*cache.get(plan.index, buffer, got, build, walk))
 
 
-def _bucket_pieces(source: DTensorV2Source, rank: int) -> tuple[Callable[[BucketPlan], list], bool]:
-    """This rank's pieces of each bucket in turn (buckets asked for in order), and whether
-    they are the model's own tensors (`ShardPieces.listed`): only those copies are kept between
-    syncs (converted or gathered pieces are new tensors every sync, and keeping them would hold
-    their memory)."""
+def _bucket_pieces(
+    source: DTensorV2Source, rank: int
+) -> tuple[Callable[[BucketPlan], list], list | None]:
+    """This rank's pieces of each bucket in turn (buckets asked for in order), and, where
+    they are the model's own tensors, the list they are taken from (`ShardPieces.listed`):
+    only those copies are kept between syncs (converted or gathered pieces are new tensors
+    every sync, and keeping them would hold their memory)."""
     pieces = ShardPieces(source, rank=rank)
     listed = pieces.listed()
     if listed is None:
         stream = iter(pieces)
-        return (lambda plan: [next(stream) for _ in plan.tensors]), False
+        return (lambda plan: [next(stream) for _ in plan.tensors]), None
     at = [0]
 
     def take(plan: BucketPlan) -> list:
@@ -74,7 +78,7 @@ def _bucket_pieces(source: DTensorV2Source, rank: int) -> tuple[Callable[[Bucket
         at[0] = start + len(plan.tensors)
         return listed[start : at[0]]
 
-    return take, True
+    return take, listed
 
 
 class _CopyLists:
@@ -96,13 +100,29 @@ class _CopyLists:
         buffer: torch.Tensor,
         got: list[tuple[str, torch.Tensor | None, int]],
         build: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]],
+        walk: list | None = None,
     ) -> tuple[list, list]:
-        """The bucket's copies as `_split` gives them, made by `build` when not kept."""
+        """The bucket's copies as `_split` gives them, made by `build` when not kept. `walk`:
+        the `ShardPieces.listed` list `got` was taken from. That list is made again whenever
+        a tensor of the model is replaced or its local memory moves (`ShardPieces._entries`
+        compares every tensor's pointer each sync), so while it is the same list object as
+        when the copies were made, and `got` the same part of it (as long, from the same
+        first name), the pieces are too, at the same addresses, and are not compared again
+        one by one."""
         where = (buffer.data_ptr(), buffer.numel())
+        kept = self._lists.get(index)
+        if (
+            kept is not None
+            and walk is not None
+            and kept[7] is walk
+            and kept[0] == where
+            and len(got) == len(kept[2])
+            and (not got or got[0][0] == kept[2][0])
+        ):
+            return self._reuse(index, kept)
         datas = [g[1] for g in got]
         # Where each piece's memory is, too: `param.data = x` keeps the object and moves it.
         pointers = [0 if d is None else d.data_ptr() for d in datas]
-        kept = self._lists.get(index)
         if (
             kept is not None
             and kept[0] == where
@@ -112,11 +132,8 @@ class _CopyLists:
             and kept[2] == [g[0] for g in got]
             and kept[3] == [g[2] for g in got]
         ):
-            lists = kept[4]
-            if kept[6] is not None:  # used again: on a GPU, as one graph from now on
-                lists = _graphed(*kept[6])
-                self._lists[index] = (*kept[:4], lists, pointers, None)
-            return lists
+            self._lists[index] = (*kept[:7], walk)
+            return self._reuse(index, self._lists[index])
         dsts, srcs = build()
         lists = _split(dsts, srcs)
         names, offsets = [g[0] for g in got], [g[2] for g in got]
@@ -129,7 +146,16 @@ class _CopyLists:
             lists,
             pointers,
             (dsts, srcs) if cuda else None,
+            walk,
         )
+        return lists
+
+    def _reuse(self, index: int, kept: tuple) -> tuple[list, list]:
+        """A kept bucket's copies, used again: on a GPU, as one graph from now on."""
+        if kept[6] is None:
+            return kept[4]
+        lists = _graphed(*kept[6])
+        self._lists[index] = (*kept[:4], lists, kept[5], None, kept[7])
         return lists
 
     def clear(self) -> None:
@@ -160,14 +186,14 @@ class BucketShardWriter:
 
     def sender_hook(self, transport: Any) -> Callable[[BucketPlan, int, torch.Tensor], None]:
         """Rank 0: the sender's `write_bucket` for one sync."""
-        pieces, own = _bucket_pieces(self.source, 0)
-        kept = self._copies if own else None
+        pieces, walk = _bucket_pieces(self.source, 0)
+        kept = self._copies if walk is not None else None
 
         def write_bucket(plan: BucketPlan, slot: int, buffer: torch.Tensor) -> None:
             if self.before_write is not None:
                 self.before_write("bucket", plan.index)
             self.group.broadcast(transport.handle(slot))
-            _write_pieces(pieces(plan), plan, buffer, kept)
+            _write_pieces(pieces(plan), plan, buffer, kept, walk)
             self.group.barrier()
 
         return write_bucket
@@ -178,12 +204,12 @@ class BucketShardWriter:
 
         if self._maps is None:
             self._maps = ShmReceiver(max_open=4)
-        pieces, own = _bucket_pieces(self.source, self.group.rank)
-        kept = self._copies if own else None
+        pieces, walk = _bucket_pieces(self.source, self.group.rank)
+        kept = self._copies if walk is not None else None
         for plan in plan_buckets(self.source.specs(), capacity_bytes=self.bucket_bytes):
             handle = self.group.broadcast()
             buffer = self._maps.receive(handle, plan.nbytes)
-            _write_pieces(pieces(plan), plan, buffer, kept)
+            _write_pieces(pieces(plan), plan, buffer, kept, walk)
             self.group.barrier()
 
     def close(self) -> None:
@@ -362,7 +388,7 @@ class BucketGatherWriter:
         layout = self._layout_now()
         world_size = self.group.world_size
         received = self._buffer(world_size * max(layout.shares, default=0))
-        pieces, own = _bucket_pieces(self.source, 0)
+        pieces, walk = _bucket_pieces(self.source, 0)
 
         def write_bucket(plan: BucketPlan, slot: int, buffer: torch.Tensor) -> None:
             if self.before_write is not None:
@@ -373,7 +399,10 @@ class BucketGatherWriter:
             def build() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
                 return _copies(iter(got), plan, extents, buffer, packed=False)
 
-            _copy(*(self._copies.get(plan.index, buffer, got, build) if own else _split(*build())))
+            if walk is None:
+                _copy(*_split(*build()))
+            else:
+                _copy(*self._copies.get(plan.index, buffer, got, build, walk))
             share = layout.shares[plan.index]
             if not share:  # every byte of the bucket is rank 0's
                 return
