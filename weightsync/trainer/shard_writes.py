@@ -137,7 +137,9 @@ class _CopyLists:
         dsts, srcs = build()
         lists = _split(dsts, srcs)
         names, offsets = [g[0] for g in got], [g[2] for g in got]
-        cuda = bool(dsts) and dsts[0].is_cuda
+        # Graphed only where every copy is within one GPU (a host source would synchronise,
+        # which a capture refuses).
+        cuda = bool(dsts) and dsts[0].is_cuda and all(s.device == dsts[0].device for s in srcs)
         self._lists[index] = (
             where,
             datas,
@@ -154,7 +156,10 @@ class _CopyLists:
         """A kept bucket's copies, used again: on a GPU, as one graph from now on."""
         if kept[6] is None:
             return kept[4]
-        lists = _graphed(*kept[6])
+        try:
+            lists = _graphed(*kept[6])
+        except RuntimeError:  # not capturable here: the plain copies, from now on
+            lists = kept[4]
         self._lists[index] = (*kept[:4], lists, kept[5], None, kept[7])
         return lists
 

@@ -566,6 +566,7 @@ class CudaIpcReceiver(ReceiverTransport):
             while len(self._done) > 64:
                 self._done.pop(next(iter(self._done)))
         else:
+            self._done[ready] = self._done.pop(ready)  # the least recently used go first
             done[0].record(stream)
         return {"done": done[1]}
 
