@@ -81,6 +81,19 @@ def _bucket_pieces(
     return take, listed
 
 
+class _Kept(NamedTuple):
+    """One bucket's kept copies (`_CopyLists`)."""
+
+    where: tuple[int, int]  # the bucket buffer's (data pointer, size)
+    datas: list  # the pieces' tensors (None: another rank's)
+    names: list[str]
+    offsets: list[int]
+    lists: tuple[list, list]  # (big copies, small copy groups), as `_copy` takes them
+    pointers: list[int]  # the pieces' data pointers
+    to_graph: tuple[list, list] | None  # GPU (dsts, srcs) to capture at the next use
+    walk: list | None  # the `ShardPieces.listed` list the pieces came from
+
+
 class _CopyLists:
     """A rank's copies of each bucket (destinations in the bucket, sources in its shards),
     made once and kept while the bucket's buffer and every piece are the same as when they
@@ -92,7 +105,7 @@ class _CopyLists:
     `_foreach_copy_` run at a fraction of it)."""
 
     def __init__(self) -> None:
-        self._lists: dict[int, tuple] = {}
+        self._lists: dict[int, _Kept] = {}
 
     def get(
         self,
@@ -114,10 +127,10 @@ class _CopyLists:
         if (
             kept is not None
             and walk is not None
-            and kept[7] is walk
-            and kept[0] == where
-            and len(got) == len(kept[2])
-            and (not got or got[0][0] == kept[2][0])
+            and kept.walk is walk
+            and kept.where == where
+            and len(got) == len(kept.names)
+            and (not got or got[0][0] == kept.names[0])
         ):
             return self._reuse(index, kept)
         datas = [g[1] for g in got]
@@ -125,14 +138,14 @@ class _CopyLists:
         pointers = [0 if d is None else d.data_ptr() for d in datas]
         if (
             kept is not None
-            and kept[0] == where
-            and len(kept[1]) == len(datas)
-            and all(map(operator.is_, kept[1], datas))
-            and kept[5] == pointers
-            and kept[2] == [g[0] for g in got]
-            and kept[3] == [g[2] for g in got]
+            and kept.where == where
+            and len(kept.datas) == len(datas)
+            and all(map(operator.is_, kept.datas, datas))
+            and kept.pointers == pointers
+            and kept.names == [g[0] for g in got]
+            and kept.offsets == [g[2] for g in got]
         ):
-            self._lists[index] = (*kept[:7], walk)
+            self._lists[index] = kept._replace(walk=walk)
             return self._reuse(index, self._lists[index])
         dsts, srcs = build()
         lists = _split(dsts, srcs)
@@ -140,27 +153,20 @@ class _CopyLists:
         # Graphed only where every copy is within one GPU (a host source would synchronise,
         # which a capture refuses).
         cuda = bool(dsts) and dsts[0].is_cuda and all(s.device == dsts[0].device for s in srcs)
-        self._lists[index] = (
-            where,
-            datas,
-            names,
-            offsets,
-            lists,
-            pointers,
-            (dsts, srcs) if cuda else None,
-            walk,
+        self._lists[index] = _Kept(
+            where, datas, names, offsets, lists, pointers, (dsts, srcs) if cuda else None, walk
         )
         return lists
 
-    def _reuse(self, index: int, kept: tuple) -> tuple[list, list]:
+    def _reuse(self, index: int, kept: _Kept) -> tuple[list, list]:
         """A kept bucket's copies, used again: on a GPU, as one graph from now on."""
-        if kept[6] is None:
-            return kept[4]
+        if kept.to_graph is None:
+            return kept.lists
         try:
-            lists = _graphed(*kept[6])
+            lists = _graphed(*kept.to_graph)
         except RuntimeError:  # not capturable here: the plain copies, from now on
-            lists = kept[4]
-        self._lists[index] = (*kept[:4], lists, kept[5], None, kept[7])
+            lists = kept.lists
+        self._lists[index] = kept._replace(lists=lists, to_graph=None)
         return lists
 
     def clear(self) -> None:
