@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from weightsync.backends.vllm.guard import KEY_VARIABLE
+from weightsync.backends.vllm.guard import KEY_VARIABLE, SWITCH_PATH
 from weightsync.driver.preflight import (
     cpu_binding,
     cuda_device_present,
@@ -121,6 +121,16 @@ class _InProcess:
 
     def reset_prefix_cache(self) -> bool:
         return _retried(lambda: bool(self.llm.reset_prefix_cache()))
+
+    def switch(self, version: str) -> tuple[list[dict], float]:
+        """A staged update's end (`_Http.switch`); nothing to hold: this actor is the engine's
+        only client, one call at a time. (each worker's raw answer, seconds it took)"""
+        start = time.perf_counter()
+        if not self.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset; nothing was switched")
+        results = self.rpc("weightsync_commit", ())
+        self.set_version(version)
+        return results, time.perf_counter() - start
 
     def set_version(self, version: str) -> None:
         if hasattr(self.llm, "update_weight_version"):
@@ -274,6 +284,14 @@ class _Http:
 
     def set_version(self, version: str) -> None:
         self._request("POST", "/update_weight_version", {"new_version": version})
+
+    def switch(self, version: str) -> tuple[list[dict], float]:
+        """A staged update's end, in one request to the server (backends/vllm/guard.py
+        `switch`): (each worker's raw answer, seconds the server held its scheduler)."""
+        status, out = self._request("POST", SWITCH_PATH, {"version": version})
+        if status != 200 or not isinstance(out, dict) or "results" not in out:
+            raise RuntimeError(f"vllm server {SWITCH_PATH} answered {status}: {out}")
+        return out["results"], float(out["pause_s"])
 
     def pause(self) -> None:
         # weightsync's gate holds new requests and waits for those in flight to finish on the
@@ -461,10 +479,15 @@ class VllmEngineActor(EngineSession):
     def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
         whys = [
             r["why"]
-            for r in self._rpc_all("weightsync_begin", one_copy, self.keep_previous)
+            for r in self._rpc_all(
+                "weightsync_begin", one_copy, self.keep_previous, self._into_copy
+            )
             if r["why"]
         ]
         return "; ".join(whys) if whys else None
+
+    def staged_support(self) -> str | None:
+        return None  # in-process, or a server whose scheduler it holds (`_Http.hold`)
 
     def set_keep_previous(self, on: bool) -> None:
         """Turn keeping (and restoring) the previous weights on or off for later updates."""
@@ -496,6 +519,8 @@ class VllmEngineActor(EngineSession):
         )
 
     def _engine_end(self, version: str) -> EndReport:
+        if self._into_copy:
+            return self._switch(version)
         # Still paused, before the update is committed: no answer after it may reuse KV cache
         # computed under the previous weights, and a reset that fails fails the update (the
         # sender aborts it: rolled back with keep_previous).
@@ -515,6 +540,25 @@ class VllmEngineActor(EngineSession):
             placements=as_plain(placements),
         )
 
+    def _switch(self, version: str) -> EndReport:
+        """A staged update's end: generation held where it is, the prefix cache reset (the
+        requests in flight pre-empted: each goes on from its tokens so far, computed again on
+        the new weights), every worker's parameters switched to the staged copy, the version
+        tag set (the tokens after the pause carry it), generation released."""
+        try:
+            raw, pause_s = self.client.switch(version)
+        except RuntimeError as exc:
+            raise RuntimeError(f"vllm: staged update {version!r}: {exc}") from exc
+        results = unwrap_all(raw)
+        return EndReport(
+            weight_version=version,
+            cache_flushed=True,
+            param_of=results[0]["param_of"],
+            placements=as_plain([r["placements"] for r in results]),
+            switched_at=max(r["switched_at"] for r in results),
+            pause_s=pause_s,
+        )
+
     def probe_support(self) -> str | None:
         return None  # in-process, or a server past weightsync's gate (`_Http.score`)
 
@@ -525,6 +569,12 @@ class VllmEngineActor(EngineSession):
         return self.client.score(tokens)
 
     def _engine_abort(self, reason: str) -> bool:
+        if self._into_copy:  # the served weights were never written
+            try:
+                self._rpc_all("weightsync_discard")
+            except Exception as exc:  # the engine itself may be what failed
+                logger.warning("vllm: dropping staged update %r failed: %s", self._open, exc)
+            return False
         # Loading is in place: weights are mixed once a bucket was loaded, unless every worker
         # put back what it had kept.
         restored = False

@@ -114,6 +114,12 @@ class PackedExperts:
         self.unpacked = True
 
     @torch.no_grad()
+    def pack_into(self, full_name: str, dst: torch.Tensor, plain: torch.Tensor) -> None:
+        """Write `plain` (a checkpoint-layout copy of parameter `full_name`) into `dst` in
+        vLLM's packed layout (a staged update switching in)."""
+        dst.view(-1).copy_(plain.reshape(-1)[self._perm(dst, self._isa_of(full_name))])
+
+    @torch.no_grad()
     def pack(self) -> None:
         """Every expert parameter back to vLLM's packed layout, in place (before serving)."""
         if not self.unpacked:

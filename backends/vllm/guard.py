@@ -7,19 +7,22 @@ server's environment (`VLLM_API_KEY`, which vLLM reads too), so it never shows o
 
 Behind the key, the server's routes pass weightsync's generation gate (weightsync/engine/gate.py):
 closed during a weight update, it holds every request but `CONTROL_PATHS` and lets the update's
-probe through.
+probe through. POST `SWITCH_PATH` {"version": v} ends a staged update in one request
+(`switch`), so its pause is not several round trips long.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from weightsync.engine.gate import GatedRoutes, authorized, key_digest
+from weightsync.engine.gate import GatedRoutes, answer, authorized, key_digest, request_body
 
 KEY_VARIABLE = "VLLM_API_KEY"
+SWITCH_PATH = "/weightsync/switch"
 OPEN_PATHS = frozenset({"/health"})
 # Routes that never compute with the weights, which the actor drives during an update: the gate
 # lets them through while it holds the others.
@@ -62,6 +65,8 @@ class KeyOnEveryRoute:
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
+        elif authorized(scope, self._digest) and scope["path"] == SWITCH_PATH:
+            await _switch_route(scope, receive, send)
         elif authorized(scope, self._digest):
             await self.gated(scope, receive, send)
         elif scope["type"] == "websocket":
@@ -75,3 +80,40 @@ class KeyOnEveryRoute:
                 }
             )
             await send({"type": "http.response.body", "body": _UNAUTHORIZED})
+
+
+async def switch(engine: Any, version: str) -> dict[str, Any]:
+    """A staged update's end, inside the server: vLLM's scheduler held with the requests in
+    flight kept where they are (no step runs), the prefix cache reset with those requests
+    pre-empted (each goes on from its tokens so far, its KV computed again on the new weights),
+    every worker switched to the staged weights (`weightsync_commit`), the weight version set
+    (the tokens after the pause carry it), the scheduler released. {"results": each worker's
+    answer, "pause_s": seconds the scheduler was held}; {"error": ...} when the cache could not
+    be reset (nothing switched)."""
+    start = time.perf_counter()
+    core: Any = getattr(engine, "engine_core", None)
+    if hasattr(core, "pause_scheduler_async"):  # without pause_generation's settling sleep
+        await core.pause_scheduler_async(mode="keep", clear_cache=False)
+    else:
+        await engine.pause_generation(mode="keep", clear_cache=False)
+    try:
+        if not await engine.reset_prefix_cache(True, False):
+            return {"error": "the prefix cache could not be reset; nothing was switched"}
+        results = await engine.collective_rpc("weightsync_commit")
+        await engine.update_weight_version(version)
+    finally:
+        await engine.resume_generation()
+    return {"results": list(results), "pause_s": time.perf_counter() - start}
+
+
+async def _switch_route(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+    if scope["type"] != "http" or scope.get("method") != "POST":
+        await answer(send, 405, {"error": f"POST {SWITCH_PATH} only"})
+        return
+    try:
+        version = str(json.loads(await request_body(receive) or b"{}")["version"])
+    except (ValueError, KeyError, TypeError) as exc:
+        await answer(send, 400, {"error": f"{SWITCH_PATH}: {type(exc).__name__}: {exc}"})
+        return
+    out = await switch(scope["app"].state.engine_client, version)
+    await answer(send, 200 if "results" in out else 500, out)

@@ -163,3 +163,62 @@ def test_the_watchdog_leaves_an_update_whose_sender_keeps_calling():
     engine.end("v1")
     assert engine.generating
     assert engine.weight_version() == "v1"
+
+
+class StagingEngine(PausingEngine):
+    """A `PausingEngine` that can stage: it records the updates it opened staged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.staged: list[bool] = []
+
+    def staged_support(self) -> str | None:
+        return None
+
+    def _engine_begin(self, one_copy: bool) -> str | None:
+        self.staged.append(self._into_copy)
+        return None
+
+    def _engine_abort(self, reason: str) -> bool:
+        self.aborted.append(reason)
+        return not self._into_copy  # a staged update never wrote the served weights
+
+
+def test_a_staged_update_serves_on_and_its_abort_leaves_the_engine_serving():
+    engine = StagingEngine()
+    engine.begin("v1", False, "t", True)
+    assert engine.generating and engine.staged == [True]
+    engine.check_serving()  # no refusal: the served weights are whole
+    engine.load_bucket(BUCKET)
+    engine.abort("verification failed", "t")
+    assert engine.generating
+    engine.check_serving()
+    assert engine.weight_version() is None
+    engine.begin("v2", False, "t", True)
+    engine.load_bucket(BUCKET)
+    engine.end("v2")
+    assert engine.weight_version() == "v2" and engine.generating
+
+
+def test_an_update_after_a_staged_one_pauses_again():
+    engine = StagingEngine()
+    engine.begin("v1", False, "t", True)
+    engine.end("v1")
+    engine.begin("v2")
+    assert not engine.generating and engine.staged == [True, False]
+    with pytest.raises(RuntimeError, match="does not serve during update 'v2'"):
+        engine.check_serving()
+    engine.end("v2")
+
+
+def test_staged_updates_are_refused_where_unsupported_or_asked_with_one_copy_or_a_probe():
+    with pytest.raises(ValueError, match="PausingEngine has no staged updates"):
+        PausingEngine().begin("v1", False, "t", True)
+    engine = StagingEngine()
+    with pytest.raises(ValueError, match="a staged update goes by buckets"):
+        engine.begin("v1", True, "t", True)
+    assert engine.staged == [] and engine.generating
+    engine.begin("v1", False, "t", True)
+    with pytest.raises(ValueError, match="with a probe on a staged update"):
+        engine.end("v1", probe={"tokens": [[1, 2]]})
+    engine.end("v1")

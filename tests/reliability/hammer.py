@@ -258,3 +258,65 @@ def check_probes_through_the_gate(
     assert gap is not None and 0 < gap < 1e-4, report.engines["probed"]
     assert outcomes["probed-version"] == "probed-1"
     assert outcomes["probed-served"] == outcomes["probed-want"] != before
+
+
+def check_version_spans(
+    hammer: Hammer, refs: list[list[list[int]]], continue_on: Callable[[int, list], list]
+) -> dict[str, Any]:
+    """Answers whose tag is the JSON of their version spans [[version index, start, end], ...]
+    (each token's weight version, as the engine reports it): every span computed on its
+    version from the prompt and the tokens before it. A span from the start equals that
+    version's reference (`refs[v][prompt]`); a later one (the request was in flight across a
+    switch) equals `continue_on(v, [(prompt + tokens before it, how many), ...])`, version
+    v's greedy continuations. Returns the counts ("switched": answers with more than one span)."""
+    import json
+
+    prompts = prompt_ids()
+    complete = [a for a in hammer.answers if a.outcome == "complete"]
+    bad: list[str] = []
+    later: dict[int, list[tuple[Answer, int, int]]] = {}  # version -> (answer, start, end)
+    switched = 0
+    for a in complete:
+        assert a.tokens is not None and a.tag is not None, a
+        spans = json.loads(a.tag)
+        pairs = list(zip(spans, spans[1:]))
+        if (
+            not spans
+            or spans[0][1] != 0
+            or spans[-1][2] != len(a.tokens)
+            or any(x[2] != y[1] or y[0] <= x[0] for x, y in pairs)
+        ):
+            bad.append(f"prompt {a.prompt}: spans {spans} do not cover {len(a.tokens)} tokens")
+            continue
+        switched += len(spans) > 1
+        v, _, end = spans[0]
+        if a.tokens[:end] != refs[v][a.prompt][:end]:
+            bad.append(f"prompt {a.prompt}: tokens {a.tokens[:end]} are not version {v}'s")
+        for v, start, end in spans[1:]:
+            later.setdefault(v, []).append((a, start, end))
+    for v, items in later.items():
+        wants = continue_on(
+            v, [(prompts[a.prompt] + a.tokens[:start], end - start) for a, start, end in items]
+        )
+        wrong = [
+            (i, a, start, end)
+            for i, ((a, start, end), want) in enumerate(zip(items, wants))
+            if a.tokens[start:end] != want
+        ]
+        if wrong:  # what the version before would have answered: a token tagged too early?
+            before = continue_on(
+                v - 1,
+                [(prompts[a.prompt] + a.tokens[:start], end - start) for _, a, start, end in wrong],
+            )
+            for (i, a, start, end), old in zip(wrong, before):
+                bad.append(
+                    f"prompt {a.prompt}: tokens {start}..{end} {a.tokens[start:end]} of "
+                    f"{a.tokens} (spans {a.tag}) are not version {v}'s continuation "
+                    f"{wants[i]} (version {v - 1}'s: {old})"
+                )
+    counts = {"complete": len(complete), "switched": switched, "bad": len(bad)}
+    print(f"answers: {counts}")
+    failures = [a.outcome for a in hammer.answers if a.outcome != "complete"]
+    assert not bad, f"{len(bad)} of {len(complete)} answers: {bad[:3]}"
+    assert not failures, f"{len(failures)} requests did not complete: {failures[:3]}"
+    return counts

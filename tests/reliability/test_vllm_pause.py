@@ -4,6 +4,8 @@ directly never get an answer decoded on half-written weights or on two versions.
 from __future__ import annotations
 
 import itertools
+import json
+import threading
 import time
 from typing import Any
 
@@ -17,6 +19,7 @@ from tests.reliability.hammer import (
     check_a_request_waits_for_the_open_update,
     check_answers,
     check_probes_through_the_gate,
+    check_version_spans,
     engine_server,
     post_json,
     run_syncs_under_requests,
@@ -183,3 +186,122 @@ def test_the_probe_scores_the_staged_weights_through_the_servers_closed_gate(set
         "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
         lambda: _served(engine, model),
     )
+
+
+STAGED_SYNCS = 12
+WORKER = "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker"
+
+
+def _spans_hammer(engine, versions: dict[str, int]) -> Hammer:
+    """Requests to /inference/v1/generate; each answer tagged with the JSON of its version
+    spans [[version index (`versions[tag]`), start, end], ...]."""
+    base, key = engine_server(engine)
+
+    def ask(prompt: list[int]):
+        body = {
+            "token_ids": prompt,
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_tokens": MAX_NEW_TOKENS,
+                "ignore_eos": True,
+            },
+        }
+        return post_json(base, "/inference/v1/generate", body, api_key=key)
+
+    def parse(out):
+        choice = out["choices"][0]
+        if choice.get("finish_reason") == "abort":
+            return None, None
+        spans = [
+            [versions.get(s["version"], -1), s["start"], s["end"]]
+            for s in choice["weight_versions"]
+        ]
+        return choice["token_ids"], json.dumps(spans)
+
+    return Hammer(ask, parse)
+
+
+def test_staged_syncs_serve_on_and_switch_in_one_short_pause(setup):
+    """A trainer with `staged=True` syncs (verified) while clients call the server: no
+    request waits for a sync's transfer, and every answer's tokens are those of the version
+    vLLM tags them with. A request in flight across a switch goes on from its tokens so far on
+    the new weights (its KV computed again): its later span equals the new version's greedy
+    continuation. Each sync reports its one pause (`pause_s`) and when it switched."""
+    engine, _, model = setup
+    first_seed = 2000
+    trainer = launcher.TrainerGroup(
+        WORKER, model_path=model, bucket_bytes=1 << 16, seed=0, staged=True, verify=True
+    )
+    try:
+        trainer.call("connect", {"staged": engine})
+        ids = prompt_ids()
+        trainer.call("set_weights_from", first_seed)
+        trainer.call("sync", "s0")
+        refs = []
+        for i in range(STAGED_SYNCS + 1):
+            trainer.call("set_weights_from", first_seed + i)
+            refs.append(
+                trainer.call("reference_generate", ids, max_new_tokens=MAX_NEW_TOKENS)["tokens"]
+            )
+        versions = {f"s{i}": i for i in range(STAGED_SYNCS + 1)}
+        hammer = _spans_hammer(engine, versions)
+        reports, windows = [], []
+        hammer.start()
+        try:
+            time.sleep(1)
+            for i in range(1, STAGED_SYNCS + 1):
+                trainer.call("set_weights_from", first_seed + i)
+                start = time.monotonic()
+                reports.append(trainer.call("sync", f"s{i}"))
+                windows.append((start, time.monotonic()))
+                time.sleep(0.2)
+            time.sleep(1)
+        finally:
+            hammer.stop()
+
+        def continue_on(version: int, asks: list) -> list:
+            trainer.call("set_weights_from", first_seed + version)
+            return [
+                trainer.call("reference_generate", [p], max_new_tokens=n)["tokens"][0]
+                for p, n in asks
+            ]
+
+        counts = check_version_spans(hammer, refs, continue_on)
+    finally:
+        trainer.kill()
+    for report in reports:
+        part = report["engines"]["staged"]
+        assert report["verify"]["staged"]["verified"], report["verify"]
+        assert part["path"] == "buckets" and part["pause_s"] > 0 and part["switched_at"] > 0
+    # Answers sent after a sync began and answered before it ended: served during staging.
+    inside = [
+        a for a in hammer.answers if any(lo <= a.sent_s and a.done_s <= hi for lo, hi in windows)
+    ]
+    pauses = sorted(r["engines"]["staged"]["pause_s"] for r in reports)
+    syncs = sorted(r["sync_s"] for r in reports)
+    print(
+        f"staged: {counts}; {len(inside)} answers inside a sync; sync_s median "
+        f"{syncs[len(syncs) // 2]:.3f} s; pause_s median {pauses[len(pauses) // 2] * 1e3:.1f} ms, "
+        f"max {pauses[-1] * 1e3:.1f} ms"
+    )
+    assert inside, "no request was answered while a sync was staging"
+
+
+def test_a_staged_update_serves_the_current_weights_and_an_abort_keeps_them(setup):
+    """While a staged update is open the server answers, on the weights it served (a paused
+    server would hold the request until the update closed: here only the abort closes it,
+    after the answer came); the sender's abort leaves weights and version tag as they were."""
+    engine, _, model = setup
+    version = ray.get(engine.weight_version.remote())
+    before = _served(engine, model)
+    answers: list = []
+    client = threading.Thread(target=lambda: answers.append(_served(engine, model)), daemon=True)
+    ray.get(engine.begin.remote("staged-open", False, "a test", True), timeout=120)
+    try:
+        client.start()
+        client.join(timeout=120)
+    finally:
+        ray.get(engine.abort.remote("the test gave up", "a test"), timeout=120)
+    assert answers == [before], "no answer while the staged update was open"
+    assert ray.get(engine.weight_version.remote()) == version
+    assert _served(engine, model) == before

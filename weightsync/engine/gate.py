@@ -75,7 +75,7 @@ def _header(scope: dict[str, Any], name: bytes) -> str | None:
     return None
 
 
-async def _body(receive: Callable) -> bytes:
+async def request_body(receive: Callable) -> bytes:
     chunks = []
     while True:
         message = await receive()
@@ -124,7 +124,7 @@ class GatedRoutes:
             await answer(send, 405, {"error": f"POST {GATE_PATH} only"})
             return
         try:
-            body = json.loads(await _body(receive) or b"{}")
+            body = json.loads(await request_body(receive) or b"{}")
             if body.get("close"):
                 token = str(body["token"])
                 out = await self.gate.close(token, float(body.get("timeout_s", 60.0)))

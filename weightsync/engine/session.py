@@ -57,11 +57,20 @@ class WeightReceiver(ABC):
 
     @abstractmethod
     def begin(
-        self, version: str, one_copy: bool | list[str] = False, owner: str | None = None
+        self,
+        version: str,
+        one_copy: bool | list[str] = False,
+        owner: str | None = None,
+        staged: bool = False,
     ) -> dict:
         """Open an update session (the engine stops taking new requests until `end`): a
         `BeginAnswer`. `owner` names the trainer (its sender) that opens it: while its update
         is open, another owner's `begin` is refused until the update ends or expires.
+
+        With `staged` (an engine whose `staged_support()` is None) the engine goes on serving
+        its current weights while the update is loaded into a second copy of its parameters
+        (buckets only, not `one_copy`), and `end` switches to that copy in one short pause; an
+        `abort` leaves the served weights as they were.
 
         With `one_copy` the trainer will write into the shared parameters (weightsync/trainer/one_copy/targets.py)
         instead of sending buckets; the answer says `one_copy=False` and why, without opening
@@ -109,6 +118,11 @@ class WeightReceiver(ABC):
         """Wait for work the engine finishes in the background after an update (none by
         default): a `SettleReport`."""
         return SettleReport().to_dict()
+
+    def staged_support(self) -> str | None:
+        """Why this engine cannot take staged updates (`begin(..., staged=True)`), or None
+        when it can. Asked at connect by a trainer that stages (`SyncOptions.staged`)."""
+        return f"{type(self).__name__} has no staged updates"
 
     def share_params(self) -> dict:
         """Move the parameters into shared memory for the one-copy path, after a first sync:
@@ -167,6 +181,12 @@ class EngineSession(WeightReceiver):
     clients that call it directly. Whatever closes the update resumes (`abort` in a `finally`),
     so no error leaves the engine paused once its update is closed. While paused, a watchdog
     expires an update whose sender went silent (`GenerationPause`).
+
+    A staged update (`begin(..., staged=True)`, engines whose `staged_support()` is None) does
+    not pause: the engine serves its current weights, and the hooks load into a second copy
+    (`_into_copy` is true while it is open); `_engine_end` switches to it in the engine's own
+    short pause and reports when (`EndReport.switched_at`, `pause_s`); `_engine_abort` drops
+    it, the served weights untouched.
     """
 
     engine_name = "engine"
@@ -184,6 +204,7 @@ class EngineSession(WeightReceiver):
         self._begin_t = 0.0
         self._last_call = 0.0
         self._one_copy = False
+        self._into_copy = False  # the open update loads into a second copy (`begin`'s `staged`)
         # Taken by every method that changes the session, as the watchdog thread calls `abort`.
         self._lock = threading.RLock()
         self._pausing = GenerationPause(self)
@@ -235,8 +256,19 @@ class EngineSession(WeightReceiver):
         return None
 
     def begin(
-        self, version: str, one_copy: bool | list[str] = False, owner: str | None = None
+        self,
+        version: str,
+        one_copy: bool | list[str] = False,
+        owner: str | None = None,
+        staged: bool = False,
     ) -> dict:
+        if staged and one_copy:
+            raise ValueError(
+                f"{self.engine_name}: begin({version!r}) staged and one_copy: a staged update "
+                f"goes by buckets; begin it with one_copy=False"
+            )
+        if staged and (why := self.staged_support()) is not None:
+            raise ValueError(f"{self.engine_name}: begin({version!r}) staged: {why}")
         with self._lock:
             self._expire_idle()
             if self._open is not None and owner != self._owner:
@@ -253,7 +285,9 @@ class EngineSession(WeightReceiver):
                 self.abort(f"update {self._open!r} never ended; a new update {version!r} began")
             self._loaded = 0
             self._begin_t = self._last_call = time.perf_counter()
-            self._pause_generation()
+            self._into_copy = staged
+            if not staged:  # a staged update serves on until `_engine_end` switches
+                self._pause_generation()
             try:
                 why = self._engine_begin(one_copy)
             except BaseException:
@@ -320,6 +354,11 @@ class EngineSession(WeightReceiver):
             # idle expiry) resumes, once the engine's weights are whole or it refuses to serve.
             # The probe scores the staged weights before the engine finishes the update (and
             # drops what it kept of the previous weights): a failed probe is rolled back.
+            if probe is not None and self._into_copy:
+                raise ValueError(
+                    f"{self.engine_name}: end({version!r}) with a probe on a staged update: the "
+                    f"engine's forward serves the current weights, not the staged ones"
+                )
             probed = None if probe is None else self._probe(version, probe)
             report = self._engine_end(version)
             if probed is not None:
@@ -468,7 +507,7 @@ class EngineSession(WeightReceiver):
         self._expire_idle()
         if self._broken:
             raise RuntimeError(f"{self.engine_name} engine does not serve: {self._broken}")
-        if self._open:
+        if self._open and not self._into_copy:
             raise RuntimeError(
                 f"{self.engine_name} engine does not serve during update {self._open!r}"
             )

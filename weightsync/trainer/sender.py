@@ -77,10 +77,13 @@ class WeightSender:
         capacity_bytes: int,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         allow_unchecked: bool = False,
+        staged: bool = False,
     ) -> None:
         """`transport` may be set later (`self.transport = ...`), e.g. once the engines are
         known, as a collective transport needs their number. `allow_unchecked`: a verified
-        sync passes with parameters it could not compare (else it fails naming them)."""
+        sync passes with parameters it could not compare (else it fails naming them).
+        `staged`: every sync by buckets is a staged update on the engines (`WeightReceiver
+        .begin`): they serve on until `end` switches them."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be positive")
         self.specs = specs
@@ -98,6 +101,7 @@ class WeightSender:
         # bucket index -> (its plan, (buffer address, size), names, views, their hashing)
         self._views: dict[int, tuple[BucketPlan, tuple[int, int], list, list, KeptHashes]] = {}
         self.num_syncs = 0
+        self.staged = staged
 
     def add_engine(self, endpoint: Endpoint, *, timeout_s: float | None = None) -> RefitAnswer:
         """Check refit info with the engine (nothing is written) and remember it.
@@ -200,7 +204,8 @@ class WeightSender:
         sent = SentPrints(self.engines, names, self.verifier.specs) if verify else None
         load_s: dict[str, float] = {}
         start = time.perf_counter()
-        self._began(self.calls.call_all("begin", version, False, self.owner, names=names))
+        begin = (version, False, self.owner, True) if self.staged else (version, False, self.owner)
+        self._began(self.calls.call_all("begin", *begin, names=names))
         try:
 
             def wait_slot(plan: BucketPlan) -> int:

@@ -110,6 +110,14 @@ class SyncOptions:
     scores fixed tokens with its own forward on the staged weights, the trainer with its
     model; a gap above `probe.bound` fails the sync before the engine commits. Engines that
     cannot score one are refused at `connect`."""
+    staged: bool = False
+    """Engines keep serving their current weights while each sync loads into a second copy of
+    their parameters (weightsync/engine/staging.py), which is verified (with `verify`) and then
+    switched in on every engine at once, each in one short pause (`SyncReport.engines[name]
+    .pause_s`, `SyncReport.switch_skew_s`); a sync that fails before the switch leaves every
+    engine serving what it served. Costs one more copy of each engine's parameters. Goes by
+    buckets (the one-copy and point-to-point paths are off); engines that cannot stage (SGLang)
+    are refused at `connect`."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -133,6 +141,17 @@ class SyncOptions:
             raise ValueError(
                 "SyncOptions.point_to_point=True with one_copy=True: the two paths exclude each "
                 "other; set one_copy=None (off with point_to_point) or point_to_point=False"
+            )
+        if self.staged and (self.one_copy or self.point_to_point or self.probe is not None):
+            given = (
+                "one_copy=True"
+                if self.one_copy
+                else ("point_to_point=True" if self.point_to_point else "a probe")
+            )
+            raise ValueError(
+                f"SyncOptions.staged=True with {given}: a staged sync goes by buckets into a copy "
+                f"the engine does not compute with, so it has no one-copy or point-to-point path "
+                f"and no probe; leave {given.split('=')[0]} out or staged=False"
             )
         if self.probe is not None and not isinstance(self.probe, Probe):
             raise ValueError(
@@ -197,11 +216,14 @@ class TrainerSync:
             options.one_copy is not False
             and options.transport in ONE_COPY_TRANSPORTS
             and not options.point_to_point
+            and not options.staged
         )
         if options.one_copy is None and not self.one_copy and self.rank == 0:
             why = (
                 "point_to_point=True"
                 if options.point_to_point
+                else "staged=True"
+                if options.staged
                 else f"transport {options.transport!r} has no one-copy path"
             )
             self.log.info("one_copy off: %s", why)
@@ -257,6 +279,7 @@ class TrainerSync:
                 capacity_bytes=opts.bucket_bytes,
                 timeout_s=opts.timeout_s,
                 allow_unchecked=opts.allow_unchecked,
+                staged=opts.staged,
             )
         elif engines and opts.transport in ("gloo", "nccl"):
             raise ValueError(
@@ -284,6 +307,14 @@ class TrainerSync:
                     "p2p_support",
                     "cannot take the point-to-point path (SyncOptions.point_to_point=True)",
                     "without point_to_point",
+                )
+            if opts.staged:
+                self._refuse_unless(
+                    sender,
+                    name,
+                    "staged_support",
+                    "cannot take staged updates (SyncOptions.staged=True)",
+                    "without staged",
                 )
             if opts.keep_previous:
                 self._keep_previous(sender, name)

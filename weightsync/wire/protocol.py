@@ -200,6 +200,12 @@ class EndReport:
     probe: dict[str, Any] | None = None
     """With a probe asked for: how close the engine's scores came (`wire.probe.ProbeReport`'s
     `to_dict()`); an update whose probe failed raises instead of ending."""
+    switched_at: float | None = None
+    """A staged update (`begin(..., staged=True)`): the wall-clock time (`time.time()`, seconds)
+    at which the engine's new weights were in place, its generation still held."""
+    pause_s: float | None = None
+    """A staged update: how long the engine held generation to switch to the staged weights
+    (its only pause of the update)."""
 
     def to_dict(self) -> dict[str, Any]:
         return _without_none(
@@ -211,6 +217,8 @@ class EndReport:
                 "param_of": None if self.param_of is None else _param_of(self.param_of),
                 "placements": self.placements,
                 "probe": self.probe,
+                "switched_at": self.switched_at,
+                "pause_s": self.pause_s,
             }
         )
 
@@ -225,6 +233,8 @@ class EndReport:
             param_of=None if param_of is None else _param_of(param_of),
             placements=_get(d, cls, "placements", None),
             probe=_get(d, cls, "probe", None),
+            switched_at=_get(d, cls, "switched_at", None),
+            pause_s=_get(d, cls, "pause_s", None),
         )
 
 
@@ -325,6 +335,10 @@ class EngineSyncReport:
     between the engine's forward and the trainer's, in nats."""
     probe_max_gap: float | None = None
     """The largest gap of one probe token."""
+    switched_at: float | None = None
+    """A staged sync: when the engine's new weights were in place (`time.time()`)."""
+    pause_s: float | None = None
+    """A staged sync: how long the engine held generation to switch (its only pause)."""
 
     @classmethod
     def of(cls, end: EndReport, *, path: str, load_s: float | None = None) -> EngineSyncReport:
@@ -338,6 +352,8 @@ class EngineSyncReport:
             cache_flushed=end.cache_flushed,
             probe_gap=probe.get("mean_gap"),
             probe_max_gap=probe.get("max_gap"),
+            switched_at=end.switched_at,
+            pause_s=end.pause_s,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -354,6 +370,8 @@ class EngineSyncReport:
                     "share_s": self.share_s,
                     "probe_gap": self.probe_gap,
                     "probe_max_gap": self.probe_max_gap,
+                    "switched_at": self.switched_at,
+                    "pause_s": self.pause_s,
                 }
             ),
         }
@@ -374,6 +392,8 @@ class EngineSyncReport:
                     "share_s",
                     "probe_gap",
                     "probe_max_gap",
+                    "switched_at",
+                    "pause_s",
                 )
             },
         )
@@ -553,6 +573,14 @@ class SyncReport:
         """Gigabytes of the model per second of sync."""
         return self.nbytes / self.sync_s / 1e9 if self.sync_s > 0 else 0.0
 
+    @property
+    def switch_skew_s(self) -> float | None:
+        """A staged sync (`SyncOptions.staged`): seconds between the first and the last engine
+        having its new weights in place (their `switched_at`, one host's clock); None when no
+        engine staged."""
+        times = [e.switched_at for e in self.engines.values() if e.switched_at is not None]
+        return max(times) - min(times) if times else None
+
     def metrics(self, prefix: str = "weightsync/") -> Metrics:
         """This sync as one flat dict, for a metrics logger (`wandb.log(report.metrics())`, or
         a TensorBoard writer's `add_scalar` for each number); values are plain floats, ints and
@@ -584,7 +612,10 @@ class SyncReport:
           `sync_s` (once: the sync by buckets before its first one-copy sync);
           `<engine>/probe_gap`, `<engine>/probe_max_gap` (a probed sync, `SyncOptions.probe`):
           the mean and the largest absolute log-prob gap, in nats, between its forward and the
-          trainer's.
+          trainer's; `<engine>/pause_s` (a staged sync, `SyncOptions.staged`): seconds it held
+          generation to switch to the staged weights.
+        - `switch_skew_s` (a staged sync): seconds between the first and the last engine having
+          its new weights in place.
         - with verify, `VerifyReport.metrics` under the same prefix: `verify_s` (all engines
           together, not per engine), `verified`, and per engine `<engine>/verified`,
           `<engine>/num_checked`, `<engine>/num_mismatched`, `<engine>/num_unchecked`.
@@ -618,12 +649,14 @@ class SyncReport:
             if engine.cache_flushed is not None:
                 out[f"{prefix}{name}/cache_flushed"] = int(engine.cache_flushed)
             _put_seconds(out, f"{prefix}{name}/share_s", engine.share_s)
+            _put_seconds(out, f"{prefix}{name}/pause_s", engine.pause_s)
             _put_seconds(out, f"{prefix}{name}/probe_gap", engine.probe_gap)
             _put_seconds(out, f"{prefix}{name}/probe_max_gap", engine.probe_max_gap)
         if self.verify is not None:
             out.update(self.verify.metrics(prefix))
         if self.dropped:
             out[f"{prefix}num_dropped"] = len(self.dropped)
+        _put_seconds(out, f"{prefix}switch_skew_s", self.switch_skew_s)
         return out
 
     def to_dict(self) -> dict[str, Any]:
