@@ -144,12 +144,16 @@ def half_update(engine, spec: dict, version: str = "half") -> None:
         sender.close()
 
 
-def check_failed_verification_is_never_adopted(engine, trainer, name: str) -> None:
+def check_failed_verification_is_never_adopted(
+    engine, trainer, name: str, *, staged: bool = False
+) -> None:
     """Stage, verify, commit, against a real engine: a verified sync (new random weights for
     every tensor, from a sender in this process) whose check fails is aborted before `end`.
     The failure is planted on the trainer's side (it expects other bytes for one tensor),
     so the engine really holds the staged weights when it is checked; with keep_previous it
-    then puts back its previous weights and goes on serving them, same version and answers."""
+    then puts back its previous weights and goes on serving them, same version and answers.
+    `staged`: a staged sync (`begin(..., staged=True)`), without keep_previous: the served
+    weights were never written."""
     import pytest
     import torch
 
@@ -170,7 +174,7 @@ def check_failed_verification_is_never_adopted(engine, trainer, name: str) -> No
         (s.name, (torch.randn(s.shape, generator=gen) * 0.1).to(dtype_from_str(s.dtype)))
         for s in specs
     ]
-    sender = WeightSender(specs, transport=ShmSender(), capacity_bytes=1 << 20)
+    sender = WeightSender(specs, transport=ShmSender(), capacity_bytes=1 << 20, staged=staged)
     seen: dict = {}
     check = sender.verifier.check_staged
 
@@ -180,7 +184,7 @@ def check_failed_verification_is_never_adopted(engine, trainer, name: str) -> No
         return check(staged, {**sent, target: (s + 1, h1, h2)}, **kwargs)
 
     sender.verifier.check_staged = planted
-    ray.get(engine.set_keep_previous.remote(True))
+    ray.get(engine.set_keep_previous.remote(not staged))
     try:
         sender.add_engine(RayEndpoint(engine, name=name))
         with pytest.raises(VerificationFailed, match="'never-adopted' aborted before any engine"):

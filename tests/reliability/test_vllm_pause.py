@@ -12,7 +12,11 @@ from typing import Any
 import pytest
 import ray
 
-from tests.engine_checks import check_server_on_loopback_demands_key, prompt_ids
+from tests.engine_checks import (
+    check_failed_verification_is_never_adopted,
+    check_server_on_loopback_demands_key,
+    prompt_ids,
+)
 from tests.reliability.hammer import (
     MAX_NEW_TOKENS,
     Hammer,
@@ -259,14 +263,13 @@ def test_staged_syncs_serve_on_and_switch_in_one_short_pause(setup):
         finally:
             hammer.stop()
 
-        def continue_on(version: int, asks: list) -> list:
+        def margins_on(version: int, asks: list) -> list:
             trainer.call("set_weights_from", first_seed + version)
-            return [
-                trainer.call("reference_generate", [p], max_new_tokens=n)["tokens"][0]
-                for p, n in asks
-            ]
+            return trainer.call(
+                "reference_margins", [seq for seq, _ in asks], [start for _, start in asks]
+            )
 
-        counts = check_version_spans(hammer, refs, continue_on)
+        counts = check_version_spans(hammer, refs, margins_on)
     finally:
         trainer.kill()
     for report in reports:
@@ -305,3 +308,26 @@ def test_a_staged_update_serves_the_current_weights_and_an_abort_keeps_them(setu
     assert answers == [before], "no answer while the staged update was open"
     assert ray.get(engine.weight_version.remote()) == version
     assert _served(engine, model) == before
+
+
+def test_a_staged_sync_that_fails_verification_is_seen_by_no_request(setup):
+    """Clients call the server while a staged, verified sync whose check fails (planted on
+    the sender's side: the engine holds the new bytes when checked) is aborted before the
+    switch: every answer, before, during and after it, is the served version's, tagged so."""
+    engine, trainer, model = setup
+    version = ray.get(engine.weight_version.remote())
+    served = _served(engine, model)
+    hammer = _spans_hammer(engine, {version: 0})
+    hammer.start()
+    try:
+        time.sleep(0.5)
+        check_failed_verification_is_never_adopted(engine, trainer, NAME, staged=True)
+        time.sleep(0.5)
+    finally:
+        hammer.stop()
+
+    def margins_on(v: int, asks: list) -> list:
+        raise AssertionError(f"an answer switched to version {v} mid-request: {asks}")
+
+    counts = check_version_spans(hammer, [served], margins_on)
+    assert counts["complete"] > 0 and counts["switched"] == 0

@@ -98,6 +98,42 @@ def test_one_sync_serves_both_replicas_each_tp_worker_verified(setup):
         assert_engine_matches_reference(engine, trainer)
 
 
+def test_a_staged_sync_switches_every_worker_of_both_replicas(setup):
+    """A trainer with `staged=True`: each sync loads into a second copy of every worker's
+    parameters while both engines serve, verifies each worker against its copy, then switches
+    both engines (their `end`s at once); each reports its pause and when it switched."""
+    engines, _, model, _ = setup
+    staged = launcher.TrainerGroup(
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+        staged=True,
+        verify=True,
+    )
+    try:
+        staged.call("connect", engines)
+        for i in range(3):
+            staged.call("set_weights_from", 3000 + i)
+            report = staged.call("sync", f"staged-{i}")
+            checked = report["verify"]
+            assert checked["tp2"]["verified"] and checked["tp1"]["verified"], checked
+            assert checked["tp2"]["num_workers"] == 2 and checked["tp2"]["num_checked"] == 2 * 17
+            parts = report["engines"]
+            print(
+                f"staged-{i}: sync {report['sync_s']:.3f} s, pauses "
+                f"{ {n: round(p['pause_s'] * 1e3, 1) for n, p in parts.items()} } ms, switches "
+                f"{abs(parts['tp2']['switched_at'] - parts['tp1']['switched_at']) * 1e3:.1f} ms "
+                f"apart"
+            )
+            for name, engine in engines.items():
+                assert parts[name]["pause_s"] > 0
+                assert ray.get(engine.weight_version.remote()) == f"staged-{i}"
+                assert_engine_matches_reference(engine, staged)
+    finally:
+        staged.kill()
+
+
 def test_repeated_syncs_take_the_one_copy_path_into_every_worker(setup):
     """From the second sync on, each trainer rank writes its shards straight into the shared
     parameters of the TP=1 replica and, through each worker's placements, only the slices each

@@ -11,15 +11,9 @@ from typing import Any
 import torch
 
 
-def reference_generate(
-    model_path: str,
-    state: dict[str, torch.Tensor],
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-) -> dict[str, Any]:
-    """{"tokens": [[ids]], "logprobs": [[float]]}: greedy continuations of `prompts` by the
-    architecture of the checkpoint at `model_path` holding the weights `state` (HF names)."""
+def _reference_model(model_path: str, state: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+    """(the float32 transformers model of the checkpoint's architecture holding `state`, its
+    config)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
@@ -41,6 +35,19 @@ def reference_generate(
         )
     reference.tie_weights()
     reference.eval()
+    return reference, config
+
+
+def reference_generate(
+    model_path: str,
+    state: dict[str, torch.Tensor],
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+) -> dict[str, Any]:
+    """{"tokens": [[ids]], "logprobs": [[float]]}: greedy continuations of `prompts` by the
+    architecture of the checkpoint at `model_path` holding the weights `state` (HF names)."""
+    reference, config = _reference_model(model_path, state)
     tokens, logprobs = [], []
     with torch.no_grad():
         for prompt in prompts:
@@ -88,3 +95,24 @@ def _from_checkpoint_state(model_path: str, state: dict[str, torch.Tensor]) -> t
             ) from exc
         model, info = loaded
         return model, list(info["missing_keys"])
+
+
+def reference_margins(
+    model_path: str, state: dict[str, torch.Tensor], sequences: list[list[int]], starts: list[int]
+) -> list[list[float]]:
+    """For each sequence, at each position from its start on: how far (in nats) the log-prob of
+    the token there falls below the most likely token given the tokens before it, by the same
+    model as `reference_generate` (0.0: the greedy choice)."""
+    reference, _ = _reference_model(model_path, state)
+    out = []
+    with torch.no_grad():
+        for sequence, start in zip(sequences, starts):
+            logits = reference(torch.tensor([sequence])).logits[0].float()
+            logp = torch.log_softmax(logits, -1)
+            out.append(
+                [
+                    float(logp[i - 1].max() - logp[i - 1, sequence[i]])
+                    for i in range(start, len(sequence))
+                ]
+            )
+    return out

@@ -163,6 +163,16 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
             return None
         return reference_generate(self.model_path, state, prompts, max_new_tokens=max_new_tokens)
 
+    def reference_margins(self, sequences: list[list[int]], starts: list[int]) -> Any:
+        """`weightsync.apps.reference.reference_margins` of the current weights, on rank 0;
+        None elsewhere."""
+        from weightsync.apps.reference import reference_margins
+
+        state = self.full_state()
+        if self.rank != 0:
+            return None
+        return reference_margins(self.model_path, state, sequences, starts)
+
     def set_weights_from(self, other_seed: int) -> None:
         """Overwrite the model with another seed's random weights (tests: a big change)."""
         with torch.no_grad():
