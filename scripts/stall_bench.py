@@ -13,9 +13,12 @@ without a new token: from being sent to its first token, or between two tokens. 
 `--seconds` each, on the same engines: none (no sync), paused (a trainer syncing back to back
 with a 0.2 s gap, as today: its first sync by buckets, then the one-copy path), staged (another
 trainer, `staged=True`, by buckets). For each phase: the requests whose life overlapped a sync,
-their longest stall, the 99th percentile, the median gap between tokens over all requests, and
-per staged sync the engines' pause (`pause_s`, measured by the server around its switch) and
-the skew between the replicas' switches (`SyncReport.switch_skew_s`). The model is a tiny
+their longest stall, the 99th percentile, the median gap between tokens over all requests; and
+from the sync reports, how long each engine held generation (paused: from its `begin` to the end
+of its `end`, `session_s`, not counting the wait for requests in flight before `begin`; staged:
+its switch, `pause_s`, measured by the server around it) and the skew between the replicas'
+switches (`SyncReport.switch_skew_s`). The "none" phase is the floor: on a 2-core machine
+shared by the engine, the trainer and the clients, a request can stall without any sync. The model is a tiny
 random one made here (`--arch`); every time is wall-clock on this host, the clients' own HTTP
 and JSON work included.
 """
@@ -34,6 +37,7 @@ from urllib.parse import urlparse
 
 ENGINE = "weightsync.backends.vllm.engine.VllmEngineActor"
 WORKER = "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker"
+PROMPTS = ["The quick brown fox", "weightsync keeps engines", "Once upon a time"]
 
 
 @dataclass(slots=True)
@@ -96,14 +100,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
     parser.add_argument("--verify", action="store_true", help="verify every sync")
+    parser.add_argument(
+        "--worst", action="store_true", help="print each phase's worst request's timeline"
+    )
     args = parser.parse_args()
 
     import ray
     from rich.console import Console
     from rich.table import Table
 
-    from tests.engine_checks import prompt_ids
-    from weightsync.apps.models import make_tiny_model
+    from weightsync.apps.models import make_tiny_model, make_tokenizer
     from weightsync.driver import launcher
 
     model = make_tiny_model(tempfile.mkdtemp(prefix="stall-"), arch=args.arch, seed=0)
@@ -122,7 +128,11 @@ def main() -> None:
     }
     for trainer in trainers.values():
         trainer.call("connect", engines)
-    prompts = prompt_ids()
+    for name in ("paused", "staged"):  # the first syncs (by buckets, then sharing) before timing
+        for i in range(2):
+            trainers[name].call("sync", f"{name}-warm-{i}")
+    tokenizer = make_tokenizer()
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
     clients = []
     for engine in engines.values():
         base = ray.get(engine.server_url.remote())
@@ -157,9 +167,19 @@ def main() -> None:
             ]
             measured = overlapping if phase != "none" else done
             stalls = [r.stall() for r in measured]
+            if args.worst and measured:
+                worst = max(measured, key=Request.stall)
+                print(
+                    f"{phase}: worst request, sent at {worst.sent - start:.3f} s: token times "
+                    f"{[round(t - worst.sent, 3) for t in worst.times]}; syncs (start, end) "
+                    f"{[(round(lo - worst.sent, 3), round(hi - worst.sent, 3)) for lo, hi in windows if lo <= worst.times[-1] and worst.sent <= hi]}"
+                )
             gaps = [b - a for r in done for a, b in zip(r.times, r.times[1:])]
-            pauses = [
-                e["pause_s"] for rep in reports for e in rep["engines"].values() if "pause_s" in e
+            # How long each engine held generation: a staged sync's switch, else begin to end.
+            holds = [
+                e.get("pause_s", e.get("session_s", 0.0))
+                for rep in reports
+                for e in rep["engines"].values()
             ]
             skews = [
                 max(t) - min(t)
@@ -179,8 +199,8 @@ def main() -> None:
                     f"{max(stalls, default=0) * 1e3:.0f}",
                     f"{_percentile(stalls, 0.99) * 1e3:.0f}",
                     f"{statistics.median(gaps) * 1e3:.1f}" if gaps else "-",
-                    f"{statistics.median(pauses) * 1e3:.1f} / {max(pauses) * 1e3:.1f}"
-                    if pauses
+                    f"{statistics.median(holds) * 1e3:.1f} / {max(holds) * 1e3:.1f}"
+                    if holds
                     else "-",
                     f"{statistics.median(skews) * 1e3:.1f} / {max(skews) * 1e3:.1f}"
                     if skews
@@ -210,7 +230,7 @@ def main() -> None:
         "max stall ms",
         "p99 stall ms",
         "token gap ms (median)",
-        "pause ms (median / max)",
+        "engine held ms (median / max)",
         "switch skew ms (median / max)",
     ):
         table.add_column(column)

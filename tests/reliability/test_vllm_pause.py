@@ -163,6 +163,7 @@ def test_server_listens_on_loopback_and_demands_the_api_key(setup):
             "/update_weight_version",
             "/reset_prefix_cache",
             "/weightsync/gate",
+            "/weightsync/switch",
         ],
         key=key,
         get_path="/v1/models",
