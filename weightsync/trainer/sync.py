@@ -37,11 +37,12 @@ from weightsync.trainer.source import DTensorV2Source, Layout
 from weightsync.trainer.sync_group import SyncGroup
 from weightsync.wire.bucket import DEFAULT_BUCKET_BYTES
 from weightsync.wire.fingerprint import FingerprintBatch
-from weightsync.wire.placement import WorkerPrints
+from weightsync.wire.placement import WorkerPrints, sliced
 from weightsync.wire.protocol import RefitAnswer, SyncReport, VerifyReport
 from weightsync.wire.specs import dtype_from_str, specs_to_dicts
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed as dist
     from torch import nn
 
@@ -51,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 Transport = Literal["shm", "cuda_ipc", "gloo", "nccl"]
 ONE_COPY_TRANSPORTS = ("shm", "cuda_ipc")  # engines on this host: ranks write into them
+# `TrainerSync.verify` hashes the tensors it gathered once this many bytes of them are queued
+# (held meanwhile, so no gather reuses their memory), not one pass per tensor.
+VERIFY_HELD_BYTES = 256 << 20
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
 
 
@@ -462,19 +466,29 @@ class TrainerSync:
         if sender is not None:
             names = list(sender.engines) if engines is None else list(engines)
             unknown = [n for n in names if n not in sender.engines]
+            specs = sender.verifier.specs
             for n in names:
                 placements = None if n in unknown else sender.engines[n].placements
-                if placements is not None:
+                # Workers that hold every tensor whole are checked from the tensors'
+                # fingerprints alone (`prints_from_sent`); slices need the elements.
+                if placements is not None and any(sliced(p, specs) for p in placements):
                     workers[n] = WorkerPrints(placements)
         batch, order = FingerprintBatch(), []
+        held: list[torch.Tensor] = []  # queued for hashing: their memory is not reused meanwhile
+        held_bytes = 0
         for name, tensor in self.source.tensors():  # every rank takes part in each gather
             if names:
                 order.append(name)
                 batch.add(tensor)
-                batch.flush()  # a gathered tensor's memory may be reused by the next
+                held.append(tensor)
+                held_bytes += tensor.numel() * tensor.element_size()
+                if held_bytes >= VERIFY_HELD_BYTES:  # one hashing pass per this many bytes
+                    batch.flush()
+                    held, held_bytes = [], 0
                 for prints in workers.values():
                     prints.add(name, tensor)
         sent = dict(zip(order, batch.read()))
+        del held
         if self.rank != 0:
             return None
         # Refused only now: rank 0 raising before the gathers would leave the others waiting.
