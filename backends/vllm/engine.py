@@ -92,6 +92,10 @@ def _token_id(token: str) -> int:
     return int(token.split(":")[-1])
 
 
+class NothingSwitched(RuntimeError):
+    """A staged update's switch stopped before any parameter was written."""
+
+
 class _InProcess:
     def __init__(self, model_path: str, args: dict[str, Any]) -> None:
         from vllm import LLM
@@ -127,9 +131,10 @@ class _InProcess:
         only client, one call at a time. (each worker's raw answer, seconds it took)"""
         start = time.perf_counter()
         if not self.reset_prefix_cache():
-            raise RuntimeError("the prefix cache could not be reset; nothing was switched")
+            raise NothingSwitched("the prefix cache could not be reset; nothing was switched")
         results = self.rpc("weightsync_commit", ())
-        self.set_version(version)
+        if all(r.get("ok") for r in results):  # else the update fails (`_switch`)
+            self.set_version(version)
         return results, time.perf_counter() - start
 
     def set_version(self, version: str) -> None:
@@ -289,6 +294,12 @@ class _Http:
         """A staged update's end, in one request to the server (backends/vllm/guard.py
         `switch`): (each worker's raw answer, seconds the server held its scheduler)."""
         status, out = self._request("POST", SWITCH_PATH, {"version": version})
+        if (
+            isinstance(out, dict)
+            and "results" not in out
+            and "nothing was switched" in str(out.get("error"))
+        ):
+            raise NothingSwitched(f"vllm server {SWITCH_PATH}: {out['error']}")
         if status != 200 or not isinstance(out, dict) or "results" not in out:
             raise RuntimeError(f"vllm server {SWITCH_PATH} answered {status}: {out}")
         return out["results"], float(out["pause_s"])
@@ -397,6 +408,7 @@ class VllmEngineActor(EngineSession):
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
         super().__init__(idle_timeout_s=idle_timeout_s)
+        self._switching = False  # a staged update's switch was asked for (`_switch`)
         self.keep_previous = keep_previous
         self._api_key: str | None = None
         if llm is not None:
@@ -477,6 +489,7 @@ class VllmEngineActor(EngineSession):
         return replace(first, num_receivers=len(results), tp_size=self.tp_size).to_dict()
 
     def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
+        self._switching = False
         whys = [
             r["why"]
             for r in self._rpc_all(
@@ -487,7 +500,16 @@ class VllmEngineActor(EngineSession):
         return "; ".join(whys) if whys else None
 
     def staged_support(self) -> str | None:
-        return None  # in-process, or a server whose scheduler it holds (`_Http.hold`)
+        """In-process always; a server only where weightsync's middleware serves the switch
+        (an attached server started without it answers 404 there)."""
+        if isinstance(self.client, _Http):
+            status, _ = self.client._request("POST", SWITCH_PATH, {})
+            if status == 404:
+                return (
+                    f"vllm server at {self.client.base} has no {SWITCH_PATH} route: start it "
+                    f"with `{' '.join(attach_flags())}` of this weightsync version"
+                )
+        return None
 
     def set_keep_previous(self, on: bool) -> None:
         """Turn keeping (and restoring) the previous weights on or off for later updates."""
@@ -545,11 +567,15 @@ class VllmEngineActor(EngineSession):
         requests in flight pre-empted: each goes on from its tokens so far, computed again on
         the new weights), every worker's parameters switched to the staged copy, the version
         tag set (the tokens after the pause carry it), generation released."""
+        self._switching = True  # from now on the served weights may have changed
         try:
             raw, pause_s = self.client.switch(version)
+        except NothingSwitched as exc:
+            self._switching = False
+            raise RuntimeError(f"vllm: staged update {version!r}: {exc}") from exc
         except RuntimeError as exc:
             raise RuntimeError(f"vllm: staged update {version!r}: {exc}") from exc
-        results = unwrap_all(raw)
+        results = unwrap_all(raw)  # a worker that failed to switch fails the update
         return EndReport(
             weight_version=version,
             cache_flushed=True,
@@ -569,12 +595,14 @@ class VllmEngineActor(EngineSession):
         return self.client.score(tokens)
 
     def _engine_abort(self, reason: str) -> bool:
-        if self._into_copy:  # the served weights were never written
+        if self._into_copy:  # the served weights were not written before the switch
             try:
                 self._rpc_all("weightsync_discard")
             except Exception as exc:  # the engine itself may be what failed
                 logger.warning("vllm: dropping staged update %r failed: %s", self._open, exc)
-            return False
+            # A switch that failed, or whose answer was lost, may have left workers on two
+            # versions: refuse to serve until a sync completes.
+            return self._switching
         # Loading is in place: weights are mixed once a bucket was loaded, unless every worker
         # put back what it had kept.
         restored = False
@@ -654,7 +682,9 @@ class VllmEngineActor(EngineSession):
             )
         start = time.perf_counter()
         self.client.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint_dir})
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self._rpc_all("weightsync_discard")  # a staged copy no longer equals the served weights
+        return seconds
 
     def process_stats(self) -> dict[str, int]:
         """File descriptors and memory of this actor and the engine processes it started."""

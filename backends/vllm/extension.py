@@ -119,6 +119,7 @@ class WeightsyncWorkerExtension:
             return {"why": None}
         if "staging" in state:
             state["staging"].stale()  # this update writes the served parameters
+        state["staged"], state["staged_written"] = False, set()  # a staged one left open
         experts = self._ws_experts()
         state["gemms"].stop()  # it must not pack half-loaded weights
         state["gemms"].rewrap()
@@ -193,11 +194,13 @@ class WeightsyncWorkerExtension:
 
         written = state["staged_written"]
         state["gemms"].stop()
-        copy_s = state["staging"].switch(written, write)
+        try:
+            copy_s = state["staging"].switch(written, write)
+        finally:  # a switch that failed midway left some written: their layers read them
+            state["gemms"].mark_stale(written)
+            state["gemms"].start()
         switched_at = time.time()
-        state["gemms"].mark_stale(written)
         state["open"], state["staged"] = False, False
-        state["gemms"].start()
         return {
             "switched_at": switched_at,
             "copy_s": copy_s,

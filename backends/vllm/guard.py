@@ -23,6 +23,7 @@ from weightsync.engine.gate import GatedRoutes, answer, authorized, key_digest, 
 
 KEY_VARIABLE = "VLLM_API_KEY"
 SWITCH_PATH = "/weightsync/switch"
+RESET_TRIES = 3  # the prefix-cache reset inside a switch, tried again this often
 OPEN_PATHS = frozenset({"/health"})
 # Routes that never compute with the weights, which the actor drives during an update: the gate
 # lets them through while it holds the others.
@@ -87,23 +88,27 @@ async def switch(engine: Any, version: str) -> dict[str, Any]:
     flight kept where they are (no step runs), the prefix cache reset with those requests
     pre-empted (each goes on from its tokens so far, its KV computed again on the new weights),
     every worker switched to the staged weights (`weightsync_commit`), the weight version set
-    (the tokens after the pause carry it), the scheduler released. {"results": each worker's
-    answer, "pause_s": seconds the scheduler was held}; {"error": ...} when the cache could not
-    be reset (nothing switched)."""
+    (the tokens after the pause carry it) only when every worker switched, the scheduler
+    released. {"results": each worker's answer, "pause_s": seconds the scheduler was held};
+    {"error": ...} when the cache could not be reset (nothing switched)."""
     start = time.perf_counter()
     core: Any = getattr(engine, "engine_core", None)
-    if hasattr(core, "pause_scheduler_async"):  # without pause_generation's settling sleep
-        await core.pause_scheduler_async(mode="keep", clear_cache=False)
-    else:
-        await engine.pause_generation(mode="keep", clear_cache=False)
     try:
-        if not await engine.reset_prefix_cache(True, False):
+        if hasattr(core, "pause_scheduler_async"):  # without pause_generation's settling sleep
+            await core.pause_scheduler_async(mode="keep", clear_cache=False)
+        else:
+            await engine.pause_generation(mode="keep", clear_cache=False)
+        for _ in range(RESET_TRIES):
+            if await engine.reset_prefix_cache(True, False):
+                break
+        else:
             return {"error": "the prefix cache could not be reset; nothing was switched"}
-        results = await engine.collective_rpc("weightsync_commit")
-        await engine.update_weight_version(version)
+        results = list(await engine.collective_rpc("weightsync_commit"))
+        if all(isinstance(r, dict) and r.get("ok") for r in results):
+            await engine.update_weight_version(version)
     finally:
         await engine.resume_generation()
-    return {"results": list(results), "pause_s": time.perf_counter() - start}
+    return {"results": results, "pause_s": time.perf_counter() - start}
 
 
 async def _switch_route(scope: dict[str, Any], receive: Callable, send: Callable) -> None:

@@ -82,3 +82,25 @@ def test_a_trainer_that_stages_refuses_an_engine_that_cannot_at_connect_and_bad_
     finally:
         sync.close()
         close_trainer_group()
+
+
+def test_a_reloaded_model_gets_a_new_copy_and_a_switch_of_unknown_names_writes_nothing():
+    """Parameters replaced behind the copy's back (an engine's own reload) are found at the
+    next `refresh`; a switch naming what the copy does not hold refuses before writing."""
+    import pytest
+
+    model = _model()
+    staging = StagedWeights(model)
+    staging.refresh()
+    model[0].weight = torch.nn.Parameter(torch.zeros(3, 4))  # replaced, as a reload may
+    staging.stale()
+    staging.refresh()
+    with staging.loading(), torch.no_grad():
+        model[0].weight.fill_(2.0)
+    assert torch.equal(model[0].weight, torch.zeros(3, 4))  # the served one untouched
+    served = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="not parameters of the staged copy; nothing was"):
+        staging.switch({"0.weight", "buffer.x"})
+    assert all(torch.equal(p, served[n]) for n, p in model.named_parameters())
+    staging.switch({"0.weight"})
+    assert torch.equal(model[0].weight, torch.full((3, 4), 2.0))

@@ -289,6 +289,7 @@ def test_staged_syncs_serve_on_and_switch_in_one_short_pause(setup):
         f"max {pauses[-1] * 1e3:.1f} ms"
     )
     assert inside, "no request was answered while a sync was staging"
+    assert counts["switched"] > 0, "no request was in flight across a switch: nothing checked"
 
 
 def test_a_staged_update_serves_the_current_weights_and_an_abort_keeps_them(setup):

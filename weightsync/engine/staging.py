@@ -49,11 +49,11 @@ class StagedWeights:
     def refresh(self, read: Write = _copy) -> None:
         """Make the copy equal the served parameters (allocated on first use): `read(name,
         copy, parameter)` writes each parameter's values into its copy."""
-        if not self._pairs:
-            self._pairs = [
-                (name, param, torch.empty_like(param.data))
-                for name, param in self.model.named_parameters()
-            ]
+        named = list(self.model.named_parameters())
+        if len(named) != len(self._pairs) or any(
+            p is not q or n != m for (n, p), (m, q, _) in zip(named, self._pairs)
+        ):  # first use, or the model's parameters were replaced (a reload)
+            self._pairs = [(name, param, torch.empty_like(param.data)) for name, param in named]
         for name, param, copy in self._pairs:
             read(name, copy, param.data)
         self.current = True
@@ -82,6 +82,12 @@ class StagedWeights:
     def switch(self, names: set[str], write: Write = _copy) -> float:
         """The served parameters `names` take the staged values, in place (`write(name,
         parameter, copy)`); seconds it took. The copy is then current."""
+        unknown = names - {name for name, _, _ in self._pairs}
+        if unknown:
+            raise ValueError(
+                f"{self.name}: the staged update wrote {sorted(unknown)[:3]}, which are not "
+                f"parameters of the staged copy; nothing was switched"
+            )
         start = time.perf_counter()
         for name, param, copy in self._pairs:
             if name in names:
