@@ -122,3 +122,30 @@ def test_an_update_aborted_inside_the_experts_is_rolled_back_and_packed_again(se
     ray.get(engine.settle.remote(), timeout=300)
     got = ray.get(engine.generate.remote(prompt_ids(), max_new_tokens=MAX_NEW_TOKENS))
     assert got["tokens"] == served["tokens"]
+
+
+def test_staged_syncs_into_packed_experts_are_verified_and_serve_the_trainers_weights(setup):
+    """A trainer with `staged=True`: each sync loads into the staged copy, where the packed
+    experts are held in the checkpoint layout, is verified there, and the switch packs them
+    into the served expert parameters; the engine then serves the trainer's weights."""
+    engine, _, _, model = setup
+    staged = launcher.TrainerGroup(
+        TRAINER,
+        world_size=2,
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+        staged=True,
+        verify=True,
+    )
+    try:
+        staged.call("connect", {"vllm": engine})
+        for step in range(2):
+            staged.call("train_step", training_batch(10 + step))
+            report = staged.call("sync", f"moe-staged-{step}")
+            assert report["verify"]["vllm"]["verified"], report["verify"]
+            assert report["engines"]["vllm"]["pause_s"] > 0
+            ray.get(engine.settle.remote(), timeout=300)
+            assert_engine_serves_the_trainers_weights(engine, staged, model)
+    finally:
+        staged.kill()
