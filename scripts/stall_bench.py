@@ -1,4 +1,4 @@
-"""How long a client's request goes without progress while a trainer syncs vLLM HTTP servers:
+"""How long a client's request goes without progress while a trainer syncs engines' HTTP servers:
 today's syncs (generation paused from `begin` to `end`) beside staged ones (`SyncOptions.staged`:
 the engines serve while the sync loads into a second copy, then switch in one short pause),
 measured in one run on the same engines.
@@ -6,6 +6,7 @@ measured in one run on the same engines.
   python scripts/stall_bench.py                   # one engine, TP=1
   python scripts/stall_bench.py --replicas 2      # two engines, each sync into both
   python scripts/stall_bench.py --tp 2            # one engine of two TP workers
+  python scripts/stall_bench.py --engine sglang   # SGLang's server (TP=1 on a CPU)
 
 Clients (`--clients` threads per engine) stream greedy completions of `--tokens` tokens from
 /v1/completions ("stream": true) without pause. A request's stall is the longest time it went
@@ -17,7 +18,8 @@ their longest stall, the 99th percentile, the median gap between tokens over all
 from the sync reports, how long each engine held generation (paused: from its `begin` to the end
 of its `end`, `session_s`, not counting the wait for requests in flight before `begin`; staged:
 its switch, `pause_s`, measured by the server around it) and the skew between the replicas'
-switches (`SyncReport.switch_skew_s`). The "none" phase is the floor: on a 2-core machine
+switches (`SyncReport.switch_skew_s`), and the staged pause in its parts (`pause_parts`: until the
+engine stopped generating, its cache reset, the parameters written, the version tag, the resume). The "none" phase is the floor: on a 2-core machine
 shared by the engine, the trainer and the clients, a request can stall without any sync. The model is a tiny
 random one made here (`--arch`); every time is wall-clock on this host, the clients' own HTTP
 and JSON work included.
@@ -35,8 +37,16 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-ENGINE = "weightsync.backends.vllm.engine.VllmEngineActor"
-WORKER = "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker"
+ACTORS = {  # engine: (its actor, the trainer ranks' worker)
+    "vllm": (
+        "weightsync.backends.vllm.engine.VllmEngineActor",
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+    ),
+    "sglang": (
+        "weightsync.backends.sglang.engine.SglEngineActor",
+        "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
+    ),
+}
 PROMPTS = ["The quick brown fox", "weightsync keeps engines", "Once upon a time"]
 
 
@@ -93,6 +103,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=sorted(ACTORS), default="vllm")
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--arch", default="opt")
@@ -112,18 +123,26 @@ def main() -> None:
     from weightsync.apps.models import make_tiny_model, make_tokenizer
     from weightsync.driver import launcher
 
+    engine_actor, worker = ACTORS[args.engine]
+    shape = (
+        {"tensor_parallel_size": args.tp}
+        if args.engine == "vllm"
+        else {"engine_args": {"tp_size": args.tp}}
+        if args.tp > 1
+        else {}
+    )
     model = make_tiny_model(tempfile.mkdtemp(prefix="stall-"), arch=args.arch, seed=0)
     launcher.init_ray(num_cpus=2)
     engines = {
-        f"e{i}": launcher.launch(ENGINE, model, mode="http", tensor_parallel_size=args.tp)
+        f"e{i}": launcher.launch(engine_actor, model, mode="http", **shape)
         for i in range(args.replicas)
     }
     trainers = {
         "paused": launcher.TrainerGroup(
-            WORKER, model_path=model, bucket_bytes=1 << 20, seed=0, verify=args.verify
+            worker, model_path=model, bucket_bytes=1 << 20, seed=0, verify=args.verify
         ),
         "staged": launcher.TrainerGroup(
-            WORKER, model_path=model, bucket_bytes=1 << 20, seed=0, verify=args.verify, staged=True
+            worker, model_path=model, bucket_bytes=1 << 20, seed=0, verify=args.verify, staged=True
         ),
     }
     for trainer in trainers.values():
@@ -189,6 +208,11 @@ def main() -> None:
                 )
                 > 1
             ]
+            parts: dict[str, list[float]] = {}
+            for rep in reports:
+                for e in rep["engines"].values():
+                    for part, seconds in (e.get("pause_parts") or {}).items():
+                        parts.setdefault(part, []).append(seconds)
             rows.append(
                 (
                     phase,
@@ -205,6 +229,8 @@ def main() -> None:
                     f"{statistics.median(skews) * 1e3:.1f} / {max(skews) * 1e3:.1f}"
                     if skews
                     else "-",
+                    " ".join(f"{p} {statistics.median(v) * 1e3:.1f}" for p, v in parts.items())
+                    or "-",
                 )
             )
     finally:
@@ -218,7 +244,8 @@ def main() -> None:
             ray.get(engine.shutdown.remote(), timeout=120)
         ray.shutdown()
     table = Table(
-        title=f"stall while syncing: {args.replicas} engine(s), TP={args.tp}, {args.arch}, "
+        title=f"stall while syncing: {args.engine}, {args.replicas} engine(s), TP={args.tp}, "
+        f"{args.arch}, "
         f"{args.clients} streaming client(s) per engine, {args.tokens} tokens per request"
     )
     for column in (
@@ -232,6 +259,7 @@ def main() -> None:
         "token gap ms (median)",
         "engine held ms (median / max)",
         "switch skew ms (median / max)",
+        "pause parts ms (median)",
     ):
         table.add_column(column)
     for row in rows:

@@ -27,10 +27,11 @@ from typing import Any
 import torch
 
 from weightsync.backends.sglang.loader import LOADER
-from weightsync.backends.sglang.serve import KEY_VARIABLE
+from weightsync.backends.sglang.serve import FLUSH_TRIES, KEY_VARIABLE, STAGED_PATH, SWITCH_PATH
 from weightsync.driver.preflight import read_config, refuse_unsupported_sglang
 from weightsync.engine.gate import GATE_PATH, close_gate, open_gate
 from weightsync.engine.one_copy.sharing import combine_worker_shares
+from weightsync.engine.pause_clock import PauseClock
 from weightsync.engine.replica import sharing_of
 from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
 from weightsync.engine.server import LocalServer, RemoteServer, cli_flags
@@ -39,6 +40,20 @@ from weightsync.wire.protocol import EndReport, LoadReport, RefitAnswer, ShareAn
 from weightsync.wire.specs import as_plain, unwrap_all
 
 logger = logging.getLogger(__name__)
+
+
+class NothingSwitched(RuntimeError):
+    """A staged update's switch stopped before any parameter was written."""
+
+
+def _read_replies(reply_dir: str) -> list[dict[str, Any]]:
+    """The schedulers' replies to the last control message (backends/sglang/loader.py)."""
+    return [
+        json.load(open(os.path.join(reply_dir, n)))
+        for n in sorted(os.listdir(reply_dir))
+        if n.endswith(".json")
+    ]
+
 
 CPU_ENGINE_ARGS: dict[str, Any] = {
     "device": "cpu",
@@ -190,6 +205,40 @@ class _InProcess:
     def flush_cache(self) -> bool:
         return bool(self.engine.flush_cache().success)
 
+    def staged(self, op: str, message: str | None = None) -> tuple[bool, str]:
+        """A staged update's call (`_Http.staged`); this actor is the engine's only client and
+        runs one call at a time, so SGLang's own calls wait for nothing."""
+        if op == "update":
+            return self.update(str(message), weight_version=None)
+        return self.begin() if op == "begin" else self.end()
+
+    def staged_support(self) -> str | None:
+        return None
+
+    def switch(self, message: str, version: str) -> tuple[bool, dict[str, Any]]:
+        """A staged update's end (`serve.switch`), nothing to hold: (every scheduler switched,
+        its `PauseClock` report)."""
+        from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+
+        clock = PauseClock()
+        if not any(self.flush_cache() for _ in range(FLUSH_TRIES)):
+            raise NothingSwitched("the cache could not be flushed; nothing was switched")
+        clock.mark("cache")
+        done, _ = self.update(message, weight_version=None)
+        replies = _read_replies(json.loads(message)["reply"]) if done else []
+        ok = len(replies) == self.tp_size and all(r.get("ok") for r in replies)
+        self.end()
+        clock.mark("switch")
+        if ok:
+            tm = self.engine.tokenizer_manager
+            self.engine.loop.run_until_complete(
+                tm.update_weight_version(
+                    UpdateWeightVersionReqInput(new_version=version, abort_all_requests=False)
+                )
+            )
+        clock.mark("version")
+        return ok, clock.report()
+
     def generate(
         self, input_ids: list[list[int]], sampling: list[dict[str, Any]], *, top_logprobs: int
     ) -> list[dict]:
@@ -317,6 +366,36 @@ class _Http:
 
     def flush_cache(self) -> bool:
         return self._request("POST", "/flush_cache")[0] == 200
+
+    def staged(self, op: str, message: str | None = None) -> tuple[bool, str]:
+        """A staged update's call through weightsync's route (backends/sglang/serve.py
+        `STAGED_PATH`), which does not wait for the requests in flight as SGLang's own do."""
+        return self._ok(STAGED_PATH, {"op": op, "message": message})
+
+    def staged_support(self) -> str | None:
+        if self._request("POST", STAGED_PATH, {})[0] == 404:
+            return (
+                f"sglang server at {self.base} has no {STAGED_PATH} route (weightsync's, in "
+                f"servers started with `python -m weightsync.backends.sglang.serve`): its own "
+                f"update calls wait for every request in flight, so it cannot stage an update "
+                f"while it serves"
+            )
+        return None
+
+    def switch(self, message: str, version: str) -> tuple[bool, dict[str, Any]]:
+        """A staged update's end, in one request to the server (backends/sglang/serve.py
+        `switch`): (every scheduler switched, how long the server paused generation: its
+        `PauseClock` report)."""
+        status, out = self._request("POST", SWITCH_PATH, {"message": message, "version": version})
+        if (
+            status == 500
+            and isinstance(out, dict)
+            and "nothing was switched" in str(out.get("error"))
+        ):
+            raise NothingSwitched(f"sglang server {SWITCH_PATH}: {out['error']}")
+        if status != 200 or not isinstance(out, dict):
+            raise RuntimeError(f"sglang server {SWITCH_PATH} answered {status}: {out}")
+        return bool(out["ok"]), {k: out[k] for k in ("pause_s", "pause_parts")}
 
     def pause(self) -> None:
         if self.gated:
@@ -466,6 +545,8 @@ class SglEngineActor(EngineSession):
     def _ready(self) -> None:
         self.sessions = self.client.has_session()
         self._finished = False  # the open update's session ended for its probe (`_engine_probe`)
+        self._staging = False  # a staged update is open: its calls go by `client.staged`
+        self._switching = False  # a staged update's switch was asked for (`_switch`)
         # Named like the shared-memory segments, so a sender sweeps it if this actor dies.
         self.reply_dir = tempfile.mkdtemp(prefix=f"weightsync-{os.getpid()}-reply-", dir="/dev/shm")
         logger.info("sglang engine up (%s), update sessions: %s", self.mode, self.sessions)
@@ -480,17 +561,26 @@ class SglEngineActor(EngineSession):
     ) -> list[Any]:
         """Every TP scheduler's reply, in TP-rank order: each runs our loader on its payload
         (one per TP rank) and writes its own reply file."""
-        for name in os.listdir(self.reply_dir):
-            os.unlink(os.path.join(self.reply_dir, name))
-        message = json.dumps({"op": op, "reply": self.reply_dir, **fields})
-        ok, text = self.client.update(message, weight_version=weight_version)
+        message = self._message(op, **fields)
+        if self._staging:  # the engine serves on meanwhile
+            ok, text = self.client.staged(
+                "update", json.dumps({**json.loads(message), "staged": True})
+            )
+        else:
+            ok, text = self.client.update(message, weight_version=weight_version)
         if not ok:
             raise RuntimeError(f"sglang refused the {op} request: {text}")
-        replies = [
-            json.load(open(os.path.join(self.reply_dir, n)))
-            for n in sorted(os.listdir(self.reply_dir))
-            if n.endswith(".json")
-        ]
+        return self._replies(op)
+
+    def _message(self, op: str, **fields: Any) -> str:
+        """One control message (its replies cleared first)."""
+        for name in os.listdir(self.reply_dir):
+            os.unlink(os.path.join(self.reply_dir, name))
+        return json.dumps({"op": op, "reply": self.reply_dir, **fields})
+
+    def _replies(self, op: str) -> list[Any]:
+        """Every scheduler's reply to the last message, in TP-rank order."""
+        replies = _read_replies(self.reply_dir)
         if not replies:
             raise RuntimeError(
                 f"sglang ran no weightsync loader for {op}; is custom_weight_loader={LOADER!r} set?"
@@ -505,7 +595,10 @@ class SglEngineActor(EngineSession):
     def _session(self, op: str, *, needed: bool = True) -> None:
         if not self.sessions:
             return
-        ok, text = self.client.begin() if op == "begin" else self.client.end()
+        if self._staging:
+            ok, text = self.client.staged(op)
+        else:
+            ok, text = self.client.begin() if op == "begin" else self.client.end()
         if not ok and needed:
             raise RuntimeError(f"sglang {op}_weight_update failed: {text}")
 
@@ -531,6 +624,15 @@ class SglEngineActor(EngineSession):
 
     def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
         self._finished = False
+        self._staging, self._switching = self._into_copy, False
+        if self._staging:
+            self._session("begin")
+            whys = [r["why"] for r in self._control_all("begin_staged") if r["why"] is not None]
+            if whys:
+                self._session("end", needed=False)
+                self._staging = False
+                return "; ".join(whys)
+            return None
         self._session("begin")
         if one_copy:
             whys = [
@@ -575,6 +677,8 @@ class SglEngineActor(EngineSession):
         return self.client.score(tokens)
 
     def _engine_end(self, version: str) -> EndReport:
+        if self._staging:
+            return self._switch(version)
         if self._finished:  # the probe ended the session: a short one carries the commit
             self._session("begin")
         # The version rides on a last, empty control call, so SGLang's own tag moves too.
@@ -594,6 +698,44 @@ class SglEngineActor(EngineSession):
         placements = [c["placements"] for c in commits]
         return EndReport(weight_version=version, cache_flushed=True, placements=placements)
 
+    def staged_support(self) -> str | None:
+        """In-process always, a server only where weightsync's routes serve a staged update
+        (`python -m weightsync.backends.sglang.serve`); and every scheduler's model must be one
+        a staged copy can hold (backends/sglang/loader.py `staged_support`)."""
+        why = self.client.staged_support()
+        if why is None:
+            whys = [r["why"] for r in self._read_only_all("staged_support") if r["why"]]
+            why = "; ".join(whys) if whys else None
+        return why
+
+    def _switch(self, version: str) -> EndReport:
+        """A staged update's end: generation paused with the requests in flight retracted
+        (each computed again from its tokens so far, on the new weights, when generation
+        continues), the cache flushed, every scheduler's parameters switched to the staged
+        copy, SGLang's update session ended, the version tag set (the tokens after the pause
+        carry it) only when every scheduler switched, generation continued."""
+        message = self._message("switch")
+        self._switching = True  # from now on the served weights may have changed
+        try:
+            switched, timing = self.client.switch(message, version)
+        except NothingSwitched as exc:
+            self._switching = False
+            raise RuntimeError(f"sglang: staged update {version!r}: {exc}") from exc
+        except RuntimeError as exc:
+            raise RuntimeError(f"sglang: staged update {version!r}: {exc}") from exc
+        results = self._replies("switch")  # a scheduler that failed to switch fails the update
+        if not switched:
+            raise RuntimeError(f"sglang: staged update {version!r}: a scheduler did not switch")
+        self._staging = False
+        return EndReport(
+            weight_version=version,
+            cache_flushed=True,
+            placements=[r["placements"] for r in results],
+            switched_at=max(r["switched_at"] for r in results),
+            pause_s=float(timing["pause_s"]),
+            pause_parts=timing["pause_parts"],
+        )
+
     def set_keep_previous(self, on: bool) -> None:
         """Turn keeping (and restoring) the previous weights on or off for later updates."""
         if self._open is not None:
@@ -601,6 +743,16 @@ class SglEngineActor(EngineSession):
         self.keep_previous = bool(on)
 
     def _engine_abort(self, reason: str) -> bool:
+        if self._staging:  # the served weights were not written before the switch
+            try:
+                self._control_all("discard")
+                self._session("end", needed=False)
+            except Exception as exc:  # the engine itself may be what failed
+                logger.warning("sglang: dropping staged update %r failed: %s", self._open, exc)
+            self._staging = False
+            # A switch that failed, or whose answer was lost, may have switched some of the
+            # parameters: refuse to serve until a sync completes.
+            return self._switching
         restored = False
         finished, self._finished = self._finished, False
         if finished:  # the probe ended the session: the rollback needs one

@@ -2,8 +2,9 @@
 
 SGLang calls `weightsync_load(model, named_tensors)` from `update_weights_from_tensor` when the
 request's load_format names it. We pass one control item: its name is a JSON message
-{"op": "check"|"load"|"finish"|"commit"|"rollback"|"fingerprints"|"share"|"begin_one_copy",
-"reply": dir, ...} and its tensor is empty; the weights
+{"op": "check"|"load"|"finish"|"commit"|"rollback"|"fingerprints"|"share"|"begin_one_copy"|
+"staged_support"|"begin_staged"|"switch"|"discard", "reply": dir, ...} and its tensor is empty;
+the weights
 themselves are in a transport buffer that the message's descriptor points at. SGLang ignores
 what a custom loader returns and an exception kills the scheduler (and with it the caller), so
 every outcome, failure included, is written as JSON to `<reply>/<pid>.json` and nothing raises.
@@ -21,6 +22,7 @@ from weightsync.wire.specs import error_reply, ok_reply
 logger = logging.getLogger(__name__)
 
 _receivers: dict[int, Any] = {}
+_staged: dict[int, dict[str, Any]] = {}  # per model: {"weights": StagedWeights, "open", "written"}
 
 
 def _receiver(model: Any) -> Any:
@@ -50,6 +52,100 @@ def _tp() -> tuple[int, int]:
         return 0, 1
 
 
+def staged_support(model: Any) -> str | None:
+    """Why this scheduler cannot stage an update (weightsync/engine/staging.py), or None. A
+    staged copy holds the parameters as the model serves them, and the loaders write it as
+    they write the parameters: layers whose weights SGLang transforms after loading (quantized
+    layers, CPU AMX packing, MoE backends that re-lay their experts) would be written in the
+    checkpoint's layout over a transformed one."""
+    for name, module in model.named_modules():
+        if getattr(module, "use_intel_amx_backend", False):
+            return (
+                f"sglang: layer {name!r} computes from AMX-packed weights, which a staged copy "
+                f"cannot hold; stage without AMX (SGLANG_CPU_AMX off) or sync without staged"
+            )
+        method = getattr(module, "quant_method", None)
+        if method is not None and not type(method).__name__.startswith("Unquantized"):
+            return (
+                f"sglang: layer {name!r} runs {type(method).__name__}, which transforms its "
+                f"weights after loading; staged updates take unquantized models only"
+            )
+        if getattr(method, "use_flashinfer_trtllm_moe", False):
+            return (
+                f"sglang: layer {name!r} re-lays its experts for flashinfer's TRT-LLM MoE after "
+                f"loading; staged updates need another MoE backend"
+            )
+    return None
+
+
+def _staging(model: Any) -> dict[str, Any]:
+    state = _staged.get(id(model))
+    if state is None:
+        from weightsync.engine.staging import StagedWeights
+
+        state = {"weights": StagedWeights(model, name="sglang"), "open": False, "written": set()}
+        _staged[id(model)] = state
+    return state
+
+
+def _written_otherwise(model: Any) -> None:
+    """The served parameters are written outside a staged update: the staged copy no longer
+    equals them, and a staged update left open is dropped."""
+    state = _staged.get(id(model))
+    if state is not None:
+        state["weights"].stale()
+        state["open"], state["written"] = False, set()
+
+
+def _run_staged(model: Any, receiver: Any, op: str, message: dict[str, Any]) -> dict[str, Any]:
+    """The ops of a staged update: the model serves its parameters meanwhile; each load and
+    check points them at the staged copy for its length (`StagedWeights.loading`), between two
+    of the scheduler's forward steps."""
+    import time
+
+    import torch
+
+    from weightsync.wire.specs import BucketDescriptor
+
+    state = _staging(model)
+    weights = state["weights"]
+    if op == "begin_staged":
+        why = staged_support(model)
+        if why is not None:
+            return {"why": why}
+        receiver.open_update()
+        if not weights.current:
+            weights.refresh()
+        state["open"], state["written"] = True, set()
+        return {"why": None, "staged_bytes": weights.nbytes}
+    if op == "discard":  # the served parameters were never written
+        weights.stale()
+        state["open"], state["written"] = False, set()
+        return {}
+    if not state["open"]:
+        raise RuntimeError(f"sglang: staged {op} outside a staged update; begin first")
+    if op == "load":
+        with weights.loading(), torch.no_grad():
+            report, written = receiver.load_bucket(
+                BucketDescriptor.from_dict(message["descriptor"])
+            )
+        state["written"].update(written)
+        return report.to_dict()
+    if op == "stage":
+        with weights.loading():
+            return {"fingerprints": receiver.fingerprints(), "placements": receiver.placements}
+    if op == "switch":
+        state["open"] = False  # a switch that fails midway leaves no update to go on with
+        copy_s = weights.switch(state["written"])
+        return {
+            "switched_at": time.time(),
+            "copy_s": copy_s,
+            "staged_bytes": weights.nbytes,
+            "placements": receiver.placements,
+        }
+    raise ValueError(f"unknown weightsync staged op {op!r}")
+
+
 def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
     """One control call in one TP scheduler (each gets the same message; `weightsync_load`
     adds the scheduler's `tp_rank` to every reply). The scheduler learns and reports its
@@ -60,6 +156,12 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
     receiver = _receiver(model)
     op = message["op"]
     size = _tp()[1]
+    if op == "staged_support":
+        return {"why": staged_support(model)}
+    if message.get("staged") or op in ("begin_staged", "discard", "switch"):
+        return _run_staged(model, receiver, op, message)
+    if op in ("load", "begin_one_copy", "share", "rollback"):
+        _written_otherwise(model)  # these write the served parameters
     if op == "check":
         return receiver.check_refit(specs_from_dicts(message["specs"])).to_dict()
     if op == "load":

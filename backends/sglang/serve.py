@@ -1,19 +1,37 @@
 """`python -m weightsync.backends.sglang.serve <sglang.launch_server flags>`: SGLang's HTTP server
 with its API key taken from the environment (`WEIGHTSYNC_SGLANG_API_KEY`), not the command line,
 which every local user can read in /proc, and weightsync's generation gate in front of its
-routes (`KeyedGate`, weightsync/engine/gate.py). Otherwise what `python -m
-sglang.launch_server` does."""
+routes (`KeyedGate`, weightsync/engine/gate.py), and the two routes of a staged update
+(`STAGED_PATH`, `SWITCH_PATH`; docs/staged.md). Otherwise what `python -m sglang.launch_server`
+does."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from weightsync.engine.gate import GATE_PATH, GatedRoutes, answer, authorized, key_digest
+from weightsync.engine.gate import (
+    GATE_PATH,
+    GatedRoutes,
+    answer,
+    authorized,
+    key_digest,
+    request_body,
+)
+from weightsync.engine.pause_clock import PauseClock
 
 KEY_VARIABLE = "WEIGHTSYNC_SGLANG_API_KEY"
+# POST {"op": "begin"|"end"} (SGLang's update session) or {"op": "update", "message": <JSON
+# control message>}: a staged update's calls, sent to the schedulers without the tokenizer
+# manager's writer lock, which would wait for every request in flight and hold new ones.
+STAGED_PATH = "/weightsync/staged"
+# POST {"message": <the switch's control message>, "version": v}: a staged update's end, in one
+# request (`switch`).
+SWITCH_PATH = "/weightsync/switch"
+FLUSH_TRIES = 3  # the cache flush inside a switch, tried again this often
 # Routes that never compute with the weights, which the engine actor drives during an update:
 # the gate lets them through while it holds the others (/generate, the OpenAI routes, ...).
 CONTROL_PATHS = frozenset(
@@ -36,9 +54,131 @@ CONTROL_PATHS = frozenset(
 )
 
 
+def _tensor_request(message: str, *, tp_size: int) -> Any:
+    """SGLang's tensor-update request carrying one weightsync control message (its tensor
+    empty) for every TP scheduler, made here from plain JSON (nothing unpickled from the
+    client)."""
+    import torch
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    from weightsync.backends.sglang.loader import LOADER
+
+    json.loads(message)  # plain JSON, or refused
+    payload = MultiprocessingSerializer.serialize([(message, torch.empty(0))])
+    return UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[payload] * tp_size,
+        load_format=LOADER,
+        flush_cache=False,
+        weight_version=None,
+    )
+
+
+async def staged_call(tm: Any, op: str, message: str | None, *, tp_size: int) -> tuple[bool, str]:
+    """One call of a staged update, straight to the schedulers (which run it between two of
+    their forward steps): SGLang's own routes take the tokenizer manager's writer lock unless
+    generation is paused, and a staged update does not pause."""
+    from sglang.srt.managers.communicator import FanOutCommunicator
+    from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+
+    if op == "update":
+        if message is None:
+            raise ValueError("an update carries a message")
+        results = await tm.update_weights_from_tensor_communicator(
+            _tensor_request(message, tp_size=tp_size)
+        )
+    elif op == "begin":
+        results = await tm.begin_weight_update_communicator(BeginWeightUpdateReqInput())
+    elif op == "end":
+        results = await tm.end_weight_update_communicator(EndWeightUpdateReqInput())
+    else:
+        raise ValueError(f"op {op!r}: expected 'begin', 'end' or 'update'")
+    return FanOutCommunicator.merge_results(results)
+
+
+def _replies(reply_dir: str) -> list[dict[str, Any]]:
+    """The schedulers' replies to the last control message (backends/sglang/loader.py)."""
+    out = []
+    for name in sorted(os.listdir(reply_dir)):
+        if name.endswith(".json"):
+            with open(os.path.join(reply_dir, name)) as f:
+                out.append(json.load(f))
+    return out
+
+
+async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[str, Any]:
+    """A staged update's end, inside the server: generation paused with the requests in flight
+    retracted (SGLang's "retract" pause: each goes back to the queue with its tokens so far and
+    is computed again, on the new weights, when generation continues), the cache flushed (no
+    KV of the old weights serves after the switch), every scheduler's parameters switched to
+    the staged copy (`message`, the loader's "switch"), SGLang's update session ended, the
+    weight version set (the tokens after the pause carry it) only when every scheduler
+    switched, generation continued. {"ok": every scheduler switched, "pause_s": seconds
+    generation was paused}; {"error": ...} when the cache could not be flushed (nothing
+    switched)."""
+    from sglang.srt.managers.io_struct import (
+        ContinueGenerationReqInput,
+        PauseGenerationReqInput,
+        UpdateWeightVersionReqInput,
+    )
+
+    clock = PauseClock()
+    reply_dir = json.loads(message)["reply"]
+    ok, text = False, ""
+    await tm.pause_generation(PauseGenerationReqInput(mode="retract"))
+    try:
+        clock.mark("hold")
+        for _ in range(FLUSH_TRIES):
+            if (await tm.flush_cache()).success:
+                break
+        else:
+            return {"error": "the cache could not be flushed; nothing was switched"}
+        clock.mark("cache")
+        done, text = await staged_call(tm, "update", message, tp_size=tp_size)
+        replies = _replies(reply_dir) if done else []
+        ok = len(replies) == tp_size and all(r.get("ok") for r in replies)
+        await staged_call(tm, "end", None, tp_size=tp_size)
+        clock.mark("switch")
+        if ok:
+            await tm.update_weight_version(
+                UpdateWeightVersionReqInput(new_version=version, abort_all_requests=False)
+            )
+        clock.mark("version")
+    finally:
+        await tm.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False))
+        clock.mark("resume")
+    return {"ok": ok, "message": text, **clock.report()}
+
+
+async def _staged_route(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+    from sglang.srt.entrypoints import http_server
+
+    if scope["type"] != "http" or scope.get("method") != "POST":
+        await answer(send, 405, {"error": f"POST {scope['path']} only"})
+        return
+    state = http_server.get_global_state()
+    tm, tp_size = state.tokenizer_manager, int(state.tokenizer_manager.server_args.tp_size or 1)
+    try:
+        body = json.loads(await request_body(receive) or b"{}")
+        if scope["path"] == SWITCH_PATH:
+            out = await switch(tm, str(body["message"]), str(body["version"]), tp_size=tp_size)
+            await answer(send, 500 if "error" in out else 200, out)
+            return
+        op = str(body["op"])
+        message = body.get("message")
+        ok, text = await staged_call(
+            tm, op, None if message is None else str(message), tp_size=tp_size
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        await answer(send, 400, {"error": f"{scope['path']}: {type(exc).__name__}: {exc}"})
+        return
+    await answer(send, 200, {"success": ok, "message": text})
+
+
 class KeyedGate:
     """SGLang's routes behind weightsync's generation gate. SGLang checks the key of its own
-    routes; the gate's route demands it here (no key: the route refuses every call)."""
+    routes; the gate's route and the staged update's demand it here (no key: they refuse every
+    call)."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], key: str | None) -> None:
         self.app = app
@@ -48,10 +188,12 @@ class KeyedGate:
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
-        elif scope["path"] == GATE_PATH and (
+        elif scope["path"] in (GATE_PATH, STAGED_PATH, SWITCH_PATH) and (
             self._digest is None or not authorized(scope, self._digest)
         ):
             await answer(send, 401, {"error": "Unauthorized: send 'Authorization: Bearer <key>'"})
+        elif scope["path"] in (STAGED_PATH, SWITCH_PATH):
+            await _staged_route(scope, receive, send)
         else:
             await self.gated(scope, receive, send)
 

@@ -31,6 +31,7 @@ from weightsync.driver.preflight import (
 )
 from weightsync.engine.gate import close_gate, open_gate
 from weightsync.engine.one_copy.sharing import combine_worker_shares
+from weightsync.engine.pause_clock import PauseClock
 from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
 from weightsync.engine.server import LocalServer, RemoteServer, cli_flags
 from weightsync.engine.session import EngineSession
@@ -126,16 +127,19 @@ class _InProcess:
     def reset_prefix_cache(self) -> bool:
         return _retried(lambda: bool(self.llm.reset_prefix_cache()))
 
-    def switch(self, version: str) -> tuple[list[dict], float]:
+    def switch(self, version: str) -> tuple[list[dict], dict[str, Any]]:
         """A staged update's end (`_Http.switch`); nothing to hold: this actor is the engine's
-        only client, one call at a time. (each worker's raw answer, seconds it took)"""
-        start = time.perf_counter()
+        only client, one call at a time. (each worker's raw answer, its `PauseClock` report)"""
+        clock = PauseClock()
         if not self.reset_prefix_cache():
             raise NothingSwitched("the prefix cache could not be reset; nothing was switched")
+        clock.mark("cache")
         results = self.rpc("weightsync_commit", ())
+        clock.mark("switch")
         if all(r.get("ok") for r in results):  # else the update fails (`_switch`)
             self.set_version(version)
-        return results, time.perf_counter() - start
+        clock.mark("version")
+        return results, clock.report()
 
     def set_version(self, version: str) -> None:
         if hasattr(self.llm, "update_weight_version"):
@@ -290,9 +294,10 @@ class _Http:
     def set_version(self, version: str) -> None:
         self._request("POST", "/update_weight_version", {"new_version": version})
 
-    def switch(self, version: str) -> tuple[list[dict], float]:
+    def switch(self, version: str) -> tuple[list[dict], dict[str, Any]]:
         """A staged update's end, in one request to the server (backends/vllm/guard.py
-        `switch`): (each worker's raw answer, seconds the server held its scheduler)."""
+        `switch`): (each worker's raw answer, how long the server held its scheduler: its
+        `PauseClock` report)."""
         status, out = self._request("POST", SWITCH_PATH, {"version": version})
         if (
             isinstance(out, dict)
@@ -302,7 +307,7 @@ class _Http:
             raise NothingSwitched(f"vllm server {SWITCH_PATH}: {out['error']}")
         if status != 200 or not isinstance(out, dict) or "results" not in out:
             raise RuntimeError(f"vllm server {SWITCH_PATH} answered {status}: {out}")
-        return out["results"], float(out["pause_s"])
+        return out["results"], {k: out[k] for k in ("pause_s", "pause_parts")}
 
     def pause(self) -> None:
         # weightsync's gate holds new requests and waits for those in flight to finish on the
@@ -569,7 +574,7 @@ class VllmEngineActor(EngineSession):
         tag set (the tokens after the pause carry it), generation released."""
         self._switching = True  # from now on the served weights may have changed
         try:
-            raw, pause_s = self.client.switch(version)
+            raw, timing = self.client.switch(version)
         except NothingSwitched as exc:
             self._switching = False
             raise RuntimeError(f"vllm: staged update {version!r}: {exc}") from exc
@@ -582,7 +587,8 @@ class VllmEngineActor(EngineSession):
             param_of=results[0]["param_of"],
             placements=as_plain([r["placements"] for r in results]),
             switched_at=max(r["switched_at"] for r in results),
-            pause_s=pause_s,
+            pause_s=float(timing["pause_s"]),
+            pause_parts=timing["pause_parts"],
         )
 
     def probe_support(self) -> str | None:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from weightsync.engine.gate import GatedRoutes, answer, authorized, key_digest, request_body
+from weightsync.engine.pause_clock import PauseClock
 
 KEY_VARIABLE = "VLLM_API_KEY"
 SWITCH_PATH = "/weightsync/switch"
@@ -89,26 +89,32 @@ async def switch(engine: Any, version: str) -> dict[str, Any]:
     pre-empted (each goes on from its tokens so far, its KV computed again on the new weights),
     every worker switched to the staged weights (`weightsync_commit`), the weight version set
     (the tokens after the pause carry it) only when every worker switched, the scheduler
-    released. {"results": each worker's answer, "pause_s": seconds the scheduler was held};
-    {"error": ...} when the cache could not be reset (nothing switched)."""
-    start = time.perf_counter()
+    released. {"results": each worker's answer, "pause_s": seconds the scheduler was held,
+    "pause_parts": those seconds in parts (`EndReport.pause_parts`)}; {"error": ...} when the
+    cache could not be reset (nothing switched)."""
+    clock = PauseClock()
     core: Any = getattr(engine, "engine_core", None)
     try:
         if hasattr(core, "pause_scheduler_async"):  # without pause_generation's settling sleep
             await core.pause_scheduler_async(mode="keep", clear_cache=False)
         else:
             await engine.pause_generation(mode="keep", clear_cache=False)
+        clock.mark("hold")
         for _ in range(RESET_TRIES):
             if await engine.reset_prefix_cache(True, False):
                 break
         else:
             return {"error": "the prefix cache could not be reset; nothing was switched"}
+        clock.mark("cache")
         results = list(await engine.collective_rpc("weightsync_commit"))
+        clock.mark("switch")
         if all(isinstance(r, dict) and r.get("ok") for r in results):
             await engine.update_weight_version(version)
+        clock.mark("version")
     finally:
         await engine.resume_generation()
-    return {"results": results, "pause_s": time.perf_counter() - start}
+        clock.mark("resume")
+    return {"results": results, **clock.report()}
 
 
 async def _switch_route(scope: dict[str, Any], receive: Callable, send: Callable) -> None:

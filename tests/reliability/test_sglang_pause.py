@@ -3,18 +3,21 @@ directly never get an answer decoded on half-written weights or on two versions.
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import pytest
 import ray
 
-from tests.engine_checks import prompt_ids
+from tests.engine_checks import check_failed_verification_is_never_adopted, prompt_ids
 from tests.reliability.hammer import (
     MAX_NEW_TOKENS,
     Hammer,
     check_a_request_waits_for_the_open_update,
     check_answers,
     check_probes_through_the_gate,
+    check_version_spans,
     engine_server,
     post_json,
     run_syncs_under_requests,
@@ -151,3 +154,137 @@ def test_the_probe_scores_the_staged_weights_through_the_servers_closed_gate(set
         "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
         lambda: _served(engine),
     )
+
+
+STAGED_SYNCS = 12
+WORKER = "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker"
+
+
+def _spans_hammer(engine, versions: dict[str, int]) -> Hammer:
+    """Greedy /generate requests; each answer tagged with the JSON of its version spans
+    [[version index (`versions[tag]`), start, end], ...] (SGLang's `weight_versions`)."""
+    base, key = engine_server(engine)
+
+    def ask(prompt: list[int]):
+        return _generate(base, key, prompt)
+
+    def parse(out):
+        meta = out["meta_info"]
+        if (meta.get("finish_reason") or {}).get("type") == "abort":
+            return None, None
+        tokens = [int(p[1]) for p in meta["output_token_logprobs"]]
+        spans = meta.get("weight_versions") or [
+            {"version": meta["weight_version"], "start": 0, "end": len(tokens)}
+        ]
+        return tokens, json.dumps(
+            [[versions.get(s["version"], -1), s["start"], s["end"]] for s in spans]
+        )
+
+    return Hammer(ask, parse)
+
+
+def test_staged_syncs_serve_on_and_switch_in_one_short_pause(setup):
+    """A trainer with `staged=True` syncs (verified) while clients call the server: no
+    request waits for a sync's transfer, and every answer's tokens are those of the versions
+    SGLang tags them with. A request in flight across a switch is retracted and goes on from
+    its tokens so far on the new weights: its later span holds the new version's greedy
+    choices. Each sync reports its one pause (`pause_s`) and when it switched."""
+    engine, _, model = setup
+    first_seed = 2000
+    trainer = launcher.TrainerGroup(
+        WORKER, model_path=model, bucket_bytes=1 << 16, seed=0, staged=True, verify=True
+    )
+    try:
+        trainer.call("connect", {"staged": engine})
+        ids = prompt_ids()
+        trainer.call("set_weights_from", first_seed)
+        trainer.call("sync", "s0")
+        refs = []
+        for i in range(STAGED_SYNCS + 1):
+            trainer.call("set_weights_from", first_seed + i)
+            refs.append(
+                trainer.call("reference_generate", ids, max_new_tokens=MAX_NEW_TOKENS)["tokens"]
+            )
+        hammer = _spans_hammer(engine, {f"s{i}": i for i in range(STAGED_SYNCS + 1)})
+        reports, windows = [], []
+        hammer.start()
+        try:
+            time.sleep(1)
+            for i in range(1, STAGED_SYNCS + 1):
+                trainer.call("set_weights_from", first_seed + i)
+                start = time.monotonic()
+                reports.append(trainer.call("sync", f"s{i}"))
+                windows.append((start, time.monotonic()))
+                time.sleep(0.2)
+            time.sleep(1)
+        finally:
+            hammer.stop()
+
+        def margins_on(version: int, asks: list) -> list:
+            trainer.call("set_weights_from", first_seed + version)
+            return trainer.call(
+                "reference_margins", [seq for seq, _ in asks], [start for _, start in asks]
+            )
+
+        counts = check_version_spans(hammer, refs, margins_on)
+    finally:
+        trainer.kill()
+    for report in reports:
+        part = report["engines"]["staged"]
+        assert report["verify"]["staged"]["verified"], report["verify"]
+        assert part["path"] == "buckets" and part["pause_s"] > 0 and part["switched_at"] > 0
+    inside = [
+        a for a in hammer.answers if any(lo <= a.sent_s and a.done_s <= hi for lo, hi in windows)
+    ]
+    pauses = sorted(r["engines"]["staged"]["pause_s"] for r in reports)
+    syncs = sorted(r["sync_s"] for r in reports)
+    print(
+        f"staged: {counts}; {len(inside)} answers inside a sync; sync_s median "
+        f"{syncs[len(syncs) // 2]:.3f} s; pause_s median {pauses[len(pauses) // 2] * 1e3:.1f} ms, "
+        f"max {pauses[-1] * 1e3:.1f} ms"
+    )
+    assert inside, "no request was answered while a sync was staging"
+    assert counts["switched"] > 0, "no request was in flight across a switch: nothing checked"
+
+
+def test_a_staged_update_serves_the_current_weights_and_an_abort_keeps_them(setup):
+    """While a staged update is open the server answers, on the weights it served (SGLang's
+    own update calls would hold the request until the update closed: here only the abort
+    closes it, after the answer came); the abort leaves weights and version tag as they were."""
+    engine, _, _ = setup
+    version = ray.get(engine.engine_weight_version.remote())
+    before = _served(engine)
+    answers: list = []
+    client = threading.Thread(target=lambda: answers.append(_served(engine)), daemon=True)
+    ray.get(engine.begin.remote("staged-open", False, "a test", True), timeout=120)
+    try:
+        client.start()
+        client.join(timeout=120)
+    finally:
+        ray.get(engine.abort.remote("the test gave up", "a test"), timeout=120)
+    assert answers == [before], "no answer while the staged update was open"
+    assert ray.get(engine.engine_weight_version.remote()) == version
+    assert _served(engine) == before
+
+
+def test_a_staged_sync_that_fails_verification_is_seen_by_no_request(setup):
+    """Clients call the server while a staged, verified sync whose check fails (planted on
+    the sender's side: the engine holds the new bytes when checked) is aborted before the
+    switch: every answer, before, during and after it, is the served version's, tagged so."""
+    engine, trainer, _ = setup
+    version = ray.get(engine.engine_weight_version.remote())
+    served = _served(engine)
+    hammer = _spans_hammer(engine, {version: 0})
+    hammer.start()
+    try:
+        time.sleep(0.5)
+        check_failed_verification_is_never_adopted(engine, trainer, NAME, staged=True)
+        time.sleep(0.5)
+    finally:
+        hammer.stop()
+
+    def margins_on(v: int, asks: list) -> list:
+        raise AssertionError(f"an answer switched to version {v} mid-request: {asks}")
+
+    counts = check_version_spans(hammer, [served], margins_on)
+    assert counts["complete"] > 0 and counts["switched"] == 0

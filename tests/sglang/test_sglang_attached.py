@@ -143,3 +143,25 @@ def test_an_engine_made_without_weightsyncs_loader_is_refused_naming_the_argumen
         SglEngineActor(engine=engine)
     with pytest.raises(ValueError, match="engine= wraps an engine its owner made"):
         SglEngineActor("some/model", engine=engine)
+
+
+def test_a_staged_trainer_refuses_a_server_without_weightsyncs_staged_route_at_connect(
+    attached, server
+):
+    """SGLang's own update calls wait for every request in flight: a server started with
+    `sglang.launch_server` cannot stage an update while it serves, and a trainer with
+    `staged=True` is told so at connect, naming the module that serves the route."""
+    engine, _, _ = attached
+    _, model = server
+    staged = launcher.TrainerGroup(
+        "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+        staged=True,
+    )
+    try:
+        with pytest.raises(Exception, match=r"no /weightsync/staged route"):
+            staged.call("connect", {"plain": engine})
+    finally:
+        staged.kill()

@@ -18,6 +18,7 @@ from tests.engine_checks import (
     check_repeated_syncs,
     check_sync_after_training,
     prompt_ids,
+    training_batch,
 )
 from weightsync.apps.models import make_tiny_model, make_tokenizer
 from weightsync.driver import launcher
@@ -27,8 +28,12 @@ ARCH = "opt"
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch=ARCH, seed=0)
+def model(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("model")), arch=ARCH, seed=0)
+
+
+@pytest.fixture(scope="module")
+def setup(model):
     launcher.init_ray(num_cpus=2)
     engine = launcher.launch(
         "weightsync.backends.sglang.engine.SglEngineActor", model, mode="engine"
@@ -140,6 +145,45 @@ def test_a_sync_that_fails_verification_is_never_adopted(setup):
     report = trainer.call("sync", "after-failed-verification", verify=True)
     assert report["verify"]["sglang"]["verified"]
     assert_engine_matches_reference(engine, trainer)
+
+
+def test_staged_syncs_into_both_replicas_are_verified_and_serve_the_trainers_weights(setup, model):
+    """A trainer with `staged=True`: each sync loads into a second copy of both in-process
+    engines' parameters while they serve, verifies each against its copy, then switches both
+    (their `end`s at once); each reports its pause and when it switched. A non-staged sync
+    after them, and a staged one after that, still land (the copy is made again)."""
+    engine, trainer, replica = setup
+    engines = {"sglang": engine, "sglang-2": replica}
+    staged = launcher.TrainerGroup(
+        "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
+        model_path=model,
+        bucket_bytes=1 << 16,
+        seed=0,
+        staged=True,
+        verify=True,
+    )
+    try:
+        staged.call("connect", engines)
+        for i in range(2):
+            staged.call("set_weights_from", 3000 + i)
+            report = staged.call("sync", f"staged-{i}")
+            parts = report["engines"]
+            print(
+                f"staged-{i}: sync {report['sync_s']:.3f} s, pauses "
+                f"{ {n: round(p['pause_s'] * 1e3, 1) for n, p in parts.items()} } ms, switches "
+                f"{abs(parts['sglang']['switched_at'] - parts['sglang-2']['switched_at']) * 1e3:.1f}"
+                f" ms apart"
+            )
+            for name, one in engines.items():
+                assert report["verify"][name]["verified"], report["verify"]
+                assert parts[name]["path"] == "buckets" and parts[name]["pause_s"] > 0
+                assert ray.get(one.engine_weight_version.remote()) == f"staged-{i}"
+                assert_engine_matches_reference(one, staged)
+            if i == 0:  # the served weights written otherwise: the next staged copy is remade
+                trainer.call("train_step", training_batch(40))
+                trainer.call("sync", "between", verify=True)
+    finally:
+        staged.kill()
 
 
 def test_a_trainer_that_syncs_point_to_point_refuses_sglang_at_connect(setup, tmp_path):

@@ -206,6 +206,10 @@ class EndReport:
     pause_s: float | None = None
     """A staged update: how long the engine held generation to switch to the staged weights
     (its only pause of the update)."""
+    pause_parts: dict[str, float] | None = None
+    """A staged update: `pause_s` in its parts, seconds each, in order: "hold" (until the
+    engine stopped generating), "cache" (its prefix cache reset), "switch" (the parameters
+    written from the staged copy, every worker), "version" (the tag set), "resume"."""
 
     def to_dict(self) -> dict[str, Any]:
         return _without_none(
@@ -219,6 +223,7 @@ class EndReport:
                 "probe": self.probe,
                 "switched_at": self.switched_at,
                 "pause_s": self.pause_s,
+                "pause_parts": self.pause_parts,
             }
         )
 
@@ -235,6 +240,7 @@ class EndReport:
             probe=_get(d, cls, "probe", None),
             switched_at=_get(d, cls, "switched_at", None),
             pause_s=_get(d, cls, "pause_s", None),
+            pause_parts=_get(d, cls, "pause_parts", None),
         )
 
 
@@ -339,6 +345,8 @@ class EngineSyncReport:
     """A staged sync: when the engine's new weights were in place (`time.time()`)."""
     pause_s: float | None = None
     """A staged sync: how long the engine held generation to switch (its only pause)."""
+    pause_parts: dict[str, float] | None = None
+    """A staged sync: `pause_s` in its parts (`EndReport.pause_parts`)."""
 
     @classmethod
     def of(cls, end: EndReport, *, path: str, load_s: float | None = None) -> EngineSyncReport:
@@ -354,6 +362,7 @@ class EngineSyncReport:
             probe_max_gap=probe.get("max_gap"),
             switched_at=end.switched_at,
             pause_s=end.pause_s,
+            pause_parts=end.pause_parts,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -372,6 +381,7 @@ class EngineSyncReport:
                     "probe_max_gap": self.probe_max_gap,
                     "switched_at": self.switched_at,
                     "pause_s": self.pause_s,
+                    "pause_parts": self.pause_parts,
                 }
             ),
         }
@@ -394,6 +404,7 @@ class EngineSyncReport:
                     "probe_max_gap",
                     "switched_at",
                     "pause_s",
+                    "pause_parts",
                 )
             },
         )
