@@ -145,7 +145,7 @@ def half_update(engine, spec: dict, version: str = "half") -> None:
 
 
 def check_failed_verification_is_never_adopted(
-    engine, trainer, name: str, *, staged: bool = False
+    engine, trainer, name: str, *, staged: bool = False, replicas: dict | None = None
 ) -> None:
     """Stage, verify, commit, against a real engine: a verified sync (new random weights for
     every tensor, from a sender in this process) whose check fails is aborted before `end`.
@@ -153,7 +153,8 @@ def check_failed_verification_is_never_adopted(
     so the engine really holds the staged weights when it is checked; with keep_previous it
     then puts back its previous weights and goes on serving them, same version and answers.
     `staged`: a staged sync (`begin(..., staged=True)`), without keep_previous: the served
-    weights were never written."""
+    weights were never written. `replicas` ({name: engine}): more engines in the same sync;
+    one engine's failed check aborts it for all, and none of them adopts it."""
     import pytest
     import torch
 
@@ -163,12 +164,19 @@ def check_failed_verification_is_never_adopted(
     from weightsync.wire.errors import VerificationFailed
     from weightsync.wire.specs import dtype_from_str, specs_from_dicts
 
+    everyone = {name: engine, **(replicas or {})}
     specs = specs_from_dicts(trainer.call("refit_info"))
-    target = next(s.name for s in specs if s.name.endswith("fc1.weight"))
-    ray.get(engine.settle.remote(), timeout=300)
-    version = ray.get(engine.weight_version.remote())
-    prints = ray.get(engine.fingerprints.remote())
-    served = ray.get(engine.generate.remote(prompt_ids()))
+    target = next(
+        s.name for s in specs if s.name.endswith("fc1.weight") or s.name.endswith("up_proj.weight")
+    )
+    before = {}
+    for n, e in everyone.items():
+        ray.get(e.settle.remote(), timeout=300)
+        before[n] = (
+            ray.get(e.weight_version.remote()),
+            ray.get(e.fingerprints.remote()),
+            ray.get(e.generate.remote(prompt_ids()))["tokens"],
+        )
     gen = torch.Generator().manual_seed(123)
     tensors = [
         (s.name, (torch.randn(s.shape, generator=gen) * 0.1).to(dtype_from_str(s.dtype)))
@@ -184,19 +192,24 @@ def check_failed_verification_is_never_adopted(
         return check(staged, {**sent, target: (s + 1, h1, h2)}, **kwargs)
 
     sender.verifier.check_staged = planted
-    ray.get(engine.set_keep_previous.remote(not staged))
+    for e in everyone.values():
+        ray.get(e.set_keep_previous.remote(not staged))
     try:
-        sender.add_engine(RayEndpoint(engine, name=name))
+        for n, e in everyone.items():
+            sender.add_engine(RayEndpoint(e, name=n))
         with pytest.raises(VerificationFailed, match="'never-adopted' aborted before any engine"):
             sender.sync(iter(tensors), version="never-adopted", verify=True)
     finally:
-        ray.get(engine.set_keep_previous.remote(False))
+        for e in everyone.values():
+            ray.get(e.set_keep_previous.remote(False))
         sender.close()
-    staged = seen[name].fingerprints[0]
-    assert any(staged[p] != prints[p] for p in prints)  # it was checked holding the new bytes
-    assert ray.get(engine.weight_version.remote()) == version
-    assert ray.get(engine.fingerprints.remote()) == prints
-    assert ray.get(engine.generate.remote(prompt_ids()))["tokens"] == served["tokens"]
+    for n, e in everyone.items():
+        version, prints, served = before[n]
+        held = seen[n].fingerprints[0]
+        assert any(held[p] != prints[p] for p in prints), n  # checked holding the new bytes
+        assert ray.get(e.weight_version.remote()) == version, n
+        assert ray.get(e.fingerprints.remote()) == prints, n
+        assert ray.get(e.generate.remote(prompt_ids()))["tokens"] == served, n
 
 
 @contextlib.contextmanager

@@ -373,7 +373,10 @@ class _Http:
         return self._ok(STAGED_PATH, {"op": op, "message": message})
 
     def staged_support(self) -> str | None:
-        if self._request("POST", STAGED_PATH, {})[0] == 404:
+        status, out = self._request("POST", STAGED_PATH, {})
+        if status not in (400, 404):  # 400: the route, refusing a call without an op
+            return f"sglang server at {self.base}: {STAGED_PATH} answered {status}: {out}"
+        if status == 404:
             return (
                 f"sglang server at {self.base} has no {STAGED_PATH} route (weightsync's, in "
                 f"servers started with `python -m weightsync.backends.sglang.serve`): its own "
@@ -546,7 +549,7 @@ class SglEngineActor(EngineSession):
         self.sessions = self.client.has_session()
         self._finished = False  # the open update's session ended for its probe (`_engine_probe`)
         self._staging = False  # a staged update is open: its calls go by `client.staged`
-        self._switching = False  # a staged update's switch was asked for (`_switch`)
+        self._model_staged_why: str | None = None  # the schedulers' `staged_support`, once
         # Named like the shared-memory segments, so a sender sweeps it if this actor dies.
         self.reply_dir = tempfile.mkdtemp(prefix=f"weightsync-{os.getpid()}-reply-", dir="/dev/shm")
         logger.info("sglang engine up (%s), update sessions: %s", self.mode, self.sessions)
@@ -626,11 +629,14 @@ class SglEngineActor(EngineSession):
         self._finished = False
         self._staging, self._switching = self._into_copy, False
         if self._staging:
-            self._session("begin")
-            whys = [r["why"] for r in self._control_all("begin_staged") if r["why"] is not None]
+            try:
+                self._session("begin")
+                whys = [r["why"] for r in self._control_all("begin_staged") if r["why"]]
+            except BaseException:
+                self._drop_staged()  # nothing was written: nothing stays open
+                raise
             if whys:
-                self._session("end", needed=False)
-                self._staging = False
+                self._drop_staged()
                 return "; ".join(whys)
             return None
         self._session("begin")
@@ -701,12 +707,27 @@ class SglEngineActor(EngineSession):
     def staged_support(self) -> str | None:
         """In-process always, a server only where weightsync's routes serve a staged update
         (`python -m weightsync.backends.sglang.serve`); and every scheduler's model must be one
-        a staged copy can hold (backends/sglang/loader.py `staged_support`)."""
+        a staged copy can hold (backends/sglang/loader.py `staged_support`). The model's answer
+        is asked once (SGLang's own update calls, which wait for the requests in flight) and
+        kept: the model does not change."""
         why = self.client.staged_support()
         if why is None:
-            whys = [r["why"] for r in self._read_only_all("staged_support") if r["why"]]
-            why = "; ".join(whys) if whys else None
+            if self._model_staged_why is None:
+                whys = [r["why"] for r in self._read_only_all("staged_support") if r["why"]]
+                self._model_staged_why = "; ".join(whys)
+            why = self._model_staged_why or None
         return why
+
+    def _drop_staged(self) -> None:
+        """The open staged update dropped: every scheduler's copy marked stale (made again at
+        the next staged update), SGLang's update session ended; each step tried whatever the
+        other did."""
+        for step in (lambda: self._control_all("discard"), lambda: self._session("end")):
+            try:
+                step()
+            except Exception as exc:  # the engine itself may be what failed
+                logger.warning("sglang: dropping staged update %r: %s", self._open, exc)
+        self._staging = False
 
     def _switch(self, version: str) -> EndReport:
         """A staged update's end: generation paused with the requests in flight retracted
@@ -744,12 +765,7 @@ class SglEngineActor(EngineSession):
 
     def _engine_abort(self, reason: str) -> bool:
         if self._staging:  # the served weights were not written before the switch
-            try:
-                self._control_all("discard")
-                self._session("end", needed=False)
-            except Exception as exc:  # the engine itself may be what failed
-                logger.warning("sglang: dropping staged update %r failed: %s", self._open, exc)
-            self._staging = False
+            self._drop_staged()
             # A switch that failed, or whose answer was lost, may have switched some of the
             # parameters: refuse to serve until a sync completes.
             return self._switching

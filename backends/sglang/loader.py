@@ -114,6 +114,8 @@ def _run_staged(model: Any, receiver: Any, op: str, message: dict[str, Any]) -> 
         if why is not None:
             return {"why": why}
         receiver.open_update()
+        if state["open"]:  # an earlier staged update was never switched nor dropped
+            weights.stale()
         if not weights.current:
             weights.refresh()
         state["open"], state["written"] = True, set()

@@ -32,6 +32,12 @@ STAGED_PATH = "/weightsync/staged"
 # request (`switch`).
 SWITCH_PATH = "/weightsync/switch"
 FLUSH_TRIES = 3  # the cache flush inside a switch, tried again this often
+# The control ops `STAGED_PATH` passes on (backends/sglang/loader.py): those of a staged update,
+# which write only the staged copy, and those that write no weight. A load or check goes to the
+# staged copy whatever the message says.
+STAGED_OPS = frozenset(
+    {"begin_staged", "load", "stage", "discard", "staged_support", "check", "fingerprints"}
+)
 # Routes that never compute with the weights, which the engine actor drives during an update:
 # the gate lets them through while it holds the others (/generate, the OpenAI routes, ...).
 CONTROL_PATHS = frozenset(
@@ -54,7 +60,7 @@ CONTROL_PATHS = frozenset(
 )
 
 
-def _tensor_request(message: str, *, tp_size: int) -> Any:
+def _tensor_request(message: str, *, tp_size: int, ops: frozenset[str] = STAGED_OPS) -> Any:
     """SGLang's tensor-update request carrying one weightsync control message (its tensor
     empty) for every TP scheduler, made here from plain JSON (nothing unpickled from the
     client)."""
@@ -64,7 +70,11 @@ def _tensor_request(message: str, *, tp_size: int) -> Any:
 
     from weightsync.backends.sglang.loader import LOADER
 
-    json.loads(message)  # plain JSON, or refused
+    control = json.loads(message)  # plain JSON, or refused
+    if not isinstance(control, dict) or control.get("op") not in ops:
+        raise ValueError(f"this route passes on the ops {sorted(ops)} only")
+    if control["op"] in ("load", "stage"):
+        message = json.dumps({**control, "staged": True})
     payload = MultiprocessingSerializer.serialize([(message, torch.empty(0))])
     return UpdateWeightsFromTensorReqInput(
         serialized_named_tensors=[payload] * tp_size,
@@ -74,7 +84,14 @@ def _tensor_request(message: str, *, tp_size: int) -> Any:
     )
 
 
-async def staged_call(tm: Any, op: str, message: str | None, *, tp_size: int) -> tuple[bool, str]:
+async def staged_call(
+    tm: Any,
+    op: str,
+    message: str | None,
+    *,
+    tp_size: int,
+    ops: frozenset[str] = STAGED_OPS,
+) -> tuple[bool, str]:
     """One call of a staged update, straight to the schedulers (which run it between two of
     their forward steps): SGLang's own routes take the tokenizer manager's writer lock unless
     generation is paused, and a staged update does not pause."""
@@ -85,7 +102,7 @@ async def staged_call(tm: Any, op: str, message: str | None, *, tp_size: int) ->
         if message is None:
             raise ValueError("an update carries a message")
         results = await tm.update_weights_from_tensor_communicator(
-            _tensor_request(message, tp_size=tp_size)
+            _tensor_request(message, tp_size=tp_size, ops=ops)
         )
     elif op == "begin":
         results = await tm.begin_weight_update_communicator(BeginWeightUpdateReqInput())
@@ -122,11 +139,14 @@ async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[s
         UpdateWeightVersionReqInput,
     )
 
+    control = json.loads(message)
+    if not isinstance(control, dict) or control.get("op") != "switch" or "reply" not in control:
+        raise ValueError(f"{SWITCH_PATH} takes the switch's control message only")
+    reply_dir = str(control["reply"])
     clock = PauseClock()
-    reply_dir = json.loads(message)["reply"]
     ok, text = False, ""
-    await tm.pause_generation(PauseGenerationReqInput(mode="retract"))
     try:
+        await tm.pause_generation(PauseGenerationReqInput(mode="retract"))
         clock.mark("hold")
         for _ in range(FLUSH_TRIES):
             if (await tm.flush_cache()).success:
@@ -134,7 +154,9 @@ async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[s
         else:
             return {"error": "the cache could not be flushed; nothing was switched"}
         clock.mark("cache")
-        done, text = await staged_call(tm, "update", message, tp_size=tp_size)
+        done, text = await staged_call(
+            tm, "update", message, tp_size=tp_size, ops=frozenset({"switch"})
+        )
         replies = _replies(reply_dir) if done else []
         ok = len(replies) == tp_size and all(r.get("ok") for r in replies)
         await staged_call(tm, "end", None, tp_size=tp_size)

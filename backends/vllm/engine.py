@@ -413,7 +413,6 @@ class VllmEngineActor(EngineSession):
         if mode not in ("engine", "http"):
             raise ValueError(f"mode={mode!r}: expected 'engine' or 'http'")
         super().__init__(idle_timeout_s=idle_timeout_s)
-        self._switching = False  # a staged update's switch was asked for (`_switch`)
         self.keep_previous = keep_previous
         self._api_key: str | None = None
         if llm is not None:

@@ -222,3 +222,31 @@ def test_staged_updates_are_refused_where_unsupported_or_asked_with_one_copy_or_
     with pytest.raises(ValueError, match="with a probe on a staged update"):
         engine.end("v1", probe={"tokens": [[1, 2]]})
     engine.end("v1")
+
+
+class FailingSwitchEngine(StagingEngine):
+    """A `StagingEngine` whose switch fails after it began writing the served weights."""
+
+    def _engine_end(self, version: str) -> EndReport:
+        self._switching = True
+        raise RuntimeError("a worker's switch failed")
+
+    def _engine_abort(self, reason: str) -> bool:
+        self.aborted.append(reason)
+        return self._switching
+
+
+def test_a_staged_update_whose_switch_failed_is_not_served_from_then_on():
+    """From the failed switch on (before the trainer's abort arrives) the engine refuses to
+    serve, and after the abort it goes on refusing until a sync completes."""
+    engine = FailingSwitchEngine()
+    engine.begin("v1", False, "t", True)
+    engine.load_bucket(BUCKET)
+    engine.check_serving()
+    with pytest.raises(RuntimeError, match="a worker's switch failed"):
+        engine.end("v1")
+    with pytest.raises(RuntimeError, match="its switch did not complete"):
+        engine.check_serving()
+    engine.abort("the switch failed", "t")
+    with pytest.raises(RuntimeError, match="does not serve"):
+        engine.check_serving()

@@ -186,6 +186,16 @@ def test_staged_syncs_into_both_replicas_are_verified_and_serve_the_trainers_wei
         staged.kill()
 
 
+def test_a_staged_sync_that_fails_verification_is_adopted_by_neither_replica(setup):
+    """A staged, verified sync into both in-process engines whose check fails (planted on the
+    sender's side: both hold the new bytes in their staged copies when checked) is aborted
+    before either switches: both keep their version, fingerprints and answers."""
+    engine, trainer, replica = setup
+    check_failed_verification_is_never_adopted(
+        engine, trainer, "sglang", staged=True, replicas={"sglang-2": replica}
+    )
+
+
 def test_a_trainer_that_syncs_point_to_point_refuses_sglang_at_connect(setup, tmp_path):
     """SGLang has no point-to-point receiver (docs/scale.md): a trainer with
     `point_to_point=True` refuses it at connect, naming it, before anything is written."""

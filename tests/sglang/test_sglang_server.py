@@ -3,6 +3,7 @@ fed by a 2-rank FSDP2 trainer through the non-colocated path: a gloo broadcast g
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from tests.engine_checks import (
 )
 from weightsync.apps.models import make_tiny_model, make_tokenizer
 from weightsync.driver import launcher
+from weightsync.engine.server import http_json
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +63,36 @@ def test_server_listens_on_loopback_and_demands_a_key_by_default(setup):
             "/update_weight_version",
             "/generate",
             "/weightsync/gate",
+            "/weightsync/staged",
+            "/weightsync/switch",
         ],
         key=key,
         get_path="/model_info",
     )
+
+
+def test_the_staged_route_passes_on_a_staged_updates_ops_only(setup):
+    """weightsync's route for a staged update's calls (sent without SGLang's writer lock) takes
+    a JSON control message and refuses, before any scheduler sees it, an op that writes the
+    served weights (a plain load, a rollback) or is not JSON."""
+    engine, _ = setup
+    base, key = ray.get(engine.server_url.remote()), ray.get(engine.server_api_key.remote())
+    for message in (
+        json.dumps({"op": "rollback", "reply": "/nonexistent"}),
+        json.dumps({"op": "commit", "reply": "/nonexistent"}),
+        "not json",
+    ):
+        status, out = http_json(
+            "POST", base + "/weightsync/staged", {"op": "update", "message": message}, api_key=key
+        )
+        assert status == 400, (message, status, out)
+    status, out = http_json(
+        "POST",
+        base + "/weightsync/switch",
+        {"message": json.dumps({"op": "load"}), "version": "x"},
+        api_key=key,
+    )
+    assert status == 400, (status, out)
 
 
 def test_sampling_options_reach_the_server_and_its_finish_reasons_come_back(setup):

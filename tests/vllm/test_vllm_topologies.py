@@ -12,6 +12,7 @@ import ray
 
 from tests.engine_checks import (
     assert_engine_matches_reference,
+    check_failed_verification_is_never_adopted,
     half_update,
     prompt_ids,
     training_batch,
@@ -132,6 +133,17 @@ def test_a_staged_sync_switches_every_worker_of_both_replicas(setup):
                 assert_engine_matches_reference(engine, staged)
     finally:
         staged.kill()
+
+
+def test_a_staged_sync_that_fails_verification_is_adopted_by_neither_replica(setup):
+    """A staged, verified sync into the TP=2 engine and its TP=1 replica whose check fails
+    (planted on the sender's side, so both hold the new bytes in their staged copies when
+    checked) is aborted before either switches: both keep their version, fingerprints and
+    answers."""
+    engines, trainer, *_ = setup
+    check_failed_verification_is_never_adopted(
+        engines["tp2"], trainer, "tp2", staged=True, replicas={"tp1": engines["tp1"]}
+    )
 
 
 def test_repeated_syncs_take_the_one_copy_path_into_every_worker(setup):

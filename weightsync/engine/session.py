@@ -205,6 +205,8 @@ class EngineSession(WeightReceiver):
         self._last_call = 0.0
         self._one_copy = False
         self._into_copy = False  # the open update loads into a second copy (`begin`'s `staged`)
+        # The open staged update's switch was asked for: the served weights may have changed.
+        self._switching = False
         # Taken by every method that changes the session, as the watchdog thread calls `abort`.
         self._lock = threading.RLock()
         self._pausing = GenerationPause(self)
@@ -285,7 +287,7 @@ class EngineSession(WeightReceiver):
                 self.abort(f"update {self._open!r} never ended; a new update {version!r} began")
             self._loaded = 0
             self._begin_t = self._last_call = time.perf_counter()
-            self._into_copy = staged
+            self._into_copy, self._switching = staged, False
             if not staged:  # a staged update serves on until `_engine_end` switches
                 self._pause_generation()
             try:
@@ -507,9 +509,10 @@ class EngineSession(WeightReceiver):
         self._expire_idle()
         if self._broken:
             raise RuntimeError(f"{self.engine_name} engine does not serve: {self._broken}")
-        if self._open and not self._into_copy:
+        if self._open and (not self._into_copy or self._switching):
             raise RuntimeError(
                 f"{self.engine_name} engine does not serve during update {self._open!r}"
+                + (" (its switch did not complete)" if self._into_copy else "")
             )
 
 
