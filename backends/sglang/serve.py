@@ -128,9 +128,9 @@ async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[s
     retracted (SGLang's "retract" pause: each goes back to the queue with its tokens so far and
     is computed again, on the new weights, when generation continues), the cache flushed (no
     KV of the old weights serves after the switch), every scheduler's parameters switched to
-    the staged copy (`message`, the loader's "switch"), SGLang's update session ended, the
-    weight version set (the tokens after the pause carry it) only when every scheduler
-    switched, generation continued. {"ok": every scheduler switched, "pause_s": seconds
+    the staged copy (`message`, the loader's "switch"), the weight version set (the tokens after
+    the pause carry it) only when every scheduler switched, generation continued, SGLang's
+    update session ended. {"ok": every scheduler switched, "pause_s": seconds
     generation was paused}; {"error": ...} when the cache could not be flushed (nothing
     switched)."""
     from sglang.srt.managers.io_struct import (
@@ -144,7 +144,7 @@ async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[s
         raise ValueError(f"{SWITCH_PATH} takes the switch's control message only")
     reply_dir = str(control["reply"])
     clock = PauseClock()
-    ok, text = False, ""
+    ok, text, done = False, "", False
     try:
         await tm.pause_generation(PauseGenerationReqInput(mode="retract"))
         clock.mark("hold")
@@ -159,7 +159,6 @@ async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[s
         )
         replies = _replies(reply_dir) if done else []
         ok = len(replies) == tp_size and all(r.get("ok") for r in replies)
-        await staged_call(tm, "end", None, tp_size=tp_size)
         clock.mark("switch")
         if ok:
             await tm.update_weight_version(
@@ -169,6 +168,11 @@ async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[s
     finally:
         await tm.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False))
         clock.mark("resume")
+        if done:
+            # SGLang's update session ends after generation goes on: its end post-processes
+            # the weights, which does nothing to the models a staged copy takes
+            # (backends/sglang/loader.py `staged_support`).
+            await staged_call(tm, "end", None, tp_size=tp_size)
     return {"ok": ok, "message": text, **clock.report()}
 
 
