@@ -4,6 +4,7 @@ parameters in place."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from weightsync.engine.staging import StagedWeights
@@ -104,3 +105,39 @@ def test_a_reloaded_model_gets_a_new_copy_and_a_switch_of_unknown_names_writes_n
     assert all(torch.equal(p, served[n]) for n, p in model.named_parameters())
     staging.switch({"0.weight"})
     assert torch.equal(model[0].weight, torch.full((3, 4), 2.0))
+
+
+@pytest.mark.gpu
+def test_a_cuda_graph_captured_before_the_switch_computes_with_the_switched_weights():
+    """The switch writes the served parameters in place, so a CUDA graph captured on them
+    before (as an engine captures its forward at start) replays with the new weights, with
+    no capture again; a staged load leaves the graph's answers as they were."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32)
+    ).cuda()
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            model(x)  # warm-up before capture, as torch asks
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(x)
+    graph.replay()
+    before = out.clone()
+    staging = StagedWeights(model)
+    staging.refresh()
+    new = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    with staging.loading(), torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(new[name])
+        want = model(x)
+    graph.replay()
+    assert torch.equal(out, before)  # the served weights, while the update is staged
+    staging.switch(set(new))
+    graph.replay()
+    torch.testing.assert_close(out, want)
+    assert not torch.equal(out, before)
