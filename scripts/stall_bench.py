@@ -16,7 +16,7 @@ with a 0.2 s gap, as today: its first sync by buckets, then the one-copy path), 
 trainer, `staged=True`, by buckets). For each phase: the requests whose life overlapped a sync,
 their longest stall, the 99th percentile, the median gap between tokens over all requests; and
 from the sync reports, how long each engine held generation (paused: from its `begin` to the end
-of its `end`, `session_s`, not counting the wait for requests in flight before `begin`; staged:
+of its `end`, `session_s`, which includes the wait for the requests in flight to finish; staged:
 its switch, `pause_s`, measured by the server around it) and the skew between the replicas'
 switches (`SyncReport.switch_skew_s`), and the staged pause in its parts (`pause_parts`: until the
 engine stopped generating, its cache reset, the parameters written, the version tag, the resume). The "none" phase is the floor: on a 2-core machine
