@@ -192,16 +192,18 @@ def check_failed_verification_is_never_adopted(
         return check(staged, {**sent, target: (s + 1, h1, h2)}, **kwargs)
 
     sender.verifier.check_staged = planted
-    for e in everyone.values():
-        ray.get(e.set_keep_previous.remote(not staged))
+    if not staged:  # a staged update never writes the served weights: nothing to keep
+        for e in everyone.values():
+            ray.get(e.set_keep_previous.remote(True))
     try:
         for n, e in everyone.items():
             sender.add_engine(RayEndpoint(e, name=n))
         with pytest.raises(VerificationFailed, match="'never-adopted' aborted before any engine"):
             sender.sync(iter(tensors), version="never-adopted", verify=True)
     finally:
-        for e in everyone.values():
-            ray.get(e.set_keep_previous.remote(False))
+        if not staged:
+            for e in everyone.values():
+                ray.get(e.set_keep_previous.remote(False))
         sender.close()
     for n, e in everyone.items():
         version, prints, served = before[n]
