@@ -23,6 +23,7 @@ from weightsync.engine.server import http_json
 
 MAX_NEW_TOKENS = 8
 NUM_CLIENTS = 3
+STAGED_SYNCS = 12  # `check_staged_syncs_under_requests`
 
 
 @dataclass(slots=True)
@@ -322,3 +323,71 @@ def check_version_spans(
     assert not bad, f"{len(bad)} of {len(complete)} answers: {bad[:3]}"
     assert not failures, f"{len(failures)} requests did not complete: {failures[:3]}"
     return counts
+
+
+def check_staged_syncs_under_requests(
+    engine, model: str, worker: str, spans_hammer: Callable[[Any, dict[str, int]], Hammer]
+) -> None:
+    """A trainer (`worker` ranks) with `staged=True` syncs `STAGED_SYNCS` verified versions of
+    random weights into `engine` while `spans_hammer(engine, {version tag: index})`'s clients
+    call its server: every answer's version spans are checked (`check_version_spans`), some
+    answer must come while a sync stages and some must cross a switch; each sync reports its
+    one pause (`pause_s`) and when it switched. Prints the counts and the pauses."""
+    from weightsync.driver import launcher
+
+    first_seed = 2000
+    trainer = launcher.TrainerGroup(
+        worker, model_path=model, bucket_bytes=1 << 16, seed=0, staged=True, verify=True
+    )
+    try:
+        trainer.call("connect", {"staged": engine})
+        ids = prompt_ids()
+        trainer.call("set_weights_from", first_seed)
+        trainer.call("sync", "s0")
+        refs = []
+        for i in range(STAGED_SYNCS + 1):
+            trainer.call("set_weights_from", first_seed + i)
+            refs.append(
+                trainer.call("reference_generate", ids, max_new_tokens=MAX_NEW_TOKENS)["tokens"]
+            )
+        hammer = spans_hammer(engine, {f"s{i}": i for i in range(STAGED_SYNCS + 1)})
+        reports, windows = [], []
+        hammer.start()
+        try:
+            time.sleep(1)
+            for i in range(1, STAGED_SYNCS + 1):
+                trainer.call("set_weights_from", first_seed + i)
+                start = time.monotonic()
+                reports.append(trainer.call("sync", f"s{i}"))
+                windows.append((start, time.monotonic()))
+                time.sleep(0.2)
+            time.sleep(1)
+        finally:
+            hammer.stop()
+
+        def margins_on(version: int, asks: list) -> list:
+            trainer.call("set_weights_from", first_seed + version)
+            return trainer.call(
+                "reference_margins", [seq for seq, _ in asks], [start for _, start in asks]
+            )
+
+        counts = check_version_spans(hammer, refs, margins_on)
+    finally:
+        trainer.kill()
+    for report in reports:
+        part = report["engines"]["staged"]
+        assert report["verify"]["staged"]["verified"], report["verify"]
+        assert part["path"] == "buckets" and part["pause_s"] > 0 and part["switched_at"] > 0
+    # Answers sent after a sync began and answered before it ended: served during staging.
+    inside = [
+        a for a in hammer.answers if any(lo <= a.sent_s and a.done_s <= hi for lo, hi in windows)
+    ]
+    pauses = sorted(r["engines"]["staged"]["pause_s"] for r in reports)
+    syncs = sorted(r["sync_s"] for r in reports)
+    print(
+        f"staged: {counts}; {len(inside)} answers inside a sync; sync_s median "
+        f"{syncs[len(syncs) // 2]:.3f} s; pause_s median {pauses[len(pauses) // 2] * 1e3:.1f} ms, "
+        f"max {pauses[-1] * 1e3:.1f} ms"
+    )
+    assert inside, "no request was answered while a sync was staging"
+    assert counts["switched"] > 0, "no request was in flight across a switch: nothing checked"

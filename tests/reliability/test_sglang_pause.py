@@ -17,6 +17,7 @@ from tests.reliability.hammer import (
     check_a_request_waits_for_the_open_update,
     check_answers,
     check_probes_through_the_gate,
+    check_staged_syncs_under_requests,
     check_version_spans,
     engine_server,
     post_json,
@@ -156,7 +157,6 @@ def test_the_probe_scores_the_staged_weights_through_the_servers_closed_gate(set
     )
 
 
-STAGED_SYNCS = 12
 WORKER = "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker"
 
 
@@ -190,61 +190,7 @@ def test_staged_syncs_serve_on_and_switch_in_one_short_pause(setup):
     its tokens so far on the new weights: its later span holds the new version's greedy
     choices. Each sync reports its one pause (`pause_s`) and when it switched."""
     engine, _, model = setup
-    first_seed = 2000
-    trainer = launcher.TrainerGroup(
-        WORKER, model_path=model, bucket_bytes=1 << 16, seed=0, staged=True, verify=True
-    )
-    try:
-        trainer.call("connect", {"staged": engine})
-        ids = prompt_ids()
-        trainer.call("set_weights_from", first_seed)
-        trainer.call("sync", "s0")
-        refs = []
-        for i in range(STAGED_SYNCS + 1):
-            trainer.call("set_weights_from", first_seed + i)
-            refs.append(
-                trainer.call("reference_generate", ids, max_new_tokens=MAX_NEW_TOKENS)["tokens"]
-            )
-        hammer = _spans_hammer(engine, {f"s{i}": i for i in range(STAGED_SYNCS + 1)})
-        reports, windows = [], []
-        hammer.start()
-        try:
-            time.sleep(1)
-            for i in range(1, STAGED_SYNCS + 1):
-                trainer.call("set_weights_from", first_seed + i)
-                start = time.monotonic()
-                reports.append(trainer.call("sync", f"s{i}"))
-                windows.append((start, time.monotonic()))
-                time.sleep(0.2)
-            time.sleep(1)
-        finally:
-            hammer.stop()
-
-        def margins_on(version: int, asks: list) -> list:
-            trainer.call("set_weights_from", first_seed + version)
-            return trainer.call(
-                "reference_margins", [seq for seq, _ in asks], [start for _, start in asks]
-            )
-
-        counts = check_version_spans(hammer, refs, margins_on)
-    finally:
-        trainer.kill()
-    for report in reports:
-        part = report["engines"]["staged"]
-        assert report["verify"]["staged"]["verified"], report["verify"]
-        assert part["path"] == "buckets" and part["pause_s"] > 0 and part["switched_at"] > 0
-    inside = [
-        a for a in hammer.answers if any(lo <= a.sent_s and a.done_s <= hi for lo, hi in windows)
-    ]
-    pauses = sorted(r["engines"]["staged"]["pause_s"] for r in reports)
-    syncs = sorted(r["sync_s"] for r in reports)
-    print(
-        f"staged: {counts}; {len(inside)} answers inside a sync; sync_s median "
-        f"{syncs[len(syncs) // 2]:.3f} s; pause_s median {pauses[len(pauses) // 2] * 1e3:.1f} ms, "
-        f"max {pauses[-1] * 1e3:.1f} ms"
-    )
-    assert inside, "no request was answered while a sync was staging"
-    assert counts["switched"] > 0, "no request was in flight across a switch: nothing checked"
+    check_staged_syncs_under_requests(engine, model, WORKER, _spans_hammer)
 
 
 def test_a_staged_update_serves_the_current_weights_and_an_abort_keeps_them(setup):
