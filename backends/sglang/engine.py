@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from weightsync.backends.sglang.loader import LOADER
+from weightsync.backends.sglang.loader import LOADER, read_replies
 from weightsync.backends.sglang.serve import FLUSH_TRIES, KEY_VARIABLE, STAGED_PATH, SWITCH_PATH
 from weightsync.driver.preflight import read_config, refuse_unsupported_sglang
 from weightsync.engine.gate import GATE_PATH, close_gate, open_gate
@@ -44,15 +44,6 @@ logger = logging.getLogger(__name__)
 
 class NothingSwitched(RuntimeError):
     """A staged update's switch stopped before any parameter was written."""
-
-
-def _read_replies(reply_dir: str) -> list[dict[str, Any]]:
-    """The schedulers' replies to the last control message (backends/sglang/loader.py)."""
-    return [
-        json.load(open(os.path.join(reply_dir, n)))
-        for n in sorted(os.listdir(reply_dir))
-        if n.endswith(".json")
-    ]
 
 
 CPU_ENGINE_ARGS: dict[str, Any] = {
@@ -225,7 +216,7 @@ class _InProcess:
             raise NothingSwitched("the cache could not be flushed; nothing was switched")
         clock.mark("cache")
         done, _ = self.update(message, weight_version=None)
-        replies = _read_replies(json.loads(message)["reply"]) if done else []
+        replies = read_replies(json.loads(message)["reply"]) if done else []
         ok = len(replies) == self.tp_size and all(r.get("ok") for r in replies)
         self.end()
         clock.mark("switch")
@@ -583,7 +574,7 @@ class SglEngineActor(EngineSession):
 
     def _replies(self, op: str) -> list[Any]:
         """Every scheduler's reply to the last message, in TP-rank order."""
-        replies = _read_replies(self.reply_dir)
+        replies = read_replies(self.reply_dir)
         if not replies:
             raise RuntimeError(
                 f"sglang ran no weightsync loader for {op}; is custom_weight_loader={LOADER!r} set?"

@@ -217,4 +217,15 @@ def weightsync_load(model: Any, named_tensors: list) -> None:
     os.replace(tmp, path)
 
 
+def read_replies(reply_dir: str) -> list[dict[str, Any]]:
+    """Every scheduler's reply to the last control message (`weightsync_load` wrote them), in
+    file-name order."""
+    out = []
+    for name in sorted(os.listdir(reply_dir)):
+        if name.endswith(".json"):
+            with open(os.path.join(reply_dir, name)) as f:
+                out.append(json.load(f))
+    return out
+
+
 LOADER = f"{__name__}.weightsync_load"

@@ -113,16 +113,6 @@ async def staged_call(
     return FanOutCommunicator.merge_results(results)
 
 
-def _replies(reply_dir: str) -> list[dict[str, Any]]:
-    """The schedulers' replies to the last control message (backends/sglang/loader.py)."""
-    out = []
-    for name in sorted(os.listdir(reply_dir)):
-        if name.endswith(".json"):
-            with open(os.path.join(reply_dir, name)) as f:
-                out.append(json.load(f))
-    return out
-
-
 async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[str, Any]:
     """A staged update's end, inside the server: generation paused with the requests in flight
     retracted (SGLang's "retract" pause: each goes back to the queue with its tokens so far and
@@ -138,6 +128,8 @@ async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[s
         PauseGenerationReqInput,
         UpdateWeightVersionReqInput,
     )
+
+    from weightsync.backends.sglang.loader import read_replies
 
     control = json.loads(message)
     if not isinstance(control, dict) or control.get("op") != "switch" or "reply" not in control:
@@ -157,7 +149,7 @@ async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[s
         done, text = await staged_call(
             tm, "update", message, tp_size=tp_size, ops=frozenset({"switch"})
         )
-        replies = _replies(reply_dir) if done else []
+        replies = read_replies(reply_dir) if done else []
         ok = len(replies) == tp_size and all(r.get("ok") for r in replies)
         clock.mark("switch")
         if ok:
