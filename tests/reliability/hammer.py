@@ -391,3 +391,27 @@ def check_staged_syncs_under_requests(
     )
     assert inside, "no request was answered while a sync was staging"
     assert counts["switched"] > 0, "no request was in flight across a switch: nothing checked"
+
+
+def check_a_failed_staged_sync_is_seen_by_no_request(
+    engine, trainer, name: str, hammer: Hammer, served: list[list[int]]
+) -> None:
+    """`hammer`'s clients (tagging the served version as index 0) call the server while a
+    staged, verified sync whose check fails is aborted before the switch
+    (`check_failed_verification_is_never_adopted`): every answer, before, during and after it,
+    is the served version's (`served`: its greedy tokens of `prompt_ids()`), tagged so."""
+    from tests.engine_checks import check_failed_verification_is_never_adopted
+
+    hammer.start()
+    try:
+        time.sleep(0.5)
+        check_failed_verification_is_never_adopted(engine, trainer, name, staged=True)
+        time.sleep(0.5)
+    finally:
+        hammer.stop()
+
+    def margins_on(v: int, asks: list) -> list:
+        raise AssertionError(f"an answer switched to version {v} mid-request: {asks}")
+
+    counts = check_version_spans(hammer, [served], margins_on)
+    assert counts["complete"] > 0 and counts["switched"] == 0

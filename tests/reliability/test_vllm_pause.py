@@ -13,18 +13,17 @@ import pytest
 import ray
 
 from tests.engine_checks import (
-    check_failed_verification_is_never_adopted,
     check_server_on_loopback_demands_key,
     prompt_ids,
 )
 from tests.reliability.hammer import (
     MAX_NEW_TOKENS,
     Hammer,
+    check_a_failed_staged_sync_is_seen_by_no_request,
     check_a_request_waits_for_the_open_update,
     check_answers,
     check_probes_through_the_gate,
     check_staged_syncs_under_requests,
-    check_version_spans,
     engine_server,
     post_json,
     run_syncs_under_requests,
@@ -262,18 +261,6 @@ def test_a_staged_sync_that_fails_verification_is_seen_by_no_request(setup):
     switch: every answer, before, during and after it, is the served version's, tagged so."""
     engine, trainer, model = setup
     version = ray.get(engine.weight_version.remote())
-    served = _served(engine, model)
-    hammer = _spans_hammer(engine, {version: 0})
-    hammer.start()
-    try:
-        time.sleep(0.5)
-        check_failed_verification_is_never_adopted(engine, trainer, NAME, staged=True)
-        time.sleep(0.5)
-    finally:
-        hammer.stop()
-
-    def margins_on(v: int, asks: list) -> list:
-        raise AssertionError(f"an answer switched to version {v} mid-request: {asks}")
-
-    counts = check_version_spans(hammer, [served], margins_on)
-    assert counts["complete"] > 0 and counts["switched"] == 0
+    check_a_failed_staged_sync_is_seen_by_no_request(
+        engine, trainer, NAME, _spans_hammer(engine, {version: 0}), _served(engine, model)
+    )
