@@ -19,10 +19,19 @@ allocation become one byte copy (a trainer's and an engine's parameters allocate
 order: a few copies at the copy rate instead of one kernel slice per tensor), captured once into
 a CUDA graph (weightsync/gpu/copies.py). A replayed load then costs a pointer comparison per parameter (a
 parameter whose memory moved rebuilds the lists and the graph) and one graph launch.
+
+Placed replays, for engines whose loaders rename, fuse or slice (`placed`): the first load of a
+tensor goes through the engine's loader, which shows where it puts the tensor's elements
+(`ModelReceiver.learn_placements`, or where a receiver knows it: weightsync/wire/placement.py,
+verbatim copies into one parameter only); from the bucket's first replay on, a tensor with such
+a placement of at most `PLACED_PATTERNS` runs is copied along it with the plain copies (the same
+lists, coalescing and graph), not handed to the loader again. A tensor without one still goes
+through the loader, every time.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,10 +41,15 @@ from weightsync.gpu import copies
 from weightsync.gpu.copies import capture, coalesce, issue
 from weightsync.transports import ReceiverTransport, make_receiver
 from weightsync.wire.errors import BucketRejected
+from weightsync.wire.placement import pattern_view
 
 if TYPE_CHECKING:
     from weightsync.engine.refit import LoadFn, RefitCheck
     from weightsync.wire.specs import BucketDescriptor
+
+# A placement of more runs than this (a transposing loader: one run per row) is left to the
+# loader: one strided copy per run would cost more than the loader's one call.
+PLACED_PATTERNS = 8
 
 
 class BucketLoader:
@@ -58,7 +72,11 @@ class BucketLoader:
         self.name = name
         self._transports: dict[str, ReceiverTransport] = {}
         self.plain_copies = plain_copies  # see the module doc
+        # tensor -> [parameter, patterns] where the loader copies it verbatim (module doc);
+        # None: replayed buckets go through the loader
+        self.placed: dict[str, list] | None = None
         self._params: dict[str, torch.nn.Parameter] | None = None
+        self._where: dict[int, str] | None = None  # id(parameter) -> its name
         self._plain: dict[str, torch.nn.Parameter | None] = {}  # tensor -> parameter
         self._replayed: tuple[int, list] | None = None  # (bucket, views) `receive` replayed
         # bucket index -> (its replayed views, big copies [(dst, src)], small copies
@@ -104,53 +122,126 @@ class BucketLoader:
         return views
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Into the live parameters: plain copies together, the rest through the engine's
-        loaders (module doc)."""
-        if not self.plain_copies:
+        """Into the live parameters: plain (and, replayed, placed) copies together, the rest
+        through the engine's loaders (module doc)."""
+        replayed = self._replayed if self._replayed and self._replayed[1] is named_tensors else None
+        if not self.plain_copies and not (replayed and self.placed):
             self.load_fn(iter(named_tensors))
             return
-        replayed = self._replayed if self._replayed and self._replayed[1] is named_tensors else None
         lists = self._copy_lists.get(replayed[0]) if replayed else None
         if lists is not None and (
-            lists[0] is not named_tensors or list(map(_data_ptr, lists[4])) != lists[5]
+            lists[0] is not named_tensors
+            or not all(map(operator.is_, map(dict.get, lists[6], lists[7]), lists[4]))
+            or list(map(_data_ptr, lists[4])) != lists[5]
         ):
-            lists = None  # new views, or a parameter's memory moved
+            lists = None  # new views, a parameter replaced, or a parameter's memory moved
         if lists is None:
-            big, params, srcs, rest, plain = self._split(named_tensors)
+            plain, rest, targets = self._split(named_tensors, placed=replayed is not None)
             if replayed and plain and plain[0][1].is_cuda:  # kept while replayed: coalesce
-                targets = [p for p, _ in plain]
                 big, small = coalesce(plain)
                 if copies.GRAPHS:  # the copies captured once, then one launch per load
                     big, small = [(capture(big, small, plain[0][1].device), None)], []
-                lists = (named_tensors, big, small, rest, targets, list(map(_data_ptr, targets)))
-                self._copy_lists[replayed[0]] = lists
             else:
-                big = [(param.data, tensor) for param, tensor in big]
-                lists = (named_tensors, big, [([p.data for p in params], srcs)], rest)
-                if replayed:
-                    targets = [p for p, _ in plain]
-                    self._copy_lists[replayed[0]] = (*lists, targets, list(map(_data_ptr, targets)))
+                big = [(dst, src) for dst, src in plain if _nbytes(src) >= copies.ONE_COPY_BYTES]
+                small_pairs = [
+                    (dst, src) for dst, src in plain if _nbytes(src) < copies.ONE_COPY_BYTES
+                ]
+                small = [([d for d, _ in small_pairs], [s for _, s in small_pairs])]
+            lists = (named_tensors, big, small, rest)
+            if replayed:
+                homes = self._homes(targets)
+                self._copy_lists[replayed[0]] = (
+                    *lists,
+                    targets,
+                    list(map(_data_ptr, targets)),
+                    *homes,
+                )
         _, big, small, rest = lists[:4]
         issue(big, small)
         if rest:
             self.load_fn(iter(rest))
 
-    def _split(self, named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[list, ...]:
-        """(big plain copies, small plain copies' parameters, their sources, the rest, every
-        plain copy as (parameter, source) in bucket order)."""
-        big, params, srcs, rest, plain = [], [], [], [], []
+    def _split(
+        self, named_tensors: list[tuple[str, torch.Tensor]], *, placed: bool
+    ) -> tuple[list, list, list]:
+        """(plain copies [(destination, source)] in bucket order, the rest [(name, tensor)],
+        the parameters the copies write). `placed`: a replayed bucket, whose tensors with a
+        placement are copied along it."""
+        plain, rest, targets = [], [], []
         for name, tensor in named_tensors:
-            param = self._plain_target(name, tensor)
-            if param is None:
+            param = self._plain_target(name, tensor) if self.plain_copies else None
+            if param is not None:
+                plain.append((param.data, tensor))
+                targets.append(param)
+                continue
+            pairs = self._placed_copies(name, tensor) if placed else None
+            if pairs is None:
                 rest.append((name, tensor))
                 continue
-            plain.append((param, tensor))
-            if tensor.numel() * tensor.element_size() >= copies.ONE_COPY_BYTES:
-                big.append((param, tensor))
-            else:
-                params.append(param)
-                srcs.append(tensor)
-        return big, params, srcs, rest, plain
+            plain.extend(pairs[1])
+            targets.append(pairs[0])
+        return plain, rest, targets
+
+    def _placed_copies(
+        self, name: str, tensor: torch.Tensor
+    ) -> tuple[torch.nn.Parameter, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """(parameter, [(destination view, source view)]) that put `tensor` where the engine's
+        loader put it (`placed`), or None: no placement, or one that no longer fits."""
+        entry = self.placed.get(name) if self.placed else None
+        if entry is None or not 0 < len(entry[1]) <= PLACED_PATTERNS:
+            return None
+        param = self._param(entry[0])
+        if (
+            param is None
+            or param.dtype != tensor.dtype
+            or param.device != tensor.device
+            or not param.data.is_contiguous()
+            or not tensor.is_contiguous()
+        ):
+            return None
+        dst_flat, src_flat = param.data.reshape(-1), tensor.reshape(-1)
+        pairs = []
+        for pattern in entry[1]:
+            start, source, length, count, dst_stride, src_stride = pattern
+            if (
+                start + (count - 1) * dst_stride + length > dst_flat.numel()
+                or source + (count - 1) * src_stride + length > src_flat.numel()
+            ):
+                return None
+            dst = pattern_view(dst_flat, pattern, dst=True)
+            src = pattern_view(src_flat, pattern)
+            if count == 1:
+                dst, src = dst.reshape(-1), src.reshape(-1)
+            pairs.append((dst, src))
+        return param, pairs
+
+    def _param(self, name: str) -> torch.nn.Parameter | None:
+        """The parameter registered as `name` now (an engine may replace one, e.g. when it
+        re-packs weights after loading)."""
+        if self._params is None or name not in self._params:
+            self._params = dict(self.refit.model.named_parameters())
+        param = self._params.get(name)
+        prefix, _, key = name.rpartition(".")
+        if (
+            param is not None
+            and self.refit.model.get_submodule(prefix)._parameters.get(key) is not param
+        ):
+            self._params = dict(self.refit.model.named_parameters())
+            param = self._params.get(name)
+        return param
+
+    def _homes(self, params: list[torch.nn.Parameter]) -> tuple[list[dict], list[str]]:
+        """Where each of `params` is registered (its module's `_parameters`, its key): a kept
+        copy list is used again only while each is still registered there."""
+        if self._where is None or any(id(p) not in self._where for p in params):
+            model = self.refit.model
+            self._where = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        tables, keys = [], []
+        for param in params:
+            prefix, _, key = self._where.get(id(param), "").rpartition(".")
+            tables.append(self.refit.model.get_submodule(prefix)._parameters if key else {})
+            keys.append(key)
+        return tables, keys
 
     def _plain_target(self, name: str, tensor: torch.Tensor) -> torch.nn.Parameter | None:
         """The parameter `tensor` is copied into whole by a plain loader, or None. Which
@@ -162,9 +253,7 @@ class BucketLoader:
             targets = self.refit.param_of.get(name)
             if targets is None:  # not mapped yet (an engine that learns it while loading)
                 return None
-            if self._params is None:
-                self._params = dict(self.refit.model.named_parameters())
-            param = self._params.get(targets[0]) if len(targets) == 1 else None
+            param = self._param(targets[0]) if len(targets) == 1 else None
             if param is not None and (
                 getattr(param, "weight_loader", None) is not None
                 or self.refit.default_loader is not copy_loader
@@ -197,3 +286,7 @@ class BucketLoader:
 
 
 _data_ptr = torch.Tensor.data_ptr
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -91,8 +91,11 @@ class ModuleWeightReceiver(EngineSession):
             answers_reach_sender=True,
         )
         # load_fn hands each unfused tensor to the parameter of its name: plain copies may be
-        # batched.
+        # batched; a replayed bucket's fused or sliced tensors are copied where the loader put
+        # them (`BucketLoader.placed`: given with `fused`, learned with `sliced`).
         self.receiver.buckets.plain_copies = not fused
+        if sliced:
+            self.receiver.buckets.placed = self.receiver.placements
         self.inbox = PointToPointInbox(self.receiver, name=name)
 
     def check_refit(self, specs: list[dict]) -> dict:
@@ -104,6 +107,7 @@ class ModuleWeightReceiver(EngineSession):
                 if spec.name in self._fused:
                     into, start = self._fused[spec.name]
                     self._given[spec.name] = [into, [[start, 0, spec.numel, 1, 0, 0]]]
+            self.receiver.buckets.placed = self._given
         return answer
 
     def _engine_begin(self, one_copy: bool | list[str]) -> str | None:

@@ -400,7 +400,8 @@ class TrainerSync:
         if self.group.recover():
             self.log.warning("the last sync failed on some rank: the ranks' sync group was rebuilt")
         try:
-            return self._sync(version, verify=verify, engines=engines)
+            with self.source.held():  # the model's tensors looked up once for the sync
+                return self._sync(version, verify=verify, engines=engines)
         except BaseException:
             self.group.failed = True  # the next sync rebuilds the group on every rank
             raise
