@@ -113,3 +113,26 @@ def test_kept_bucket_copies_follow_a_parameter_given_new_memory():
     got = fill()
     assert torch.equal(got["0.weight"], torch.full((8, 8), 7.0))
     assert torch.equal(got["1.bias"], model[1].bias.detach())
+
+
+def test_a_following_rank_plans_the_buckets_again_only_when_the_layout_changed():
+    """Ranks > 0 fill the buckets rank 0 planned at connect: they plan them once, not at every
+    sync (a TensorSpec per tensor and the plan: most of a following rank's CPU at 70k
+    tensors), and again when the model's tensors changed shape."""
+    from types import SimpleNamespace
+
+    from weightsync.trainer.shard_writes import BucketShardWriter
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    source = DTensorV2Source(model)
+    group = SimpleNamespace(rank=1, world_size=2)
+    writer = BucketShardWriter(source, group, bucket_bytes=1 << 20)  # type: ignore[arg-type]
+    first = writer._plans()
+    with torch.no_grad():
+        model[0].weight.add_(1)  # a training step: the same tensors
+    assert writer._plans() is first
+    model[0].weight.data = torch.zeros(5, 8)  # another shape
+    second = writer._plans()
+    assert second is not first
+    assert {m.name: m.shape for p in second for m in p.tensors}["0.weight"] == (5, 8)
+    assert writer._plans() is second

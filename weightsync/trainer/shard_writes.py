@@ -194,6 +194,7 @@ class BucketShardWriter:
         self.before_write: BeforeWrite | None = None
         self._maps: Any = None  # ranks > 0: the shared-memory slots they opened
         self._copies = _CopyLists()
+        self._planned: tuple[Any, list[BucketPlan]] | None = None  # ranks > 0: (layout, plans)
 
     def sender_hook(self, transport: Any) -> Callable[[BucketPlan, int, torch.Tensor], None]:
         """Rank 0: the sender's `write_bucket` for one sync."""
@@ -217,11 +218,21 @@ class BucketShardWriter:
             self._maps = ShmReceiver(max_open=4)
         pieces, walk = _bucket_pieces(self.source, self.group.rank)
         kept = self._copies if walk is not None else None
-        for plan in plan_buckets(self.source.specs(), capacity_bytes=self.bucket_bytes):
+        for plan in self._plans():
             handle = self.group.broadcast()
             buffer = self._maps.receive(handle, plan.nbytes)
             _write_pieces(pieces(plan), plan, buffer, kept, walk)
             self.group.barrier()
+
+    def _plans(self) -> list[BucketPlan]:
+        """The buckets rank 0 sends, planned again only when the model's layout changed
+        (`DTensorV2Source.layout` gives the same list while it has not): rank 0 plans once, at
+        connect, and refuses a sync whose layout differs from that one."""
+        layout = self.source.layout()
+        if self._planned is None or self._planned[0] is not layout:
+            plans = plan_buckets(self.source.specs(), capacity_bytes=self.bucket_bytes)
+            self._planned = (layout, plans)
+        return self._planned[1]
 
     def close(self) -> None:
         self._copies.clear()
