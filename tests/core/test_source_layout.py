@@ -136,3 +136,33 @@ def test_a_following_rank_plans_the_buckets_again_only_when_the_layout_changed()
     assert second is not first
     assert {m.name: m.shape for p in second for m in p.tensors}["0.weight"] == (5, 8)
     assert writer._plans() is second
+
+
+def test_an_fsdp2_model_s_layout_has_each_dtensor_s_global_shape_and_follows_a_new_one():
+    """A DTensor's shape is read from its spec (`_shapes`, not `.shape`, ~3 us a tensor): the
+    layout still gives every parameter's global shape, and a parameter FSDP2 holds replaced by
+    one of another shape shows in the next layout."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from tests.conftest import free_port
+    from weightsync.trainer.process_group import (
+        close_trainer_group,
+        init_trainer_group,
+        shard_model,
+    )
+
+    init_trainer_group(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
+    try:
+        model = shard_model(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)))
+        weight = model[0].weight
+        assert type(weight) is DTensor
+        source = DTensorV2Source(model)
+        assert _shapes(source) == {n: tuple(p.shape) for n, p in model.named_parameters()}
+        first = source.layout()
+        model[0].weight = nn.Parameter(
+            distribute_tensor(torch.zeros(9, 4), weight.device_mesh, weight.placements)
+        )
+        assert _shapes(source)["0.weight"] == (9, 4)
+        assert source.layout() is not first
+    finally:
+        close_trainer_group()

@@ -43,7 +43,18 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-_shape = operator.attrgetter("shape")  # a DTensor's is the global one
+def _shapes(tensors: list[torch.Tensor]) -> list[torch.Size]:
+    """Every tensor's global shape. A DTensor's is read from its spec (~0.1 us), not through
+    `.shape` (~3 us: its sizes go through Python dispatch; 0.2 s a sync at 70k tensors). The
+    spec is what a gather makes and what FSDP2 keeps; `param.data = x` on a DTensor leaves its
+    spec and local tensor as they were (torch's own behaviour), and so does this."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return [t.shape for t in tensors]
+    return [t._spec.shape if type(t) is DTensor else t.shape for t in tensors]
+
+
 _dtype = operator.attrgetter("dtype")
 
 
@@ -330,7 +341,7 @@ class DTensorV2Source:
         time while the same tensors have the same shapes and dtypes: ~0.2 us a tensor)."""
         native = self._native()
         tensors = list(native.values())
-        shapes = list(map(_shape, tensors))
+        shapes = _shapes(tensors)
         dtypes = list(map(_dtype, tensors))
         if self._layout is not None and self._layout[0] == shapes and self._layout[1] == dtypes:
             if len(self._layout[2]) == len(native):
