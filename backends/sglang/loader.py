@@ -33,7 +33,11 @@ def _receiver(model: Any) -> Any:
     receiver = _receivers.get(id(model))
     if receiver is None:
         receiver = ModelReceiver(
-            model, load_fn=model.load_weights, default_loader=default_weight_loader, name="sglang"
+            model,
+            load_fn=model.load_weights,
+            default_loader=default_weight_loader,
+            name="sglang",
+            placed_replays=True,
         )
         _receivers[id(model)] = receiver
     return receiver

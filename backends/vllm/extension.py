@@ -63,7 +63,11 @@ class WeightsyncWorkerExtension:
             model = self.model_runner.model
             state = self._weightsync = {
                 "receiver": ModelReceiver(
-                    model, load_fn=model.load_weights, default_loader=copy_loader, name="vllm"
+                    model,
+                    load_fn=model.load_weights,
+                    default_loader=copy_loader,
+                    name="vllm",
+                    placed_replays=True,
                 ),
                 "open": False,
                 "gemms": CpuGemms(model, enabled=current_platform.is_cpu()),

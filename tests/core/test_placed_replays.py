@@ -57,7 +57,7 @@ def test_replayed_buckets_into_fused_parameters_call_no_loader_and_land_as_the_l
     sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=64 << 10)
     try:
         sender.add_engine(LocalEndpoint(receiver, name="fused"))
-        counts = []
+        counts, handed = [], []
         for i in range(4):
             with torch.no_grad():
                 for param in trainer.parameters():
@@ -66,12 +66,16 @@ def test_replayed_buckets_into_fused_parameters_call_no_loader_and_land_as_the_l
             report = sender.sync(source.tensors(), version=f"v{i}", verify=True)
             assert report.verify["fused"].verified, report.verify
             counts.append(calls[0] - before)
+            handed.append(report.engines["fused"].loader_tensors)
             _check_landed(trainer, receiver, where)
         # The first sync's loader calls (each fused tensor at least once, where the refit
         # check found it); fewer in the second (the buckets the sender's slots described
         # before replay), none from the third on (every bucket replays).
         assert counts[0] >= fused_tensors and counts[1] < counts[0], counts
         assert counts[2:] == [0, 0], counts
+        # The sync report says so (`EngineSyncReport.loader_tensors`): every tensor handed to
+        # the loader at the first sync, none once every bucket replays.
+        assert handed[0] == len(source.layout()) and handed[2:] == [0, 0], handed
     finally:
         sender.close()
 

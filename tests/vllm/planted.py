@@ -90,7 +90,11 @@ def unplant(worker: Any) -> bool:
 
     model = worker.model_runner.model
     worker._ws_state()["receiver"] = ModelReceiver(
-        model, load_fn=model.load_weights, default_loader=copy_loader, name="vllm"
+        model,
+        load_fn=model.load_weights,
+        default_loader=copy_loader,
+        name="vllm",
+        placed_replays=True,
     )
     return True
 

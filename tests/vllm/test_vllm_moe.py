@@ -127,7 +127,10 @@ def test_an_update_aborted_inside_the_experts_is_rolled_back_and_packed_again(se
 def test_staged_syncs_into_packed_experts_are_verified_and_serve_the_trainers_weights(setup):
     """A trainer with `staged=True`: each sync loads into the staged copy, where the packed
     experts are held in the checkpoint layout, is verified there, and the switch packs them
-    into the served expert parameters; the engine then serves the trainer's weights."""
+    into the served expert parameters; the engine then serves the trainer's weights. From the
+    third sync every bucket replays: the tensors whose placements vLLM's loaders showed (each
+    expert's slice of w13/w2, q/k/v, gate/up) are copied along them into the staged copy,
+    not handed to `load_weights` again (`EngineSyncReport.loader_tensors`)."""
     engine, _, _, model = setup
     staged = launcher.TrainerGroup(
         TRAINER,
@@ -140,12 +143,19 @@ def test_staged_syncs_into_packed_experts_are_verified_and_serve_the_trainers_we
     )
     try:
         staged.call("connect", {"vllm": engine})
-        for step in range(2):
+        handed = []
+        for step in range(3):
             staged.call("train_step", training_batch(10 + step))
             report = staged.call("sync", f"moe-staged-{step}")
             assert report["verify"]["vllm"]["verified"], report["verify"]
             assert report["engines"]["vllm"]["pause_s"] > 0
+            handed.append(report["engines"]["vllm"]["loader_tensors"])
             ray.get(engine.settle.remote(), timeout=300)
             assert_engine_serves_the_trainers_weights(engine, staged, model)
+        # Every tensor through the loader at the first sync; fewer at the second (the buckets
+        # the sender's slots described before replay); none at the third: every tensor of
+        # this model lands verbatim in one parameter.
+        assert handed[0] == len(staged.call("refit_info")) and handed[1] < handed[0], handed
+        assert handed[2] == 0, handed
     finally:
         staged.kill()

@@ -82,6 +82,7 @@ class BucketLoader:
         # bucket index -> (its replayed views, big copies [(dst, src)], small copies
         # [(dsts, srcs)], the rest, the parameters copied into, their data pointers then)
         self._copy_lists: dict[int, tuple] = {}
+        self.loader_tensors = 0  # tensors handed to `load_fn` by `load`, all along
 
     def transport(self, kind: str) -> ReceiverTransport:
         """The receiving transport for handles of `kind`, made on first use."""
@@ -126,6 +127,7 @@ class BucketLoader:
         through the engine's loaders (module doc)."""
         replayed = self._replayed if self._replayed and self._replayed[1] is named_tensors else None
         if not self.plain_copies and not (replayed and self.placed):
+            self.loader_tensors += len(named_tensors)
             self.load_fn(iter(named_tensors))
             return
         lists = self._copy_lists.get(replayed[0]) if replayed else None
@@ -159,6 +161,7 @@ class BucketLoader:
         _, big, small, rest = lists[:4]
         issue(big, small)
         if rest:
+            self.loader_tensors += len(rest)
             self.load_fn(iter(rest))
 
     def _split(

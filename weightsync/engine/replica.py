@@ -53,10 +53,13 @@ class ModelReceiver:
         default_loader: WeightLoader,
         name: str = "engine",
         answers_reach_sender: bool = False,
+        placed_replays: bool = False,
     ) -> None:
         """`answers_reach_sender`: this process's load reports go back to the sender as they
         are (one receiving process per engine): transports may answer with what the sender
-        waits for instead of waiting themselves (weightsync/transports/cuda_ipc.py)."""
+        waits for instead of waiting themselves (weightsync/transports/cuda_ipc.py).
+        `placed_replays`: a replayed bucket's tensors whose placements were learned are copied
+        along them, without the engine's loader (`BucketLoader.placed`)."""
         self.model = model
         self.name = name
         self.load_fn = load_fn
@@ -69,6 +72,8 @@ class ModelReceiver:
         # Trainer tensor -> [parameter, patterns] (`learn_placements`): for verification, and
         # at TP > 1 for the one-copy path's slices
         self.placements: dict[str, list] = {}
+        if placed_replays:
+            self.buckets.placed = self.placements
         self._unplaced: set[str] = set()
         self._writing = False  # a one-copy update is open: trainer ranks write the parameters
         self._prints = ModelPrints(model)
@@ -111,6 +116,7 @@ class ModelReceiver:
         its map. With `keep_previous`, what the bucket overwrites is kept first (once per
         update) for `restore_previous`. Returns the report and the parameters written."""
         start = time.perf_counter()
+        loader_before = self.buckets.loader_tensors
         views = self.receive(descriptor)
         param_of = self.param_of
         self._loaded.add(descriptor.index)
@@ -135,10 +141,12 @@ class ModelReceiver:
             written = {param for name, _ in known for param in param_of[name]}
             for name, tensor in views:
                 if name not in param_of:
+                    self.buckets.loader_tensors += 1
                     param_of[name] = sorted(self.load_fn([(name, tensor)]) or ())
                     written.update(param_of[name])
             if known is views:  # kept while the bucket is replayed (`receive` hands back views)
                 self._mapped[descriptor.index] = (views, param_of, frozenset(written))
+        loader_tensors = self.buckets.loader_tensors - loader_before  # not the dry runs below
         if learn_placements:
             self.learn_placements(views)
         num_tensors = len(views)  # a replayed bucket's descriptor lists none
@@ -149,6 +157,7 @@ class ModelReceiver:
             nbytes=descriptor.nbytes,
             seconds=time.perf_counter() - start,
             released=released,
+            loader_tensors=loader_tensors,
         )
         return report, written
 

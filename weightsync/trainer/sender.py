@@ -135,12 +135,12 @@ class WeightSender:
         """`method(*args)` on engine `name`; its answer as `EngineCalls.wait_all` gives it."""
         return self.calls.call(name, method, *args, timeout_s=timeout_s)
 
-    def _wait_loads(self, calls: list[Call], load_s: dict[str, float]) -> None:
-        """Wait for `load_bucket` calls, adding each engine's loading seconds to `load_s`; the
+    def _wait_loads(self, calls: list[Call], loads: _Loads) -> None:
+        """Wait for `load_bucket` calls, adding each engine's answer to `loads`; the
         transport then orders what comes next after the engines' reads (`released`)."""
         reports: list[LoadReport] = self.calls.wait_all(calls)
         for (name, _, _), report in zip(calls, reports):
-            load_s[name] = load_s.get(name, 0.0) + report.seconds
+            loads.add(name, report)
         if reports and self.transport is not None:
             self.transport.released([report.released for report in reports])
 
@@ -202,7 +202,7 @@ class WeightSender:
         attach = transport.attach if (transport.takes_tensors and write_bucket is None) else None
         in_flight: dict[int, list[Call]] = {}
         sent = SentPrints(self.engines, names, self.verifier.specs) if verify else None
-        load_s: dict[str, float] = {}
+        loads = _Loads()
         start = time.perf_counter()
         begin = (version, False, self.owner, True) if self.staged else (version, False, self.owner)
         self._began(self.calls.call_all("begin", *begin, names=names))
@@ -210,7 +210,7 @@ class WeightSender:
 
             def wait_slot(plan: BucketPlan) -> int:
                 slot = plan.index % num_slots
-                self._wait_loads(in_flight.pop(slot, []), load_s)
+                self._wait_loads(in_flight.pop(slot, []), loads)
                 return slot
 
             def get_buffer(plan: BucketPlan) -> torch.Tensor:
@@ -244,7 +244,7 @@ class WeightSender:
             if peers is not None:
                 peers.filled()
             for slot in list(in_flight):
-                self._wait_loads(in_flight.pop(slot), load_s)
+                self._wait_loads(in_flight.pop(slot), loads)
             checked = None
             if sent:  # stage, verify, then commit: nothing failed is ever adopted
                 staged = dict(zip(names, self.calls.call_all("stage", version, names=names)))
@@ -289,7 +289,12 @@ class WeightSender:
             sync_s=sync_s,
             verify=checked,
             engines={
-                n: EngineSyncReport.of(e, path="buckets", load_s=load_s.get(n, 0.0))
+                n: EngineSyncReport.of(
+                    e,
+                    path="buckets",
+                    load_s=loads.seconds.get(n, 0.0),
+                    loader_tensors=loads.loader_tensors.get(n),
+                )
                 for n, e in zip(names, ends)
             },
         )
@@ -510,3 +515,18 @@ def _attach_each(
             record([meta.name for meta in plan.tensors], bucket)
         yield plan
     check_stream_end(tensors)
+
+
+class _Loads:
+    """Each engine's `load_bucket` answers of one sync, summed: seconds, and the tensors it
+    handed to its own loader (None once an answer did not count them)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.loader_tensors: dict[str, int | None] = {}
+
+    def add(self, name: str, report: LoadReport) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + report.seconds
+        before = self.loader_tensors.get(name, 0)
+        counted = report.loader_tensors
+        self.loader_tensors[name] = None if before is None or counted is None else before + counted

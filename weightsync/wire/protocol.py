@@ -158,6 +158,9 @@ class LoadReport:
     released: dict[str, Any] | None = None
     """What the sender's transport waits for before it writes the bucket's slot again (a
     CUDA event's handle), or None: the engine's reads of the bucket are done."""
+    loader_tensors: int | None = None
+    """How many of its tensors were handed to the engine's loader (the others were copied
+    where the loader put them before: weightsync/engine/loading.py); None: not counted."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -167,16 +170,20 @@ class LoadReport:
         }
         if self.released is not None:
             out["released"] = dict(self.released)
+        if self.loader_tensors is not None:
+            out["loader_tensors"] = self.loader_tensors
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LoadReport:
         released = _get(d, cls, "released", None)
+        loader_tensors = _get(d, cls, "loader_tensors", None)
         return cls(
             num_tensors=int(_get(d, cls, "num_tensors")),
             nbytes=int(_get(d, cls, "nbytes")),
             seconds=float(_get(d, cls, "seconds")),
             released=None if released is None else dict(released),
+            loader_tensors=None if loader_tensors is None else int(loader_tensors),
         )
 
 
@@ -328,6 +335,10 @@ class EngineSyncReport:
     """The version tag the engine serves now, as its `end` reported."""
     load_s: float | None = None
     """Seconds the engine spent loading buckets (the buckets path only)."""
+    loader_tensors: int | None = None
+    """The buckets path: how many tensors the engine handed to its own loader, summed over
+    the buckets (at TP > 1, the first worker's count); the rest were copied where the loader
+    put them at an earlier sync. None where the engine did not count."""
     end_s: float | None = None
     """Seconds its `end` took."""
     session_s: float | None = None
@@ -349,12 +360,20 @@ class EngineSyncReport:
     """A staged sync: `pause_s` in its parts (`EndReport.pause_parts`)."""
 
     @classmethod
-    def of(cls, end: EndReport, *, path: str, load_s: float | None = None) -> EngineSyncReport:
+    def of(
+        cls,
+        end: EndReport,
+        *,
+        path: str,
+        load_s: float | None = None,
+        loader_tensors: int | None = None,
+    ) -> EngineSyncReport:
         probe = end.probe or {}
         return cls(
             path=path,
             weight_version=end.weight_version,
             load_s=load_s,
+            loader_tensors=loader_tensors,
             end_s=end.end_s,
             session_s=end.session_s,
             cache_flushed=end.cache_flushed,
@@ -373,6 +392,7 @@ class EngineSyncReport:
                 {
                     "weight_version": self.weight_version,
                     "load_s": self.load_s,
+                    "loader_tensors": self.loader_tensors,
                     "end_s": self.end_s,
                     "session_s": self.session_s,
                     "cache_flushed": self.cache_flushed,
@@ -396,6 +416,7 @@ class EngineSyncReport:
                 for name in (
                     "weight_version",
                     "load_s",
+                    "loader_tensors",
                     "end_s",
                     "session_s",
                     "cache_flushed",
