@@ -29,6 +29,7 @@ ANSWERS = [
     ShareAnswer(shared=[{"segment": "a"}, {"segment": "b"}]),
     ShareAnswer(shared=None, why="not known yet", retry=True),
     LoadReport(num_tensors=3, nbytes=1024, seconds=0.25),
+    LoadReport(num_tensors=3, nbytes=1024, seconds=0.25, loader_tensors=2),
     EndReport(weight_version="v1"),
     EndReport(
         weight_version="v2",
@@ -51,6 +52,7 @@ ANSWERS = [
                 path="buckets",
                 weight_version="v3",
                 load_s=0.2,
+                loader_tensors=12,
                 end_s=0.01,
                 session_s=0.4,
                 cache_flushed=True,
@@ -226,7 +228,12 @@ def test_sync_report_metrics_are_one_flat_dict_of_plain_scalars():
         sync_s=1.5,
         engines={
             "vllm": EngineSyncReport(
-                path="buckets", load_s=1.0, end_s=0.25, cache_flushed=False, share_s=0.5
+                path="buckets",
+                load_s=1.0,
+                loader_tensors=7,
+                end_s=0.25,
+                cache_flushed=False,
+                share_s=0.5,
             )
         },
     )
@@ -239,6 +246,7 @@ def test_sync_report_metrics_are_one_flat_dict_of_plain_scalars():
         "refit/num_buckets": 3,
         "refit/vllm/one_copy": 0,
         "refit/vllm/load_s": 1.0,
+        "refit/vllm/loader_tensors": 7,
         "refit/vllm/end_s": 0.25,
         "refit/vllm/cache_flushed": 0,
         "refit/vllm/share_s": 0.5,

@@ -637,7 +637,9 @@ class SyncReport:
           writing its shards (the one the write phase waits for).
         - per engine: `<engine>/one_copy`: 1 if its weights took the one-copy path, 0 for
           buckets; `<engine>/load_s` (buckets): seconds it spent loading buckets, summed over
-          them, as the engine measured; `<engine>/end_s`: seconds its `end` took;
+          them, as the engine measured; `<engine>/loader_tensors` (buckets): tensors it handed
+          to its own loader (the rest were copied where that loader put them at an earlier
+          sync; at TP > 1 the first worker's count); `<engine>/end_s`: seconds its `end` took;
           `<engine>/session_s`: seconds from its `begin` to the end of its `end`;
           `<engine>/cache_flushed`: 1 if its prefix cache was reset, else 0;
           `<engine>/share_s`: seconds it took to share its parameters after this sync, outside
@@ -676,6 +678,8 @@ class SyncReport:
         for name, engine in self.engines.items():
             out[f"{prefix}{name}/one_copy"] = int(engine.path == "one_copy")
             _put_seconds(out, f"{prefix}{name}/load_s", engine.load_s)
+            if engine.loader_tensors is not None:
+                out[f"{prefix}{name}/loader_tensors"] = int(engine.loader_tensors)
             _put_seconds(out, f"{prefix}{name}/end_s", engine.end_s)
             _put_seconds(out, f"{prefix}{name}/session_s", engine.session_s)
             if engine.cache_flushed is not None:
