@@ -1,6 +1,7 @@
 """GRPO's pieces that need no engine (weightsync/apps/grpo.py, weightsync/engine/sampling.py): sampling
 options refused before any request, rewards, group advantages, the mismatch measure, one
-policy step on a real tiny model, the demo's exit rule and its output in a log."""
+policy step on a real tiny model (on- and off-policy), the demo's exit rule (on- and off-policy)
+and its output in a log."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from weightsync.apps.grpo import (
     mismatch,
     policy_step,
     reward,
+    version_index,
 )
 from weightsync.engine.sampling import SamplingOptions
 
@@ -192,3 +194,102 @@ def test_the_grpo_table_in_a_log_is_as_wide_as_its_cells_and_follows_a_finished_
     assert cells[-1] == "'weightsync says:'"
     assert "…" not in text
     assert text.endswith("┘\n")
+
+
+def test_an_off_policy_step_weighs_each_token_by_the_learners_over_the_samplers_probability():
+    """A rollout with "behavior" log-probs (of the weights that sampled it) has its loss
+    weighed by exp(learner's - behavior): equal log-probs make the on-policy update; a sampler
+    that was sure of tokens the learner finds unlikely (behavior 0) makes almost none."""
+    from weightsync.apps.grpo import token_logprobs
+    from weightsync.apps.models import build_model
+
+    rollout = {"prompt": [5, 6, 7], "tokens": [70, 71], "advantage": 1.0}
+    torch.manual_seed(0)
+    start = build_model("qwen2").state_dict()
+    with torch.no_grad():
+        model = build_model("qwen2")
+        model.load_state_dict(start)
+        own = token_logprobs(model, [rollout], temperature=1.0)[0].tolist()
+    moved = {}
+    for name, extra in (("on", {}), ("same", {"behavior": own}), ("sure", {"behavior": [0, 0]})):
+        model = build_model("qwen2")
+        model.load_state_dict(start)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-1)
+        policy_step(model, optimizer, [{**rollout, **extra}], num_updates=1)
+        moved[name] = torch.cat(
+            [(p.detach() - start[k]).flatten() for k, p in model.named_parameters()]
+        )
+    assert moved["on"].abs().sum() > 0
+    torch.testing.assert_close(moved["same"], moved["on"], rtol=1e-4, atol=1e-7)
+    # The learner's log-probs here are about -5.5 a token: a weight of about 4e-3.
+    assert moved["sure"].abs().sum() < 0.02 * moved["on"].abs().sum()
+
+
+def test_version_index_reads_the_demos_versions_and_refuses_others():
+    assert version_index("step-12") == 12
+    with pytest.raises(ValueError, match="weight version 'v3': expected 'step-N'"):
+        version_index("v3")
+
+
+def _off_policy_step(step: int, lags: list[int], *, mean_abs=2.5e-7, stale=0.3) -> dict:
+    """An off-policy step record as `GrpoLoop.step` makes it, for one engine."""
+    record = _step(step, 0.1)
+    versions = sorted({f"step-{step - 1 - g}" for g in lags})
+    allowed = [f"step-{step - 1}"] + ([f"step-{step - 2}"] if step >= 2 else [])
+    record["engines"] = {
+        "vllm": {
+            **record["engines"]["vllm"],
+            "versions": versions,
+            "lags": lags,
+            "allowed_versions": allowed,
+            "expected_version": allowed[0],
+            "on_version": set(versions) <= set(allowed),
+            "mean_abs": mean_abs if 0 in lags else None,
+            "kl": 1e-13 if 0 in lags else None,
+            "stale_mean_abs": stale if 1 in lags else None,
+            "verified": None if step == 1 else True,
+            "pause_s": None if step == 1 else 0.012,
+        }
+    }
+    return record
+
+
+def test_an_off_policy_run_passes_with_rollouts_one_version_behind_and_fails_on_a_wrong_tag():
+    steps = [_off_policy_step(1, [0] * 16)] + [
+        _off_policy_step(s, [1] * 8 + [0] * 8) for s in range(2, 5)
+    ]
+    judge = Verdict(max_mean_abs=1e-5).judge
+    assert judge(steps, start_verified={"vllm": True}, end_verified={"vllm": True}).ok
+    # Two versions behind is not allowed; nor a failed last sync.
+    steps[2] = _off_policy_step(3, [2] * 16)
+    failures = judge(steps, start_verified={}, end_verified={"vllm": False}).failures
+    assert failures == [
+        "vllm: the last sync (after step 4) did not verify",
+        "step 3: vllm sampled with versions ['step-0'], expected 'step-2' or 'step-1'",
+    ]
+    # Rollouts tagged one version behind that match the learner's weights: the tag lies.
+    steps[2] = _off_policy_step(3, [1] * 16, stale=3e-7)
+    assert judge(steps, start_verified={}).failures == [
+        "step 3: vllm's rollouts tagged one version behind match the learner's weights "
+        "(mean |log-prob delta| 3.00e-07 < bound 1e-05): their version tag is wrong"
+    ]
+
+
+def test_the_off_policy_table_shows_each_engines_lags_and_switch_pause(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    out = io.StringIO()
+    table = grpo_table(["vllm"], off_policy=True)
+    table.add_row(*grpo_cells(_off_policy_step(1, [0] * 16)))
+    table.add_row(*grpo_cells(_off_policy_step(2, [1] * 8 + [0] * 8)))
+    table.add_row(*grpo_cells(_off_policy_step(3, [1] * 16)))
+    Console(file=out, width=200).print(table)
+    rows = [
+        [c.strip() for c in line.strip("│").split("│")]
+        for line in out.getvalue().splitlines()
+        if line.startswith("│ ")
+    ]
+    assert [r[:8] for r in rows[-3:]] == [
+        ["1", "0.100", "2.5e-07", "1.0e-13", "step-0", "0:16", "-", "yes"],
+        ["2", "0.100", "2.5e-07", "1.0e-13", "step-0,step-1", "0:8 1:8", "12.0", "yes"],
+        ["3", "0.100", "-", "-", "step-1", "1:16", "12.0", "yes"],
+    ]

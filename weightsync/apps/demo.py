@@ -60,6 +60,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model-size", default="tiny", help="tiny, small, base or medium")
     p.add_argument("--group-size", type=int, default=8, help="grpo: samples per prompt")
     p.add_argument("--seed", type=int, default=0, help="grpo: model and sampling seed")
+    p.add_argument(
+        "--off-policy",
+        action="store_true",
+        help="grpo: keep sampling while the engines sync (staged syncs; each step samples "
+        "while the last step's weights load), report every rollout's version lag",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument(
         "--plot",
@@ -233,11 +239,13 @@ class LiveView:
             self.console.line()
 
 
-def grpo_table(engines: list[str]) -> Table:
-    """The GRPO demo's table, one row per step (`grpo_cells`)."""
+def grpo_table(engines: list[str], *, off_policy: bool = False) -> Table:
+    """The GRPO demo's table, one row per step (`grpo_cells`); off-policy adds each engine's
+    rollouts per version lag and the pause of its switch."""
+    extra = ("lags", "pause ms") if off_policy else ()
     return Table(
         "step",
-        *[c for n in engines for c in (f"{n} reward", "|dlogp|", "KL", "version", "ok")],
+        *[c for n in engines for c in (f"{n} reward", "|dlogp|", "KL", "version", *extra, "ok")],
         "rollout s",
         "train s",
         "sync s",
@@ -245,9 +253,21 @@ def grpo_table(engines: list[str]) -> Table:
     )
 
 
+def _number(value: float | None, spec: str = ".1e", scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
 def grpo_cells(row: dict[str, Any]) -> list[str]:
     """One step's record (`GrpoLoop.step`) as a row of `grpo_table`."""
     es = row["engines"]
+
+    def extra(e: dict[str, Any]) -> tuple[str, ...]:
+        if "lags" not in e:
+            return ()
+        lags = e["lags"] or []
+        counts = " ".join(f"{g}:{lags.count(g)}" for g in sorted(set(lags)))
+        return (counts or "-", _number(e.get("pause_s"), ".1f", 1e3))
+
     return [
         str(row["step"]),
         *[
@@ -255,10 +275,11 @@ def grpo_cells(row: dict[str, Any]) -> list[str]:
             for e in es.values()
             for c in (
                 f"{e['reward']:.3f}",
-                f"{e['mean_abs']:.1e}",
-                f"{e['kl']:.1e}",
+                _number(e["mean_abs"]),
+                _number(e["kl"]),
                 ",".join(e["versions"]),
-                "yes" if e["verified"] and e["on_version"] else "NO",
+                *extra(e),
+                "yes" if e["verified"] is not False and e["on_version"] else "NO",
             )
         ],
         f"{row['rollout_s']:.2f}",
@@ -282,7 +303,10 @@ def _run_grpo(args: argparse.Namespace) -> int:
         )
     # Bad options (steps, group size, sampling) fail here, before any engine starts.
     config = GrpoConfig(
-        steps=24 if args.steps is None else args.steps, group_size=args.group_size, seed=args.seed
+        steps=24 if args.steps is None else args.steps,
+        group_size=args.group_size,
+        seed=args.seed,
+        off_policy=args.off_policy,
     )
     log = logging.getLogger("weightsync.apps.demo")
     for name in engines:
@@ -306,6 +330,8 @@ def _run_grpo(args: argparse.Namespace) -> int:
         model_path=model,
         lr=GRPO_LR,
         seed=args.seed,
+        # Off-policy: engines serve the old weights while the next ones load (SyncOptions).
+        staged=config.off_policy,
     )
     _wait_for_engines(handles)
     trainer.call("connect", handles)
@@ -318,7 +344,7 @@ def _run_grpo(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     first = loop.start()
-    table = grpo_table(engines)
+    table = grpo_table(engines, off_policy=config.off_policy)
     view = LiveView(table, show=not args.json)
     steps: list[dict[str, Any]] = []
     for step in range(1, config.steps + 1):
@@ -326,10 +352,13 @@ def _run_grpo(args: argparse.Namespace) -> int:
         steps.append(row)
         table.add_row(*grpo_cells(row))
         view.refresh()
+    last = loop.finish()
     loop_s = time.perf_counter() - started
     view.close()
     verdict = Verdict(max_mean_abs=MISMATCH_BOUND[args.arch]).judge(
-        steps, start_verified=first["verified"]
+        steps,
+        start_verified=first["verified"],
+        end_verified=None if last is None else last["verified"],
     )
     summary = {
         "ok": verdict.ok,
@@ -339,7 +368,9 @@ def _run_grpo(args: argparse.Namespace) -> int:
         "engines": engines,
         "loop_s": loop_s,
         "mismatch_bound": verdict.max_mean_abs,
+        "off_policy": config.off_policy,
         "first_sync": first,
+        "last_sync": last,
         "phases": _phases(steps),
         "steps": steps,
     }
@@ -349,33 +380,54 @@ def _run_grpo(args: argparse.Namespace) -> int:
     else:
         for name in engines:
             rewards = [s["engines"][name]["reward"] for s in steps]
-            worst = max(s["engines"][name]["mean_abs"] for s in steps)
-            print(
+            gaps = [gap for s in steps if (gap := s["engines"][name]["mean_abs"]) is not None]
+            line = (
                 f"{name}: mean reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; worst mean "
-                f"|dlogp| {worst:.1e} (bound {verdict.max_mean_abs:.0e})"
+                f"|dlogp| {_number(max(gaps, default=None))} (bound {verdict.max_mean_abs:.0e})"
             )
+            if config.off_policy:
+                lags = [g for s in steps for g in s["engines"][name]["lags"] or []]
+                pauses = [p for s in steps if (p := s["engines"][name].get("pause_s")) is not None]
+                line += (
+                    "; rollouts by version lag: "
+                    + ", ".join(f"{g}: {lags.count(g)}" for g in sorted(set(lags)))
+                    + f"; switch pause max {_number(max(pauses, default=None), '.1f', 1e3)} ms"
+                )
+            print(line)
         phases = summary["phases"]
+        parts = ("rollout", "train", "sync_wait" if config.off_policy else "sync")
         print(
             f"{config.steps} steps in {loop_s:.1f} s; a step after the first (median s, "
             f"share): "
             + ", ".join(
-                f"{k} {phases[k + '_s']:.3f} ({phases[k + '_share']:.0%})"
-                for k in ("rollout", "train", "sync")
+                f"{k.replace('_', ' ')} {phases[k + '_s']:.3f} ({phases[k + '_share']:.0%})"
+                for k in parts
+            )
+            + (
+                f" (the sync itself {phases['sync_s']:.3f}, run while the engines sampled)"
+                if config.off_policy
+                else ""
             )
         )
         if not verdict.ok:
             print("FAILED: " + "; ".join(verdict.failures))
-        elif verdict.learning_judged:
-            print(
-                "every sync verified, every rollout came from the version just synced, the "
-                "reward rose and the mismatch stayed in bound"
-            )
         else:
-            print(
-                "every sync verified, every rollout came from the version just synced and the "
-                f"mismatch stayed in bound (the reward is judged from {LEARNING_MIN_STEPS} "
-                f"steps on; this run had {len(steps)})"
+            came_from = (
+                "the version synced last or the one before"
+                if config.off_policy
+                else "the version just synced"
             )
+            if verdict.learning_judged:
+                print(
+                    f"every sync verified, every rollout came from {came_from}, the reward "
+                    "rose and the mismatch stayed in bound"
+                )
+            else:
+                print(
+                    f"every sync verified, every rollout came from {came_from} and the "
+                    f"mismatch stayed in bound (the reward is judged from "
+                    f"{LEARNING_MIN_STEPS} steps on; this run had {len(steps)})"
+                )
     if args.plot:
         _plot_grpo(steps, args.plot, bound=verdict.max_mean_abs)
     _shutdown(handles)
@@ -385,14 +437,17 @@ def _run_grpo(args: argparse.Namespace) -> int:
 def _phases(steps: list[dict[str, Any]]) -> dict[str, float]:
     """Median seconds of rollout, train and sync over the steps after the first (which includes
     one-time work: the first one-copy sync, first engine batches), and each one's share of their
-    sum."""
+    sum. Off-policy steps sync while they sample: their third part is the wait for the sync
+    once the rollouts are in ("sync_wait"), and "sync_s" is the sync's median, not a share."""
     later = steps[1:] or steps
+    off_policy = "sync_wait_s" in later[0]
+    parts = ("rollout", "train", "sync_wait" if off_policy else "sync")
     out = {}
-    for key in ("rollout", "train", "sync"):
+    for key in {*parts, "sync"}:
         values = sorted(s[f"{key}_s"] for s in later)
         out[f"{key}_s"] = values[len(values) // 2]
-    total = sum(out.values())
-    out.update({f"{key}_share": out[f"{key}_s"] / total for key in ("rollout", "train", "sync")})
+    total = sum(out[f"{key}_s"] for key in parts)
+    out.update({f"{key}_share": out[f"{key}_s"] / total for key in parts})
     return out
 
 
@@ -418,15 +473,16 @@ def _plot_grpo(steps: list[dict[str, Any]], path: str, *, bound: float) -> None:
     xs = [s["step"] for s in steps]
     for name in steps[0]["engines"]:
         ax_reward.plot(xs, [s["engines"][name]["reward"] for s in steps], marker="o", label=name)
+        # Off-policy steps whose rollouts were all one version behind have no mismatch: gaps.
         ax_gap.plot(
             xs,
-            [s["engines"][name]["mean_abs"] for s in steps],
+            [s["engines"][name]["mean_abs"] or float("nan") for s in steps],
             marker="o",
             label=f"{name} mean |dlogp|",
         )
         ax_gap.plot(
             xs,
-            [max(s["engines"][name]["kl"], 1e-18) for s in steps],
+            [max(s["engines"][name]["kl"] or float("nan"), 1e-18) for s in steps],
             marker="x",
             linestyle=":",
             label=f"{name} KL (k3)",

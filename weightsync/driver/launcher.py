@@ -420,6 +420,26 @@ class EnvProbe:
         return out
 
 
+class GroupCall:
+    """A method running on every rank of a `TrainerGroup` (`TrainerGroup.submit`)."""
+
+    def __init__(self, refs: list[Any], *, timeout_s: float) -> None:
+        self.refs = refs
+        self.timeout_s = timeout_s
+
+    def done(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self) -> Any:
+        """Rank 0's answer, once every rank answered; a rank's error raises here."""
+        import ray
+
+        return ray.get(self.refs, timeout=self.timeout_s)[0]
+
+
 class TrainerGroup:
     """`world_size` trainer-rank actors of one class, started together in one env.
 
@@ -469,10 +489,13 @@ class TrainerGroup:
         ]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        import ray
+        return self.submit(method, *args, **kwargs).result()
 
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> GroupCall:
+        """`call` without waiting: the method starts on every rank now; `.result()` waits for
+        all of them and returns rank 0's answer (the driver samples meanwhile, for example)."""
         refs = [getattr(r, method).remote(*args, **kwargs) for r in self.ranks]
-        return ray.get(refs, timeout=self.timeout_s)[0]
+        return GroupCall(refs, timeout_s=self.timeout_s)
 
     def sync(
         self,
