@@ -197,3 +197,41 @@ def test_two_sliced_workers_are_each_verified_against_what_they_hold():
         assert checked["tp1"].mismatched == ["worker 0: w2"]
     finally:
         sender.close()
+
+
+def test_expected_prints_from_the_sent_fingerprints_alone_equal_those_from_the_elements():
+    """`prints_from_sent` (every verified sync, every tensor: no per-tensor call) gives what
+    `WorkerPrints` computes from the tensors' elements, for tensors of 1-, 2- and 4-byte dtypes
+    placed whole at offsets of fused parameters and alone in their own; None as soon as one
+    tensor is placed otherwise, or was not sent."""
+    from weightsync.wire.placement import prints_from_sent
+    from weightsync.wire.specs import TensorSpec
+
+    gen = torch.Generator().manual_seed(0)
+    tensors, placements = {}, {}
+    for layer in range(3):
+        # (name, dtype, shape, parameter, element offset in it)
+        for part, dtype, shape, param, at in [
+            ("q", torch.float32, (4, 8), "qkv", 0),
+            ("k", torch.float32, (2, 8), "qkv", 32),
+            ("v", torch.float32, (2, 8), "qkv", 48),
+            ("gate", torch.bfloat16, (3, 8), "gate_up", 0),
+            ("up", torch.bfloat16, (3, 8), "gate_up", 24),
+            ("norm", torch.int8, (16,), "norm", 0),
+        ]:
+            name = f"l{layer}.{part}"
+            tensor = torch.randn(shape, generator=gen) * 20
+            tensors[name] = tensor.to(dtype)
+            placements[name] = [f"l{layer}.{param}", [[at, 0, tensor.numel(), 1, 0, 0]]]
+    specs = {
+        n: TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
+        for n, t in tensors.items()
+    }
+    sent = {n: list(fingerprint(t)) for n, t in tensors.items()}  # as plain data carries them
+    got = prints_from_sent(placements, sent, specs)
+    assert got is not None and len(got) == 3 * 3
+    assert got == expected_worker_fingerprints(tensors, placements)
+    sliced = {**placements, "l1.k": ["l1.qkv", [[32, 8, 8, 1, 0, 0]]]}
+    assert prints_from_sent(sliced, sent, specs) is None
+    del sent["l2.norm"]
+    assert prints_from_sent(placements, sent, specs) is None
