@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from weightsync.engine.one_copy.segment import SharedParameters, probe_destinations
-from weightsync.trainer.one_copy.targets import OneCopyTarget
+from weightsync.trainer.one_copy.targets import CheckedCopiesCPU, OneCopyTarget
 from weightsync.trainer.one_copy.writer import WritePlan
 from weightsync.trainer.source import DTensorV2Source, ShardPieces
 from weightsync.wire.specs import TensorSpec, dtype_to_str
@@ -120,6 +120,7 @@ _CUDA = pytest.mark.gpu
     "device,verify",
     [
         ("cpu", False),
+        ("cpu", True),
         pytest.param("cuda", False, marks=_CUDA),
         pytest.param("cuda", True, marks=_CUDA),
     ],
@@ -129,7 +130,7 @@ def test_a_writer_copies_first_and_writes_again_when_the_plan_no_longer_holds(
 ):
     """After the first planned write the writer issues the plan's copies before checking it
     (on a GPU the check runs under the copies; verified writes there issue the plan's
-    copy-and-read-back kernels the same way): a model whose parameter was replaced since gets
+    copy-and-read-back kernels the same way, on the CPU its batches read back in cache): a model whose parameter was replaced since gets
     its stale copy overwritten by a new plan's before the write returns, and its bytes are
     counted once. (On the GPU the engine's CUDA storages are handed to the writer in-process:
     a process cannot open its own CUDA IPC exports.)"""
@@ -158,7 +159,7 @@ def test_a_writer_copies_first_and_writes_again_when_the_plan_no_longer_holds(
     try:
         assert writer.write(msg, verify=verify) == done
         first = writer.plan
-        assert first.checks == (device == "cuda")
+        assert first.checks  # verified writes go through the plan on both
         again = {"one_copy": ["e"], "new": {}}
         with torch.no_grad():
             model.inner.a.mul_(-2)
@@ -178,3 +179,65 @@ def test_a_writer_copies_first_and_writes_again_when_the_plan_no_longer_holds(
     finally:
         writer.close()
         shared.close()
+
+
+def test_checked_cpu_copies_copy_every_pair_and_name_exactly_those_that_read_back_wrong(
+    monkeypatch,
+):
+    """A verified one-copy write on the CPU (`CheckedCopiesCPU`): pairs batched by up to
+    BATCH_BYTES (one larger than a batch alone), a strided destination and a dtype changed on
+    the way copied alone; every byte lands, and a copy that lost a bit is named by its index,
+    in a batch or alone, and no other is."""
+    monkeypatch.setattr(CheckedCopiesCPU, "BATCH_BYTES", 4096)
+    gen = torch.Generator().manual_seed(0)
+    segment = torch.zeros(1 << 16, dtype=torch.uint8)
+    pairs, at = [], 0
+    for numel in [10, 300, 1, 2000, 64, 9]:  # float32: 2000 elements are 8000 bytes
+        src = torch.randn(numel, generator=gen)
+        pairs.append((segment[at : at + 4 * numel].view(torch.float32), src))
+        at += 4 * numel
+    strided = segment[at : at + 4 * 64].view(torch.float32).view(8, 8).t()
+    pairs.append((strided, torch.randn(8, 8, generator=gen)))
+    at += 4 * 64
+    pairs.append((segment[at : at + 2 * 50].view(torch.bfloat16), torch.randn(50, generator=gen)))
+    checked = CheckedCopiesCPU(pairs)
+    assert len(checked.alone) == 2 and sum(len(b[0]) for b in checked.batches) == 6
+    assert len(checked.batches) >= 3  # 4 KiB batches: the 8000-byte copy is one of its own
+    checked.launch()
+    assert checked.differing() == []
+    for dst, src in pairs:
+        assert torch.equal(dst, src.to(dst.dtype))
+    # Lose a bit in pair 1 (inside a batch of several) and in pair 6 (copied alone).
+    original_foreach, original_copy = torch._foreach_copy_, torch.Tensor.copy_
+
+    def lossy_foreach(dsts, srcs):
+        original_foreach(dsts, srcs)
+        for d in dsts:
+            if d.data_ptr() == pairs[1][0].data_ptr():
+                d.view(torch.uint8)[5] ^= 1
+
+    def lossy_copy(self, src, *args, **kwargs):
+        out = original_copy(self, src, *args, **kwargs)
+        if self.data_ptr() == pairs[6][0].data_ptr():
+            self[(0,) * self.dim()] += 1
+        return out
+
+    monkeypatch.setattr(torch, "_foreach_copy_", lossy_foreach)
+    monkeypatch.setattr(torch.Tensor, "copy_", lossy_copy)
+    checked.launch()
+    assert checked.differing() == [1, 6]
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_bytes_compared_as_words_catch_a_change_in_any_byte(start):
+    from weightsync.trainer.one_copy.targets import _same_bytes
+
+    for n in [1, 7, 8, 9, 16, 21]:
+        a = torch.randint(0, 256, (n + start,), dtype=torch.uint8)[start:]
+        b = torch.zeros(n + 8, dtype=torch.uint8)[8 - start : 8 - start + n]
+        b.copy_(a)
+        assert _same_bytes(a, b)
+        for i in range(n):
+            b[i] ^= 4
+            assert not _same_bytes(a, b), (n, i)
+            b[i] ^= 4

@@ -12,7 +12,8 @@ destinations both lie back to back and replayed as one CUDA graph, the small cop
 kernel can take as one launch of it (weightsync/gpu/kernel.py `Copies`). Tensors gathered per sync
 (tensor-parallel ones: a collective, on every rank in the same order) are cut each sync as
 without a plan. A verified sync on a GPU runs the same copies as one fused copy-and-read-back
-kernel per device (weightsync/gpu/kernel.py); on the CPU it goes piece by piece.
+kernel per device (weightsync/gpu/kernel.py); on the CPU in batches, each read back and compared
+while in cache (weightsync/trainer/one_copy/targets.py `CheckedCopiesCPU`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from weightsync.gpu import copies, kernel
 from weightsync.gpu.copies import capture, coalesce, issue
-from weightsync.trainer.one_copy.targets import OneCopyTarget
+from weightsync.trainer.one_copy.targets import CheckedCopiesCPU, OneCopyTarget
 from weightsync.trainer.shard_writes import BeforeWrite
 from weightsync.trainer.source import DTensorV2Source, ShardPieces
 from weightsync.trainer.sync_group import SyncGroup
@@ -78,7 +79,7 @@ class WritePlan:
         self.names: list[str] = []  # each copy's trainer tensor
         self.each_sync: list[tuple[str, dict, str]] = []  # native tensors cut every sync
         self.copies: list[tuple[list, list]] = []  # the copies, batched (`_batched`)
-        self._checked: list[tuple[kernel.CheckedCopies, list[str]]] | None = None
+        self._checked: list[tuple[Any, list[str]]] | None = None
         self.count = 0  # pieces copied through the plan
         self.nbytes = [0] * len(targets)  # bytes copied into each target
 
@@ -184,10 +185,12 @@ class WritePlan:
 
     @property
     def checks(self) -> bool:
-        """Whether `write(verify=True)` can verify through the plan (GPU targets, Triton)."""
-        return self.on_gpu and kernel.available()
+        """Whether `write(verify=True)` can verify through the plan: CPU targets (batches
+        read back in cache, `targets.CheckedCopiesCPU`), GPU targets where Triton runs (one
+        fused copy-and-read-back kernel)."""
+        return not self.on_gpu or kernel.available()
 
-    def _verified_copies(self) -> list[tuple[kernel.CheckedCopies, list[str]]]:
+    def _verified_copies(self) -> list[tuple[Any, list[str]]]:
         if self._checked is None:
             by_device: dict[torch.device, tuple[list, list]] = {}
             for dst, src, name in zip(self.dsts, self.srcs, self.names):
@@ -195,7 +198,12 @@ class WritePlan:
                 pairs.append((dst, src))
                 names.append(name)
             self._checked = [
-                (kernel.CheckedCopies(pairs, device), names)
+                (
+                    CheckedCopiesCPU(pairs)
+                    if device.type == "cpu"
+                    else kernel.CheckedCopies(pairs, device),
+                    names,
+                )
                 for device, (pairs, names) in by_device.items()
             ]
         return self._checked
@@ -289,17 +297,13 @@ class OneCopyWriter:
         # Without autograd a DTensor's to_local() is its local tensor, not an autograd call:
         # ~5 us less per tensor, which counts with thousands of them (MoE experts).
         with torch.no_grad():
-            # Verified writes go through the plan only on GPUs (one fused copy-and-read-back
-            # kernel, weightsync/gpu/kernel.py); on the CPU piece by piece, read back in cache.
+            # Verified writes go through the plan too: on GPUs one fused copy-and-read-back
+            # kernel (weightsync/gpu/kernel.py), on the CPU batches read back in cache.
             plan = None
             if hook is None and targets and self._replays(targets, verify=verify):
                 pieces, mismatched = self._write_then_check(targets, verify=verify)
             else:
-                if (
-                    hook is None
-                    and targets
-                    and (not verify or all(t.device is not None for t in targets))
-                ):
+                if hook is None and targets:
                     plan = self._planned(targets)
                 if plan is None or (verify and not plan.checks):
                     pieces, mismatched = self._write_each(targets, hook, verify=verify)
