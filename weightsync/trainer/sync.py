@@ -120,8 +120,8 @@ class SyncOptions:
     switched in on every engine at once, each in one short pause (`SyncReport.engines[name]
     .pause_s`, `SyncReport.switch_skew_s`); a sync that fails before the switch leaves every
     engine serving what it served. Costs one more copy of each engine's parameters. Goes by
-    buckets (the one-copy and point-to-point paths are off); engines that cannot stage (SGLang)
-    are refused at `connect`."""
+    buckets (the one-copy and point-to-point paths are off); engines that cannot stage (stock
+    engines, some SGLang models: docs/staged.md) are refused at `connect`."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
