@@ -427,12 +427,6 @@ class GroupCall:
         self.refs = refs
         self.timeout_s = timeout_s
 
-    def done(self) -> bool:
-        import ray
-
-        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
-        return len(ready) == len(self.refs)
-
     def result(self) -> Any:
         """Rank 0's answer, once every rank answered; a rank's error raises here."""
         import ray
