@@ -99,6 +99,25 @@ def unplant(worker: Any) -> bool:
     return True
 
 
+def plant_switch(worker: Any, rank: int) -> bool:
+    """Tensor-parallel worker `rank`'s staged switch (`weightsync_commit`) fails before writing
+    anything, while the others switch: the engine's workers then hold two versions."""
+    from weightsync.wire.specs import error_reply
+
+    if worker._ws_tp()[0] != rank:
+        return False
+
+    def refused() -> dict[str, Any]:
+        return error_reply(RuntimeError(f"planted: worker {rank}'s switch failed"))
+
+    worker.weightsync_commit = refused
+    return True
+
+
+def unplant_switch(worker: Any) -> bool:
+    return worker.__dict__.pop("weightsync_commit", None) is not None
+
+
 class PlantedRollout(FrameworkRollout):
     """A framework's own rollout actor (tests/vllm/framework_rollout.py: its `weightsync` and
     `rollout`) over a `vllm.LLM` of `tensor_parallel_size` workers, keeping its previous weights
@@ -140,3 +159,16 @@ class PlantedRollout(FrameworkRollout):
 
     def unplant(self) -> list[bool]:
         return self.llm.collective_rpc(unplant)
+
+    def plant_switch(self, rank: int) -> list[bool]:
+        return self.llm.collective_rpc(plant_switch, args=(rank,))
+
+    def unplant_switch(self) -> list[bool]:
+        return self.llm.collective_rpc(unplant_switch)
+
+    def refuse_cache_resets(self, refuse: bool) -> None:
+        """vLLM's prefix-cache reset answers False (as it does while blocks are held)."""
+        if refuse:
+            self.llm.reset_prefix_cache = lambda *args, **kwargs: False
+        else:
+            self.llm.__dict__.pop("reset_prefix_cache", None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import ray
 
+from tests.engine_checks import MAX_NEW_TOKENS, prompt_ids, training_batch
 from tests.planted_faults import (
     check_caught,
     check_framework_actor,
@@ -34,11 +35,17 @@ ROLLOUT = "tests.vllm.planted.PlantedRollout"
 # Two tensor-parallel workers (the probe's forward takes both; TP=1 took the same path in
 # 2.5 min more of CI: the project's receiver covers one worker in tests/core/test_probe.py).
 @pytest.fixture(scope="module", params=[2], ids=["tp2"])
-def planted(request, tmp_path_factory):
+def rollout(request, tmp_path_factory):
     path = sharp_checkpoint("qwen2", str(tmp_path_factory.mktemp("qwen2-sharp")))
     launcher.init_ray(num_cpus=2)
     launcher.register_actor(ROLLOUT, "*vllm")
-    rollout = launcher.launch(ROLLOUT, path, request.param)
+    yield launcher.launch(ROLLOUT, path, request.param), path
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def planted(rollout):
+    handle, path = rollout
     trainer = launcher.TrainerGroup(
         "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
         model_path=path,
@@ -49,9 +56,8 @@ def planted(request, tmp_path_factory):
         lr=0.02,
         probe={"bound": 1e-3, "length": 24},
     )
-    yield run_planted(trainer, rollout, KINDS)
+    yield run_planted(trainer, handle, KINDS)
     trainer.kill()
-    ray.shutdown()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -67,3 +73,72 @@ def test_the_framework_actor_refuses_its_own_generation_mid_update_and_takes_the
     planted,
 ):
     check_framework_actor(planted)
+
+
+def test_a_switch_that_fails_on_one_worker_fails_the_sync_and_the_engine_refuses_to_serve(
+    rollout, planted
+):
+    """Staged, verified syncs into the two tensor-parallel workers. A prefix cache that cannot
+    be reset fails a sync before its switch writes anything: the engine serves on, its version
+    and tokens unchanged. Worker 1's switch failing while worker 0 switches (planted in
+    `weightsync_commit`) fails the sync naming the worker, and the engine's version stays;
+    the framework's own generation is refused until a sync completes, and the next staged sync
+    serves the trainer's reference tokens."""
+    handle, path = rollout
+    trainer = launcher.TrainerGroup(
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+        model_path=path,
+        world_size=1,
+        bucket_bytes=1 << 20,
+        seed=0,
+        lr=0.02,
+        staged=True,
+        verify=True,
+    )
+
+    def tokens() -> list[list[int]]:
+        return ray.get(handle.rollout.remote(prompt_ids(), MAX_NEW_TOKENS), timeout=300)
+
+    def version() -> str | None:
+        return ray.get(handle.weightsync.remote("weight_version"), timeout=120)
+
+    try:
+        trainer.call("connect", {"switch": {"actor": handle, "dispatch": "weightsync"}})
+        trainer.call("train_step", training_batch(2))
+        first = trainer.sync("switch-1")
+        assert first.engines["switch"].pause_s > 0 and first.verify["switch"].verified
+        served = tokens()
+        assert (
+            served
+            == trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)[
+                "tokens"
+            ]
+        )
+        trainer.call("train_step", training_batch(3))
+
+        ray.get(handle.refuse_cache_resets.remote(True), timeout=120)
+        try:
+            with pytest.raises(Exception, match="nothing was switched") as caught:
+                trainer.sync("switch-2")
+        finally:
+            ray.get(handle.refuse_cache_resets.remote(False), timeout=120)
+        assert "switch-2" in str(caught.value)
+        assert version() == "switch-1" and tokens() == served
+
+        assert ray.get(handle.plant_switch.remote(1), timeout=120) == [False, True]
+        try:
+            with pytest.raises(Exception, match="planted: worker 1's switch failed") as caught:
+                trainer.sync("switch-3")
+        finally:
+            ray.get(handle.unplant_switch.remote(), timeout=120)
+        assert "from engine worker 1 of 2" in str(caught.value), str(caught.value)[:2000]
+        assert version() == "switch-1"
+        with pytest.raises(Exception, match="does not serve: update 'switch-3' was aborted"):
+            tokens()
+
+        last = trainer.sync("switch-4")
+        assert last.verify["switch"].verified and version() == "switch-4"
+        want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
+        assert tokens() == want["tokens"]
+    finally:
+        trainer.kill()
