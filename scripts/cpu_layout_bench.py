@@ -40,7 +40,9 @@ Measured per path:
   and whether the write plan verified them (GPU: one fused copy-and-read-back kernel).
 `--profile DIR` writes each rank's cProfile (CPU time) of the timed syncs of each path, and the
 receiver's (wall time, from the first timed sync to the last rank's dump); the verified syncs
-likewise, in `PATH-verified-*.prof`. `--trace DIR` (GPU): after the verified syncs, one more
+likewise, in `PATH-verified-*.prof`. With `WEIGHTSYNC_PROFILE_SHARE=FILE` in the environment
+the receiver's sharing (`share_params`) runs under cProfile and its 40 costliest calls (by
+cumulative time) go to FILE. `--trace DIR` (GPU): after the verified syncs, one more
 sync and one more verified sync under torch.profiler (host and device time) on rank 0 and in the
 receiver: each side's table of ops by device time (`PATH-SYNC-SIDE.txt`) and its timeline
 (`PATH-SYNC-SIDE.json.gz`, chrome://tracing). Progress goes to stderr as the run goes.
@@ -176,12 +178,32 @@ def _receiver_main(
         try:
             if method in _PROCESS_CALLS:
                 result = _PROCESS_CALLS[method](*args)
+            elif method == "share_params" and os.environ.get(PROFILE_SHARE):
+                result = _profiled(getattr(receiver, method), args, os.environ[PROFILE_SHARE])
             else:
                 result = getattr(receiver, method)(*args)
             conn.send(("ok", result))
         except Exception as exc:  # reported to the sender as plain data
             conn.send(("error", error_to_wire(exc)))
     receiver.receiver.close()
+
+
+PROFILE_SHARE = "WEIGHTSYNC_PROFILE_SHARE"  # a path: the receiver's share under cProfile
+
+
+def _profiled(fn, args, path: str):
+    """`fn(*args)` under cProfile; the 40 entries with the most cumulative time to `path`."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    result = profile.runcall(fn, *args)
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(40)
+    with open(path, "a") as f:
+        f.write(out.getvalue())
+    return result
 
 
 def memcpy_s(nbytes: int, repeats: int, device: str = "cpu") -> float:

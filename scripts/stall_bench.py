@@ -7,13 +7,16 @@ measured in one run on the same engines.
   python scripts/stall_bench.py --replicas 2      # two engines, each sync into both
   python scripts/stall_bench.py --tp 2            # one engine of two TP workers
   python scripts/stall_bench.py --engine sglang   # SGLang's server (TP=1 on a CPU)
+  python scripts/stall_bench.py --replicas 2 --phases staged,timed   # switch instant or not
 
 Clients (`--clients` threads per engine) stream greedy completions of `--tokens` tokens from
 /v1/completions ("stream": true) without pause. A request's stall is the longest time it went
 without a new token: from being sent to its first token, or between two tokens. Three phases of
 `--seconds` each, on the same engines: none (no sync), paused (a trainer syncing back to back
 with a 0.2 s gap, as today: its first sync by buckets, then the one-copy path), staged (another
-trainer, `staged=True`, by buckets). For each phase: the requests whose life overlapped a sync,
+trainer, `staged=True`, by buckets, each engine switching when its `end` arrives:
+`switch_lead_s=0`), and with `--phases` timed (`staged=True` with `switch_lead_s=--lead`: the
+engines switch at one instant the trainer names). For each phase: the requests whose life overlapped a sync,
 their longest stall, the 99th percentile, the median gap between tokens over all requests; and
 from the sync reports, how long each engine held generation (paused: from its `begin` to the end
 of its `end`, `session_s`, which includes the wait for the requests in flight to finish; staged:
@@ -114,6 +117,10 @@ def main() -> None:
     parser.add_argument(
         "--worst", action="store_true", help="print each phase's worst request's timeline"
     )
+    parser.add_argument(
+        "--phases", default="none,paused,staged", help="of none, paused, staged, timed"
+    )
+    parser.add_argument("--lead", type=float, default=0.05, help="timed: switch_lead_s")
     args = parser.parse_args()
 
     import ray
@@ -133,21 +140,26 @@ def main() -> None:
     )
     model = make_tiny_model(tempfile.mkdtemp(prefix="stall-"), arch=args.arch, seed=0)
     launcher.init_ray(num_cpus=2)
-    engines = {
-        f"e{i}": launcher.launch(engine_actor, model, mode="http", **shape)
-        for i in range(args.replicas)
+    engines = {}
+    for i in range(args.replicas):  # one after another: SGLang sizes its cache by free memory
+        engines[f"e{i}"] = launcher.launch(engine_actor, model, mode="http", **shape)
+        ray.get(engines[f"e{i}"].server_url.remote(), timeout=900)
+    phases = args.phases.split(",")
+    options = {
+        "paused": {},
+        "staged": {"staged": True, "switch_lead_s": 0.0},
+        "timed": {"staged": True, "switch_lead_s": args.lead},
     }
     trainers = {
-        "paused": launcher.TrainerGroup(
-            worker, model_path=model, bucket_bytes=1 << 20, seed=0, verify=args.verify
-        ),
-        "staged": launcher.TrainerGroup(
-            worker, model_path=model, bucket_bytes=1 << 20, seed=0, verify=args.verify, staged=True
-        ),
+        name: launcher.TrainerGroup(
+            worker, model_path=model, bucket_bytes=1 << 20, seed=0, verify=args.verify, **kw
+        )
+        for name, kw in options.items()
+        if name in phases
     }
     for trainer in trainers.values():
         trainer.call("connect", engines)
-    for name in ("paused", "staged"):  # the first syncs (by buckets, then sharing) before timing
+    for name in trainers:  # the first syncs (by buckets, then sharing) before timing
         for i in range(2):
             trainers[name].call("sync", f"{name}-warm-{i}")
     tokenizer = make_tokenizer()
@@ -164,7 +176,7 @@ def main() -> None:
     seed = 5000
     try:
         time.sleep(3)  # the clients' first requests (prefix cache, warm-up) before measuring
-        for phase in ("none", "paused", "staged"):
+        for phase in phases:
             start = time.monotonic()
             windows: list[tuple[float, float]] = []
             reports: list[dict] = []

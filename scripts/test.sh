@@ -17,6 +17,26 @@ for s in "${suites[@]}"; do
 done
 
 ensure_root_env
+# What the machine was busy with, printed after the suites (scripts/load_watch.py).
+watch_log=$(mktemp)
+"$ROOT_PY" scripts/load_watch.py --every 10 >"$watch_log" 2>&1 &
+watch_pid=$!
+# Each failed test's reason and the hang reports of its actors (tests/failure_log.py), printed
+# last: where a hung call was, in the part of the log that is read.
+export WEIGHTSYNC_FAILURE_LOG
+WEIGHTSYNC_FAILURE_LOG=$(mktemp)
+stop_watch() {
+  kill "$watch_pid" 2>/dev/null || true
+  wait "$watch_pid" 2>/dev/null || true
+  cat "$watch_log"
+  rm -f "$watch_log"
+  if [ -s "$WEIGHTSYNC_FAILURE_LOG" ]; then
+    echo "== failed tests, and where their hung calls were; tests slower than 300 s"
+    cat "$WEIGHTSYNC_FAILURE_LOG"
+  fi
+  rm -f "$WEIGHTSYNC_FAILURE_LOG"
+}
+trap stop_watch EXIT
 status=0
 for suite in "${suites[@]}"; do
   if [ "$suite" = lint ]; then
@@ -37,7 +57,7 @@ for suite in "${suites[@]}"; do
   else
     py=$ROOT_PY
   fi
-  echo "== suite $suite ($py)"
+  echo "== suite $suite ($py) at $(date +%T)"
   start=$(date +%s)
   "$py" -m pytest "tests/$suite" -q -p no:cacheprovider --durations=12 || status=1
   echo "== suite $suite: $(( $(date +%s) - start )) s"

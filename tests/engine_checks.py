@@ -160,6 +160,7 @@ def check_failed_verification_is_never_adopted(
 
     from weightsync.trainer.endpoint import RayEndpoint
     from weightsync.trainer.sender import WeightSender
+    from weightsync.trainer.verify import SentTable
     from weightsync.transports.shm import ShmSender
     from weightsync.wire.errors import VerificationFailed
     from weightsync.wire.specs import dtype_from_str, specs_from_dicts
@@ -188,8 +189,9 @@ def check_failed_verification_is_never_adopted(
 
     def planted(staged, sent, **kwargs):
         seen.update(staged)
-        s, h1, h2 = sent[target]
-        return check(staged, {**sent, target: (s + 1, h1, h2)}, **kwargs)
+        table = sent.table.clone()  # the sent fingerprints (`SentTable`), one of them off
+        table[sent.names.index(target), 0] += 1
+        return check(staged, SentTable(sent.names, table), **kwargs)
 
     sender.verifier.check_staged = planted
     if not staged:  # a staged update never writes the served weights: nothing to keep

@@ -35,15 +35,11 @@ from weightsync.engine.pause_clock import PauseClock
 from weightsync.engine.replica import sharing_of
 from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
 from weightsync.engine.server import LocalServer, RemoteServer, cli_flags
-from weightsync.engine.session import EngineSession
+from weightsync.engine.session import EngineSession, NothingSwitched
 from weightsync.wire.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer, StageReport
 from weightsync.wire.specs import as_plain, unwrap_all
 
 logger = logging.getLogger(__name__)
-
-
-class NothingSwitched(RuntimeError):
-    """A staged update's switch stopped before any parameter was written."""
 
 
 CPU_ENGINE_ARGS: dict[str, Any] = {
@@ -206,19 +202,30 @@ class _InProcess:
     def staged_support(self) -> str | None:
         return None
 
-    def switch(self, message: str, version: str) -> tuple[bool, dict[str, Any]]:
+    def switch(
+        self, message: str, version: str, *, session: bool = False
+    ) -> tuple[bool, dict[str, Any]]:
         """A staged update's end (`serve.switch`), nothing to hold: (every scheduler switched,
-        its `PauseClock` report)."""
+        its `PauseClock` report). The loader's "revert" message: the last swapping switch
+        undone the same way, in an update session of its own with `session`."""
         from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
 
+        revert = json.loads(message)["op"] == "revert"
         clock = PauseClock()
         if not any(self.flush_cache() for _ in range(FLUSH_TRIES)):
             raise NothingSwitched("the cache could not be flushed; nothing was switched")
         clock.mark("cache")
+        if revert and session:
+            began, text = self.begin()
+            if not began:
+                raise NothingSwitched(
+                    f"the update session did not begin ({text}); nothing was switched"
+                )
         done, _ = self.update(message, weight_version=None)
         replies = read_replies(json.loads(message)["reply"]) if done else []
         ok = len(replies) == self.tp_size and all(r.get("ok") for r in replies)
-        self.end()
+        if session or not revert:
+            self.end()
         clock.mark("switch")
         if ok:
             tm = self.engine.tokenizer_manager
@@ -376,11 +383,15 @@ class _Http:
             )
         return None
 
-    def switch(self, message: str, version: str) -> tuple[bool, dict[str, Any]]:
+    def switch(
+        self, message: str, version: str, *, session: bool = False
+    ) -> tuple[bool, dict[str, Any]]:
         """A staged update's end, in one request to the server (backends/sglang/serve.py
         `switch`): (every scheduler switched, how long the server paused generation: its
-        `PauseClock` report)."""
-        status, out = self._request("POST", SWITCH_PATH, {"message": message, "version": version})
+        `PauseClock` report). The loader's "revert" message: the last swapping switch undone,
+        in an update session of its own with `session`."""
+        body = {"message": message, "version": version, "session": session}
+        status, out = self._request("POST", SWITCH_PATH, body)
         if (
             status == 500
             and isinstance(out, dict)
@@ -622,7 +633,8 @@ class SglEngineActor(EngineSession):
         if self._staging:
             try:
                 self._session("begin")
-                whys = [r["why"] for r in self._control_all("begin_staged") if r["why"]]
+                answers = self._control_all("begin_staged", swap=self.keep_previous)
+                whys = [r["why"] for r in answers if r["why"]]
             except BaseException:
                 self._drop_staged()  # nothing was written: nothing stays open
                 raise
@@ -735,18 +747,46 @@ class SglEngineActor(EngineSession):
             raise RuntimeError(f"sglang: staged update {version!r}: {exc}") from exc
         except RuntimeError as exc:
             raise RuntimeError(f"sglang: staged update {version!r}: {exc}") from exc
+        replies = read_replies(self.reply_dir)
+        if not switched and _all_undone(replies, self.tp_size):
+            self._switching = False  # every scheduler serves its previous weights: serve on
+            first = replies[0]["error"].splitlines()[0][:400]
+            raise RuntimeError(
+                f"sglang: staged update {version!r}: the switch failed partway in every "
+                f"scheduler and was undone (keep_previous): the previous weights are served "
+                f"whole: {first}"
+            )
         results = self._replies("switch")  # a scheduler that failed to switch fails the update
         if not switched:
             raise RuntimeError(f"sglang: staged update {version!r}: a scheduler did not switch")
         self._staging = False
-        return EndReport(
-            weight_version=version,
-            cache_flushed=True,
-            placements=[r["placements"] for r in results],
-            switched_at=max(r["switched_at"] for r in results),
-            pause_s=float(timing["pause_s"]),
-            pause_parts=timing["pause_parts"],
-        )
+        return _switched(version, results, timing)
+
+    def _engine_swaps(self) -> bool:
+        return self.keep_previous  # its schedulers' switch swaps (the loader's "begin_staged")
+
+    def _engine_revert(self, version: str) -> EndReport:
+        """The last swapping switch undone (the loader's "revert" in every scheduler), in one
+        pause as the switch: generation paused with the requests in flight retracted, the
+        cache flushed, the version tag set back only when every scheduler switched back."""
+        message = self._message("revert")
+        try:
+            switched, timing = self.client.switch(message, version, session=self.sessions)
+        except NothingSwitched as exc:
+            raise NothingSwitched(f"sglang: revert to {version!r}: {exc}") from exc
+        replies = read_replies(self.reply_dir)
+        if not switched and _all_undone(replies, self.tp_size):
+            # every scheduler's swap back failed partway and was undone: the engine serves the
+            # weights it served before, whole; the revert may be asked again
+            raise NothingSwitched(
+                f"sglang: revert to {version!r}: it failed partway in every scheduler and was "
+                f"undone, so the engine serves its current weights whole: "
+                f"{replies[0]['error'].splitlines()[0][:300]}"
+            )
+        results = self._replies("revert")  # a scheduler that failed to switch back fails it
+        if not switched:
+            raise RuntimeError(f"sglang: revert to {version!r}: a scheduler did not switch back")
+        return _switched(version, results, timing)
 
     def set_keep_previous(self, on: bool) -> None:
         """Turn keeping (and restoring) the previous weights on or off for later updates."""
@@ -795,6 +835,10 @@ class SglEngineActor(EngineSession):
             fingerprints=[a["fingerprints"] for a in answers],
             placements=[a["placements"] for a in answers],
         )
+
+    def _engine_prepare(self) -> None:
+        if self._staging:
+            self._control_all("prepare")  # each scheduler plans its switch's copies
 
     def _engine_share(self) -> dict:
         answers = [ShareAnswer.from_dict(a) for a in self._read_only_all("share")]
@@ -909,3 +953,24 @@ class SglEngineActor(EngineSession):
     def shutdown(self) -> None:
         self.client.shutdown()
         shutil.rmtree(self.reply_dir, ignore_errors=True)
+
+
+def _all_undone(replies: list[dict[str, Any]], tp_size: int) -> bool:
+    """Whether every scheduler answered the switch with `SwitchUndone` (its swap failed
+    partway and was swapped back: weightsync/engine/staging.py), so none serves the new
+    weights. A scheduler that switched while another failed cannot be switched back here."""
+    return len(replies) == tp_size and all(
+        not r["ok"] and r.get("type") == "SwitchUndone" for r in replies
+    )
+
+
+def _switched(version: str, results: list[dict], timing: dict[str, Any]) -> EndReport:
+    """A switch's or a revert's report from every scheduler's reply and the pause's timing."""
+    return EndReport(
+        weight_version=version,
+        cache_flushed=True,
+        placements=[r["placements"] for r in results],
+        switched_at=max(r["switched_at"] for r in results),
+        pause_s=float(timing["pause_s"]),
+        pause_parts=timing["pause_parts"],
+    )

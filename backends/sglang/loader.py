@@ -3,11 +3,11 @@
 SGLang calls `weightsync_load(model, named_tensors)` from `update_weights_from_tensor` when the
 request's load_format names it. We pass one control item: its name is a JSON message
 {"op": "check"|"load"|"finish"|"commit"|"rollback"|"fingerprints"|"share"|"begin_one_copy"|
-"staged_support"|"begin_staged"|"switch"|"discard", "reply": dir, ...} and its tensor is empty;
-the weights
-themselves are in a transport buffer that the message's descriptor points at. SGLang ignores
-what a custom loader returns and an exception kills the scheduler (and with it the caller), so
-every outcome, failure included, is written as JSON to `<reply>/<pid>.json` and nothing raises.
+"staged_support"|"begin_staged"|"stage"|"prepare"|"switch"|"discard", "reply": dir, ...} and
+its tensor is empty; the weights themselves are in a transport buffer that the message's
+descriptor points at. SGLang ignores what a custom loader returns and an exception kills the
+scheduler (and with it the caller), so every outcome, failure included, is written as JSON to
+`<reply>/<pid>.json` and nothing raises.
 """
 
 from __future__ import annotations
@@ -87,7 +87,13 @@ def _staging(model: Any) -> dict[str, Any]:
     if state is None:
         from weightsync.engine.staging import StagedWeights
 
-        state = {"weights": StagedWeights(model, name="sglang"), "open": False, "written": set()}
+        state = {
+            "weights": StagedWeights(model, name="sglang"),
+            "open": False,
+            "written": set(),
+            "swap": False,  # the switch swaps the served parameters with the copy
+            "revertible": None,  # what the last swapping switch wrote, until another update
+        }
         _staged[id(model)] = state
     return state
 
@@ -98,7 +104,7 @@ def _written_otherwise(model: Any) -> None:
     state = _staged.get(id(model))
     if state is not None:
         state["weights"].stale()
-        state["open"], state["written"] = False, set()
+        state["open"], state["written"], state["revertible"] = False, set(), None
 
 
 def _run_staged(model: Any, receiver: Any, op: str, message: dict[str, Any]) -> dict[str, Any]:
@@ -113,6 +119,8 @@ def _run_staged(model: Any, receiver: Any, op: str, message: dict[str, Any]) -> 
 
     state = _staging(model)
     weights = state["weights"]
+    if op == "revert":
+        return _revert(state, receiver)
     if op == "begin_staged":
         why = staged_support(model)
         if why is not None:
@@ -123,10 +131,11 @@ def _run_staged(model: Any, receiver: Any, op: str, message: dict[str, Any]) -> 
         if not weights.current:
             weights.refresh()
         state["open"], state["written"] = True, set()
+        state["swap"], state["revertible"] = bool(message.get("swap")), None
         return {"why": None, "staged_bytes": weights.nbytes}
     if op == "discard":  # the served parameters were never written
         weights.stale()
-        state["open"], state["written"] = False, set()
+        state["open"], state["written"], state["revertible"] = False, set(), None
         return {}
     if not state["open"]:
         raise RuntimeError(f"sglang: staged {op} outside a staged update; begin first")
@@ -139,10 +148,15 @@ def _run_staged(model: Any, receiver: Any, op: str, message: dict[str, Any]) -> 
         return report.to_dict()
     if op == "stage":
         with weights.loading():
-            return {"fingerprints": receiver.fingerprints(), "placements": receiver.placements}
+            answer = {"fingerprints": receiver.fingerprints(), "placements": receiver.placements}
+        weights.prepare(state["written"], swap=state["swap"])  # the switch's copies, ahead
+        return answer
+    if op == "prepare":  # the switch's copies, before its pause (`stage` makes them too)
+        return {"prepare_s": weights.prepare(state["written"], swap=state["swap"])}
     if op == "switch":
         state["open"] = False  # a switch that fails midway leaves no update to go on with
-        copy_s = weights.switch(state["written"])
+        copy_s = weights.switch(state["written"], swap=state["swap"])
+        state["revertible"] = set(state["written"]) if state["swap"] else None
         return {
             "switched_at": time.time(),
             "copy_s": copy_s,
@@ -150,6 +164,30 @@ def _run_staged(model: Any, receiver: Any, op: str, message: dict[str, Any]) -> 
             "placements": receiver.placements,
         }
     raise ValueError(f"unknown weightsync staged op {op!r}")
+
+
+def _revert(state: dict[str, Any], receiver: Any) -> dict[str, Any]:
+    """After a staged update switched with `swap` (the actor's `keep_previous`) and before any
+    other update: the served parameters it wrote take their previous values back, in place
+    (swapped with the copy again), between two of the scheduler's forward steps. The copy then
+    holds the reverted weights: the next staged update makes it again from the served ones."""
+    import time
+
+    names = state["revertible"]
+    if not names:
+        raise RuntimeError(
+            "sglang: nothing to revert: the last update was not a staged one switched with "
+            "keep_previous=True, or another update or a revert came after it"
+        )
+    copy_s = state["weights"].switch(names, swap=True)
+    state["revertible"] = None
+    state["weights"].stale()
+    return {
+        "switched_at": time.time(),
+        "copy_s": copy_s,
+        "staged_bytes": state["weights"].nbytes,
+        "placements": receiver.placements,
+    }
 
 
 def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
@@ -164,7 +202,7 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
     size = _tp()[1]
     if op == "staged_support":
         return {"why": staged_support(model)}
-    if message.get("staged") or op in ("begin_staged", "discard", "switch"):
+    if message.get("staged") or op in ("begin_staged", "discard", "switch", "revert"):
         return _run_staged(model, receiver, op, message)
     if op in ("load", "begin_one_copy", "share", "rollback"):
         _written_otherwise(model)  # these write the served parameters

@@ -7,6 +7,7 @@ does."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -29,9 +30,15 @@ KEY_VARIABLE = "WEIGHTSYNC_SGLANG_API_KEY"
 # manager's writer lock, which would wait for every request in flight and hold new ones.
 STAGED_PATH = "/weightsync/staged"
 # POST {"message": <the switch's control message>, "version": v}: a staged update's end, in one
-# request (`switch`).
+# request (`switch`); with the loader's "revert" message and {"session": true|false}, the last
+# swapping switch undone the same way.
 SWITCH_PATH = "/weightsync/switch"
 FLUSH_TRIES = 3  # the cache flush inside a switch, tried again this often
+# The owner's own pause routes: one arriving during a switch waits for its end, and a switch
+# waits for one in progress (each would otherwise release or take the pause midway: a switch
+# that found the server running continues generation at its end, which would undo an owner's
+# pause that came meanwhile).
+OWNER_PAUSE_PATHS = frozenset({"/pause_generation", "/continue_generation"})
 # The control ops `STAGED_PATH` passes on (backends/sglang/loader.py): those of a staged update,
 # which write only the staged copy, and those that write no weight. A load or check goes to the
 # staged copy whatever the message says.
@@ -113,7 +120,9 @@ async def staged_call(
     return FanOutCommunicator.merge_results(results)
 
 
-async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[str, Any]:
+async def switch(
+    tm: Any, message: str, version: str, *, tp_size: int, session: bool = False
+) -> dict[str, Any]:
     """A staged update's end, inside the server: generation paused with the requests in flight
     retracted (SGLang's "retract" pause: each goes back to the queue with its tokens so far and
     is computed again, on the new weights, when generation continues), the cache flushed (no
@@ -122,7 +131,10 @@ async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[s
     the pause carry it) only when every scheduler switched, generation continued, SGLang's
     update session ended. {"ok": every scheduler switched, "pause_s": seconds
     generation was paused}; {"error": ...} when the cache could not be flushed (nothing
-    switched)."""
+    switched). The loader's "revert" message (no update is open) puts back the weights the
+    last swapping switch replaced, the same way, in an update session of its own when SGLang
+    has them (`session`). A server its owner had paused (SGLang's /pause_generation) is
+    neither paused nor continued here: it stays paused."""
     from sglang.srt.managers.io_struct import (
         ContinueGenerationReqInput,
         PauseGenerationReqInput,
@@ -132,13 +144,22 @@ async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[s
     from weightsync.backends.sglang.loader import read_replies
 
     control = json.loads(message)
-    if not isinstance(control, dict) or control.get("op") != "switch" or "reply" not in control:
-        raise ValueError(f"{SWITCH_PATH} takes the switch's control message only")
+    op = control.get("op") if isinstance(control, dict) else None
+    if op not in ("switch", "revert") or "reply" not in control:
+        raise ValueError(f"{SWITCH_PATH} takes the switch's or the revert's control message only")
     reply_dir = str(control["reply"])
+    if op == "revert" and session:
+        began, text = await staged_call(tm, "begin", None, tp_size=tp_size)
+        if not began:
+            return {
+                "error": f"SGLang's update session did not begin ({text}); nothing was switched"
+            }
+    owner_paused = bool(getattr(tm, "is_pause", False))  # paused by its owner: left paused
     clock = PauseClock()
     ok, text, done = False, "", False
     try:
-        await tm.pause_generation(PauseGenerationReqInput(mode="retract"))
+        if not owner_paused:
+            await tm.pause_generation(PauseGenerationReqInput(mode="retract"))
         clock.mark("hold")
         for _ in range(FLUSH_TRIES):
             if (await tm.flush_cache()).success:
@@ -146,9 +167,7 @@ async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[s
         else:
             return {"error": "the cache could not be flushed; nothing was switched"}
         clock.mark("cache")
-        done, text = await staged_call(
-            tm, "update", message, tp_size=tp_size, ops=frozenset({"switch"})
-        )
+        done, text = await staged_call(tm, "update", message, tp_size=tp_size, ops=frozenset({op}))
         replies = read_replies(reply_dir) if done else []
         ok = len(replies) == tp_size and all(r.get("ok") for r in replies)
         clock.mark("switch")
@@ -158,9 +177,10 @@ async def switch(tm: Any, message: str, version: str, *, tp_size: int) -> dict[s
             )
         clock.mark("version")
     finally:
-        await tm.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False))
+        if not owner_paused:
+            await tm.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False))
         clock.mark("resume")
-        if done:
+        if done if op == "switch" else session:
             # SGLang's update session ends after generation goes on: its end post-processes
             # the weights, which does nothing to the models a staged copy takes
             # (backends/sglang/loader.py `staged_support`).
@@ -179,7 +199,13 @@ async def _staged_route(scope: dict[str, Any], receive: Callable, send: Callable
     try:
         body = json.loads(await request_body(receive) or b"{}")
         if scope["path"] == SWITCH_PATH:
-            out = await switch(tm, str(body["message"]), str(body["version"]), tp_size=tp_size)
+            out = await switch(
+                tm,
+                str(body["message"]),
+                str(body["version"]),
+                tp_size=tp_size,
+                session=body.get("session") is True,
+            )
             await answer(send, 500 if "error" in out else 200, out)
             return
         op = str(body["op"])
@@ -196,12 +222,14 @@ async def _staged_route(scope: dict[str, Any], receive: Callable, send: Callable
 class KeyedGate:
     """SGLang's routes behind weightsync's generation gate. SGLang checks the key of its own
     routes; the gate's route and the staged update's demand it here (no key: they refuse every
-    call)."""
+    call). A switch and the owner's /pause_generation or /continue_generation run one at a
+    time (`OWNER_PAUSE_PATHS`)."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], key: str | None) -> None:
         self.app = app
         self.gated = GatedRoutes(app, CONTROL_PATHS)
         self._digest = key_digest(key) if key else None
+        self._switching = asyncio.Lock()  # a switch, or an owner's pause or continue
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -210,8 +238,14 @@ class KeyedGate:
             self._digest is None or not authorized(scope, self._digest)
         ):
             await answer(send, 401, {"error": "Unauthorized: send 'Authorization: Bearer <key>'"})
-        elif scope["path"] in (STAGED_PATH, SWITCH_PATH):
+        elif scope["path"] == SWITCH_PATH:
+            async with self._switching:
+                await _staged_route(scope, receive, send)
+        elif scope["path"] == STAGED_PATH:
             await _staged_route(scope, receive, send)
+        elif scope["path"] in OWNER_PAUSE_PATHS:
+            async with self._switching:  # SGLang checks these routes' key itself
+                await self.gated(scope, receive, send)
         else:
             await self.gated(scope, receive, send)
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from weightsync.backends.vllm.guard import KEY_VARIABLE, SWITCH_PATH
+from weightsync.backends.vllm.guard import KEY_VARIABLE, SWITCH_PATH, all_undone
 from weightsync.driver.preflight import (
     cpu_binding,
     cuda_device_present,
@@ -34,7 +34,7 @@ from weightsync.engine.one_copy.sharing import combine_worker_shares
 from weightsync.engine.pause_clock import PauseClock
 from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
 from weightsync.engine.server import LocalServer, RemoteServer, cli_flags
-from weightsync.engine.session import EngineSession
+from weightsync.engine.session import EngineSession, NothingSwitched
 from weightsync.wire.protocol import (
     EndReport,
     LoadReport,
@@ -93,10 +93,6 @@ def _token_id(token: str) -> int:
     return int(token.split(":")[-1])
 
 
-class NothingSwitched(RuntimeError):
-    """A staged update's switch stopped before any parameter was written."""
-
-
 class _InProcess:
     def __init__(self, model_path: str, args: dict[str, Any]) -> None:
         from vllm import LLM
@@ -127,19 +123,24 @@ class _InProcess:
     def reset_prefix_cache(self) -> bool:
         return _retried(lambda: bool(self.llm.reset_prefix_cache()))
 
-    def switch(self, version: str) -> tuple[list[dict], dict[str, Any]]:
-        """A staged update's end (`_Http.switch`); nothing to hold: this actor is the engine's
-        only client, one call at a time. (each worker's raw answer, its `PauseClock` report)"""
+    def switch(self, version: str, revert: bool = False) -> tuple[list[dict], dict[str, Any]]:
+        """A staged update's end (`_Http.switch`), or with `revert` the previous weights put
+        back; nothing to hold: this actor is the engine's only client, one call at a time.
+        (each worker's raw answer, its `PauseClock` report)"""
         clock = PauseClock()
         if not self.reset_prefix_cache():
             raise NothingSwitched("the prefix cache could not be reset; nothing was switched")
         clock.mark("cache")
-        results = self.rpc("weightsync_commit", ())
+        results = self.rpc("weightsync_revert" if revert else "weightsync_commit", ())
         clock.mark("switch")
-        if all(r.get("ok") for r in results):  # else the update fails (`_switch`)
+        switched = [bool(r.get("ok")) for r in results]
+        undone = None
+        if all(switched):  # else the update fails (`_switch`)
             self.set_version(version)
+        elif not revert:  # each worker back on the weights it served, where it can be
+            undone = all_undone(self.rpc("weightsync_undo_switch", (switched,)))
         clock.mark("version")
-        return results, clock.report()
+        return results, {"undone": undone, **clock.report()}
 
     def set_version(self, version: str) -> None:
         if hasattr(self.llm, "update_weight_version"):
@@ -294,11 +295,12 @@ class _Http:
     def set_version(self, version: str) -> None:
         self._request("POST", "/update_weight_version", {"new_version": version})
 
-    def switch(self, version: str) -> tuple[list[dict], dict[str, Any]]:
-        """A staged update's end, in one request to the server (backends/vllm/guard.py
-        `switch`): (each worker's raw answer, how long the server held its scheduler: its
-        `PauseClock` report)."""
-        status, out = self._request("POST", SWITCH_PATH, {"version": version})
+    def switch(self, version: str, revert: bool = False) -> tuple[list[dict], dict[str, Any]]:
+        """A staged update's end, or with `revert` the previous weights put back, in one
+        request to the server (backends/vllm/guard.py `switch`): (each worker's raw answer,
+        how long the server held its scheduler: its `PauseClock` report)."""
+        body = {"version": version, "revert": True} if revert else {"version": version}
+        status, out = self._request("POST", SWITCH_PATH, body)
         if (
             isinstance(out, dict)
             and "results" not in out
@@ -307,7 +309,7 @@ class _Http:
             raise NothingSwitched(f"vllm server {SWITCH_PATH}: {out['error']}")
         if status != 200 or not isinstance(out, dict) or "results" not in out:
             raise RuntimeError(f"vllm server {SWITCH_PATH} answered {status}: {out}")
-        return out["results"], {k: out[k] for k in ("pause_s", "pause_parts")}
+        return out["results"], {k: out.get(k) for k in ("pause_s", "pause_parts", "undone")}
 
     def pause(self) -> None:
         # weightsync's gate holds new requests and waits for those in flight to finish on the
@@ -579,12 +581,49 @@ class VllmEngineActor(EngineSession):
             raise RuntimeError(f"vllm: staged update {version!r}: {exc}") from exc
         except RuntimeError as exc:
             raise RuntimeError(f"vllm: staged update {version!r}: {exc}") from exc
+        if timing.get("undone"):  # a worker failed; those that switched were switched back
+            self._switching = False  # every worker serves the previous weights: it serves on
+            try:
+                unwrap_all(raw)
+            except Exception as exc:
+                failed = [i for i, r in enumerate(raw) if not r.get("ok")]
+                raise RuntimeError(
+                    f"vllm: staged update {version!r}: the switch failed on engine worker(s) "
+                    f"{failed} of {len(raw)}; the workers that switched were switched back "
+                    f"(keep_previous), so every worker serves the previous weights: "
+                    f"{str(exc).splitlines()[0][:300]}"
+                ) from exc
         results = unwrap_all(raw)  # a worker that failed to switch fails the update
         return EndReport(
             weight_version=version,
             cache_flushed=True,
             param_of=results[0]["param_of"],
             placements=as_plain([r["placements"] for r in results]),
+            switched_at=max(r["switched_at"] for r in results),
+            pause_s=float(timing["pause_s"]),
+            pause_parts=timing["pause_parts"],
+        )
+
+    def _engine_swaps(self) -> bool:
+        return self.keep_previous  # its workers' switch swaps (`weightsync_begin`)
+
+    def _engine_revert(self, version: str) -> EndReport:
+        try:
+            raw, timing = self.client.switch(version, revert=True)
+        except NothingSwitched as exc:
+            raise NothingSwitched(f"vllm: revert to {version!r}: {exc}") from exc
+        if raw and all(not r.get("ok") and r.get("type") == "SwitchUndone" for r in raw):
+            # every worker's swap back failed partway and was undone: the engine serves the
+            # weights it served before, whole; the revert may be asked again
+            raise NothingSwitched(
+                f"vllm: revert to {version!r}: it failed partway on every worker and was "
+                f"undone, so the engine serves its current weights whole: "
+                f"{str(raw[0].get('error', '')).splitlines()[0][:300]}"
+            )
+        results = unwrap_all(raw)  # a worker that failed to switch back fails the revert
+        return EndReport(
+            weight_version=version,
+            cache_flushed=True,
             switched_at=max(r["switched_at"] for r in results),
             pause_s=float(timing["pause_s"]),
             pause_parts=timing["pause_parts"],
@@ -644,6 +683,9 @@ class VllmEngineActor(EngineSession):
             placements=[r["placements"] for r in results],
             param_of=results[0]["param_of"],
         )
+
+    def _engine_prepare(self) -> None:
+        self._rpc_all("weightsync_prepare")  # each worker plans its switch's copies
 
     def _engine_share(self) -> dict:
         """At TP > 1, {"shared": [each worker's shared parameters]} or none of them."""

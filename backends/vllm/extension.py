@@ -118,8 +118,9 @@ class WeightsyncWorkerExtension:
         update loads into the staged copy (weightsync/engine/staging.py) while the model
         serves on; `weightsync_commit` switches to it."""
         state = self._ws_state()
+        state["revertible"] = None  # a new update: the previous switch can no longer be undone
         if staged:
-            self._ws_begin_staged()
+            self._ws_begin_staged(swap=keep_previous)
             return {"why": None}
         if "staging" in state:
             state["staging"].stale()  # this update writes the served parameters
@@ -142,8 +143,11 @@ class WeightsyncWorkerExtension:
         state["finished"] = False
         return {"why": None}
 
-    def _ws_begin_staged(self) -> None:
+    def _ws_begin_staged(self, *, swap: bool) -> None:
+        """`swap` (the actor's `keep_previous`): the switch swaps the served parameters with
+        the copy, so `weightsync_revert` can put the previous weights back."""
         state = self._ws_state()
+        state["swap"] = swap
         if "staging" not in state:
             from weightsync.engine.staging import StagedWeights
 
@@ -180,31 +184,24 @@ class WeightsyncWorkerExtension:
     @_guard
     def weightsync_commit(self) -> dict[str, Any]:
         """A staged update's switch: the parameters it wrote take the staged values in place
-        (packed experts packed again), their layers compute from them until re-packed. Run
+        (packed experts packed again), their layers compute from them until re-packed; begun
+        with `keep_previous`, the copy takes their previous values (`weightsync_revert`). Run
         while the engine holds generation (the actor's commit)."""
-        import time
-
         state = self._ws_state()
         if not state.get("staged") or not state["open"]:
             raise RuntimeError("vllm: commit outside a staged update")
-        experts = self._ws_experts()
-        packed = set(experts.params()) if not experts.unpacked else set()
-
-        def write(name: str, param: Any, copy: Any) -> None:
-            if name in packed:
-                experts.pack_into(name, param, copy)
-            else:
-                param.copy_(copy)
+        from weightsync.engine.staging import SwitchUndone
 
         written = state["staged_written"]
-        state["gemms"].stop()
+        state["writing"] = True  # a failure from here on may have switched some parameters
         try:
-            copy_s = state["staging"].switch(written, write)
-        finally:  # a switch that failed midway left some written: their layers read them
-            state["gemms"].mark_stale(written)
-            state["gemms"].start()
-        switched_at = time.time()
+            copy_s, switched_at = self._ws_switch(written, swap=bool(state.get("swap")))
+        except SwitchUndone:
+            state["writing"] = False  # swapped back: this worker serves its previous weights
+            raise
+        state["writing"] = False
         state["open"], state["staged"] = False, False
+        state["revertible"] = set(written) if state.get("swap") else None
         return {
             "switched_at": switched_at,
             "copy_s": copy_s,
@@ -214,6 +211,72 @@ class WeightsyncWorkerExtension:
             "placements": state["receiver"].placements,
         }
 
+    def _ws_switch(self, names: set[str], *, swap: bool) -> tuple[float, float]:
+        """The served parameters `names` take the staged copy's values in place (packed
+        experts packed again), the copy theirs with `swap`; their layers compute from them
+        until re-packed. (seconds it took, when it was done: `time.time()`)"""
+        import time
+
+        from weightsync.engine.staging import Packed
+
+        experts = self._ws_experts()
+        packed = set(experts.params()) if not experts.unpacked else set()
+
+        def read(name: str, into: Any, param: Any) -> None:
+            into.copy_(experts.plain(name, param))
+
+        state = self._ws_state()
+        state["gemms"].stop()
+        try:
+            copy_s = state["staging"].switch(
+                names, swap=swap, packed=Packed(packed, experts.pack_into, read)
+            )
+        finally:  # a switch that failed midway left some written: their layers read them
+            state["gemms"].mark_stale(names)
+            state["gemms"].start()
+        return copy_s, time.time()
+
+    @_guard
+    def weightsync_revert(self) -> dict[str, Any]:
+        """After a staged update switched with `keep_previous` (a swap) and before any other
+        update: the served parameters it wrote take their previous values back, in place
+        (swapped with the copy again). Run while the engine holds generation (the actor's
+        `revert`). The copy then holds the reverted weights: the next staged update makes it
+        again from the served ones."""
+        state = self._ws_state()
+        names = state.get("revertible")
+        if not names:
+            raise RuntimeError(
+                "vllm: nothing to revert: the last update was not a staged one switched with "
+                "keep_previous=True, or another update or a revert came after it"
+            )
+        copy_s, switched_at = self._ws_switch(names, swap=True)
+        state["revertible"] = None
+        state["staging"].stale()
+        return {"switched_at": switched_at, "copy_s": copy_s, "tp_rank": self._ws_tp()[0]}
+
+    @_guard
+    def weightsync_undo_switch(self, switched: list[bool]) -> dict[str, Any]:
+        """After a staged switch (`weightsync_commit`) that failed on some worker, while the
+        engine still holds generation: this worker back on the weights it served before.
+        `switched[r]`: whether tensor-parallel worker r's commit answered ok. A worker that
+        switched with keep_previous (a swap) swaps back; one whose commit failed before it
+        wrote anything, or whose swap failed partway and was undone (`SwitchUndone`), has
+        nothing to undo. {"undone": whether this worker now serves its previous weights,
+        "why": why not}."""
+        state = self._ws_state()
+        if switched[self._ws_tp()[0]]:
+            names = state.get("revertible")
+            if not names:
+                return {"undone": False, "why": "it switched without keep_previous (by copy)"}
+            self._ws_switch(names, swap=True)
+            state["revertible"] = None
+            state["staging"].stale()
+            return {"undone": True, "why": None}
+        if state.get("writing"):
+            return {"undone": False, "why": "its switch failed partway through"}
+        return {"undone": True, "why": None}
+
     @_guard
     def weightsync_discard(self) -> dict[str, Any]:
         """A staged update aborted: the served parameters were never written; the staged copy
@@ -221,7 +284,7 @@ class WeightsyncWorkerExtension:
         state = self._ws_state()
         if "staging" in state:
             state["staging"].stale()
-        state["open"], state["staged"] = False, False
+        state["open"], state["staged"], state["revertible"] = False, False, None
         return {}
 
     def _ws_experts(self) -> Any:
@@ -263,6 +326,7 @@ class WeightsyncWorkerExtension:
         state = self._ws_state()
         # At TP > 1 the trainer writes each worker's slices through their placements.
         placements = state["receiver"].placements if self._ws_tp()[1] > 1 else None
+        state["revertible"] = None  # the copy is made again from the shared parameters
         if "staging" in state:
             state["staging"].stale()  # the probe writes random bytes into the parameters
         # The probe writes random bytes into the parameters: a re-pack running meanwhile would
@@ -390,16 +454,36 @@ class WeightsyncWorkerExtension:
         receiver = state["receiver"]
         if state.get("staged"):
             with self._ws_staged():
-                return {
+                answer = {
                     "fingerprints": self._ws_fingerprints(),
                     "placements": receiver.placements,
                     "param_of": receiver.param_of,
                 }
+            self._ws_prepare()  # the switch's batched copies made now, not inside its pause
+            return answer
         return {
             "fingerprints": self._ws_fingerprints(),
             "placements": receiver.placements,
             "param_of": receiver.param_of,
         }
+
+    @_guard
+    def weightsync_prepare(self) -> dict[str, Any]:
+        """Before a staged update's switch and outside its pause: the switch's batched copies
+        made (`StagedWeights.prepare`), as `weightsync_stage` makes them for a verified one.
+        {"prepare_s": seconds it took}."""
+        state = self._ws_state()
+        if not state.get("staged") or not state["open"]:
+            raise RuntimeError("vllm: prepare outside a staged update")
+        return {"prepare_s": self._ws_prepare()}
+
+    def _ws_prepare(self) -> float:
+        state = self._ws_state()
+        experts = self._ws_experts()
+        packed = set(experts.params()) if not experts.unpacked else set()
+        return state["staging"].prepare(
+            state["staged_written"], swap=bool(state.get("swap")), packed=packed
+        )
 
     @_guard
     def weightsync_fingerprints(self) -> dict[str, list[int]]:

@@ -8,11 +8,14 @@ server's environment (`VLLM_API_KEY`, which vLLM reads too), so it never shows o
 Behind the key, the server's routes pass weightsync's generation gate (weightsync/engine/gate.py):
 closed during a weight update, it holds every request but `CONTROL_PATHS` and lets the update's
 probe through. POST `SWITCH_PATH` {"version": v} ends a staged update in one request
-(`switch`), so its pause is not several round trips long.
+(`switch`), so its pause is not several round trips long; {"version": v, "revert": true} puts
+back, the same way, the weights the last switch replaced. An owner's /pause or /resume that
+arrives during a switch waits for its end (and a switch for one in progress).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import Awaitable, Callable
@@ -25,6 +28,9 @@ KEY_VARIABLE = "VLLM_API_KEY"
 SWITCH_PATH = "/weightsync/switch"
 RESET_TRIES = 3  # the prefix-cache reset inside a switch, tried again this often
 OPEN_PATHS = frozenset({"/health"})
+# The owner's own pause routes: one arriving during a switch waits for its end, and a switch
+# waits for one in progress (each would otherwise release or take the scheduler's hold midway).
+OWNER_PAUSE_PATHS = frozenset({"/pause", "/resume"})
 # Routes that never compute with the weights, which the actor drives during an update: the gate
 # lets them through while it holds the others.
 CONTROL_PATHS = frozenset(
@@ -62,12 +68,17 @@ class KeyOnEveryRoute:
         self.app = app
         self._digest = key_digest(key)
         self.gated = GatedRoutes(app, CONTROL_PATHS)
+        self._switching = asyncio.Lock()  # a switch, or an owner's /pause or /resume
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
         elif authorized(scope, self._digest) and scope["path"] == SWITCH_PATH:
-            await _switch_route(scope, receive, send)
+            async with self._switching:
+                await _switch_route(scope, receive, send)
+        elif authorized(scope, self._digest) and scope["path"] in OWNER_PAUSE_PATHS:
+            async with self._switching:
+                await self.gated(scope, receive, send)
         elif authorized(scope, self._digest):
             await self.gated(scope, receive, send)
         elif scope["type"] == "websocket":
@@ -83,19 +94,29 @@ class KeyOnEveryRoute:
             await send({"type": "http.response.body", "body": _UNAUTHORIZED})
 
 
-async def switch(engine: Any, version: str) -> dict[str, Any]:
+async def switch(engine: Any, version: str, method: str = "weightsync_commit") -> dict[str, Any]:
     """A staged update's end, inside the server: vLLM's scheduler held with the requests in
     flight kept where they are (no step runs), the prefix cache reset with those requests
     pre-empted (each goes on from its tokens so far, its KV computed again on the new weights),
     every worker switched to the staged weights (`weightsync_commit`), the weight version set
     (the tokens after the pause carry it) only when every worker switched, the scheduler
-    released. {"results": each worker's answer, "pause_s": seconds the scheduler was held,
+    released. When a worker's switch failed, each worker is put back on the weights it served
+    (`weightsync_undo_switch`, possible with keep_previous: a worker that switched swaps back,
+    one whose swap failed partway undid it itself) before the scheduler is released: "undone"
+    says whether every one is (None: every worker switched).
+    {"results": each worker's answer, "pause_s": seconds the scheduler was held,
     "pause_parts": those seconds in parts (`EndReport.pause_parts`)}; {"error": ...} when the
-    cache could not be reset (nothing switched)."""
+    cache could not be reset (nothing switched). `method` "weightsync_revert": the same
+    steps put back the weights the last switch replaced (`VllmEngineActor.revert`). A server
+    its owner had paused (vLLM's /pause) is neither held nor released here: it stays paused."""
+    # Asked before the hold (one call to the engine core, outside `pause_s`).
+    owner_paused = bool(await engine.is_paused()) if hasattr(engine, "is_paused") else False
     clock = PauseClock()
     core: Any = getattr(engine, "engine_core", None)
     try:
-        if hasattr(core, "pause_scheduler_async"):  # without pause_generation's settling sleep
+        if owner_paused:
+            pass  # no step runs: the owner's pause holds the requests in flight
+        elif hasattr(core, "pause_scheduler_async"):  # without pause_generation's settle sleep
             await core.pause_scheduler_async(mode="keep", clear_cache=False)
         else:
             await engine.pause_generation(mode="keep", clear_cache=False)
@@ -106,15 +127,27 @@ async def switch(engine: Any, version: str) -> dict[str, Any]:
         else:
             return {"error": "the prefix cache could not be reset; nothing was switched"}
         clock.mark("cache")
-        results = list(await engine.collective_rpc("weightsync_commit"))
+        results = list(await engine.collective_rpc(method))
         clock.mark("switch")
-        if all(isinstance(r, dict) and r.get("ok") for r in results):
+        switched = [isinstance(r, dict) and bool(r.get("ok")) for r in results]
+        undone = None
+        if all(switched):
             await engine.update_weight_version(version)
+        elif method == "weightsync_commit":
+            undo = list(await engine.collective_rpc("weightsync_undo_switch", args=(switched,)))
+            undone = all_undone(undo)
         clock.mark("version")
     finally:
-        await engine.resume_generation()
+        if not owner_paused:
+            await engine.resume_generation()
         clock.mark("resume")
-    return {"results": results, **clock.report()}
+    return {"results": results, "undone": undone, **clock.report()}
+
+
+def all_undone(replies: list[Any]) -> bool:
+    """Whether every worker's `weightsync_undo_switch` answered that it serves its previous
+    weights again (after a switch that failed on some worker)."""
+    return all(isinstance(r, dict) and r.get("ok") and r["result"].get("undone") for r in replies)
 
 
 async def _switch_route(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
@@ -122,9 +155,11 @@ async def _switch_route(scope: dict[str, Any], receive: Callable, send: Callable
         await answer(send, 405, {"error": f"POST {SWITCH_PATH} only"})
         return
     try:
-        version = str(json.loads(await request_body(receive) or b"{}")["version"])
-    except (ValueError, KeyError, TypeError) as exc:
+        body = json.loads(await request_body(receive) or b"{}")
+        version, revert = str(body["version"]), body.get("revert", False) is True
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         await answer(send, 400, {"error": f"{SWITCH_PATH}: {type(exc).__name__}: {exc}"})
         return
-    out = await switch(scope["app"].state.engine_client, version)
+    method = "weightsync_revert" if revert else "weightsync_commit"
+    out = await switch(scope["app"].state.engine_client, version, method)
     await answer(send, 200 if "results" in out else 500, out)

@@ -164,3 +164,56 @@ def test_a_sender_whose_receivers_never_join_fails_within_timeout_s_naming_them(
     )
     assert "SyncOptions.collective_host" in message and "SyncOptions.timeout_s" in message
     assert 3.0 <= waited_s < 3.0 + 5
+
+
+def _gloo_threads() -> int:
+    """This process's threads of gloo groups (their work threads and their devices' loops)."""
+    import pathlib
+
+    names = []
+    for task in pathlib.Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:
+            continue
+    return sum(1 for n in names if n.startswith(("pt_gloo", "gloo_tcp")))
+
+
+def test_a_receiver_lets_go_of_the_groups_of_senders_that_are_gone():
+    """An engine reached by one trainer after another (each a new sender, its own group): once
+    a sender is gone (its store closed), the receiver joining the next sender's group lets go
+    of the gone one's, its threads with it; a group whose sender lives is kept."""
+    import gc
+    import threading
+
+    receiver = make_receiver("gloo")
+    payload = torch.arange(256, dtype=torch.uint8)
+
+    def one_bucket(sender: CollectiveSender) -> None:
+        sender.buffer(0, payload.numel()).copy_(payload)
+        thread = threading.Thread(target=sender.send, args=(0, payload.numel()))
+        thread.start()
+        got = receiver.receive(sender.handle(0), payload.numel())
+        thread.join(timeout=60)
+        assert torch.equal(got, payload)
+
+    live = CollectiveSender(num_receivers=1, backend="gloo", timeout_s=30)
+    one_bucket(live)
+    threads = []
+    try:
+        for _ in range(3):
+            gone = CollectiveSender(num_receivers=1, backend="gloo", timeout_s=30)
+            one_bucket(gone)
+            gone.close()  # its trainer went: the store and its group with it
+            del gone
+            gc.collect()
+            threads.append(_gloo_threads())
+        one_bucket(live)  # the live sender's group was kept: the next bucket comes through it
+        # kept: the live sender's group and the last gone one's (let go at the next join)
+        kept = set(receiver._groups)  # type: ignore[attr-defined]
+        assert (live.host, live.port) in kept and len(kept) == 2, kept
+        # each new sender's group replaced the one gone before it: no growth after the first
+        assert threads[0] > 0 and threads[1] == threads[0] == threads[2], threads
+    finally:
+        live.close()
+        receiver.close()

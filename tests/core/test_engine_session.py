@@ -250,3 +250,148 @@ def test_a_staged_update_whose_switch_failed_is_not_served_from_then_on():
     engine.abort("the switch failed", "t")
     with pytest.raises(RuntimeError, match="does not serve"):
         engine.check_serving()
+
+
+class RevertingEngine(StagingEngine):
+    """A `StagingEngine` whose switch keeps what it replaces (as vLLM's under keep_previous);
+    its revert fails once after writing, once before (`fail`), where asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reverts: list[str] = []
+        self.fail: Exception | None = None
+
+    def _engine_swaps(self) -> bool:
+        return True
+
+    def _engine_revert(self, version: str) -> EndReport:
+        if self.fail is not None:
+            raise self.fail
+        self.reverts.append(version)
+        return EndReport(weight_version=version, pause_s=0.001)
+
+
+def test_revert_goes_back_one_staged_update_and_only_until_the_next_update():
+    """`revert` after a staged update whose switch kept the previous weights: the previous
+    version tag again, once; refused, naming why, where nothing is kept (before any update, a
+    second time, after an update that is not staged), during an update, and by an engine that
+    cannot revert. A revert that wrote nothing may be asked again; one that failed after
+    writing leaves the engine refusing to serve."""
+    from weightsync.engine.session import NothingSwitched
+
+    with pytest.raises(NotImplementedError, match="StagingEngine cannot revert a switch"):
+        StagingEngine().revert()
+    engine = RevertingEngine()
+    with pytest.raises(RuntimeError, match="nothing to revert"):
+        engine.revert()
+    for version in ("v1", "v2"):
+        engine.begin(version, False, "t", True)
+        engine.end(version)
+    assert engine.revert()["weight_version"] == "v1" and engine.weight_version() == "v1"
+    with pytest.raises(RuntimeError, match="nothing to revert"):
+        engine.revert()
+    engine.begin("v3", False, "t", True)
+    with pytest.raises(RuntimeError, match="revert during update 'v3'"):
+        engine.revert()
+    engine.end("v3")
+    engine.begin("v4")  # not staged: it writes the served weights
+    engine.end("v4")
+    with pytest.raises(RuntimeError, match="nothing to revert"):
+        engine.revert()
+    engine.begin("v5", False, "t", True)
+    engine.end("v5")
+    engine.fail = NothingSwitched("the prefix cache could not be reset")
+    with pytest.raises(NothingSwitched):
+        engine.revert()
+    engine.check_serving()
+    engine.fail = RuntimeError("worker 1's swap failed")
+    with pytest.raises(RuntimeError, match="worker 1's swap failed"):
+        engine.revert()
+    with pytest.raises(RuntimeError, match="the revert to 'v4' failed"):
+        engine.check_serving()
+    assert engine.reverts == ["v1"] and engine.weight_version() == "v5"
+
+
+class TimedEngine(RevertingEngine):
+    """A `RevertingEngine` that notes when each switch and revert began."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.switched: list[float] = []
+
+    def _engine_end(self, version: str) -> EndReport:
+        self.switched.append(time.time())
+        return super()._engine_end(version)
+
+    def _engine_revert(self, version: str) -> EndReport:
+        self.switched.append(time.time())
+        return super()._engine_revert(version)
+
+
+def test_a_staged_update_switches_at_the_instant_its_sender_named():
+    """`end(..., switch_at=)` on a staged update (`SyncOptions.switch_lead_s`): the engine
+    serves on until that instant, then switches, and reports the instant (`switch_at`); an
+    instant already passed switches at once. `revert(switch_at=)` likewise. An update that is
+    not staged pays no wait and reports none."""
+    engine = TimedEngine()
+    engine.begin("v1", False, "t", True)
+    at = time.time() + 0.3
+    report = engine.end("v1", None, None, at)
+    assert engine.switched[-1] >= at and report["switch_at"] == at
+    assert engine.generating and engine.weight_version() == "v1"
+    engine.begin("v2", False, "t", True)
+    start = time.time()
+    assert engine.end("v2", None, None, start - 5)["switch_at"] == start - 5
+    assert engine.switched[-1] - start < 0.25  # no wait (a loose bound: this machine is shared)
+    at = time.time() + 0.3
+    assert engine.revert(at)["switch_at"] == at and engine.switched[-1] >= at
+    assert engine.weight_version() == "v1"
+    engine.begin("v3")  # not staged: the engine paused at begin, and switches when told
+    start = time.time()
+    report = engine.end("v3", None, None, start + 30)
+    assert "switch_at" not in report and engine.switched[-1] - start < 5
+
+
+class PreparingEngine(TimedEngine):
+    """A `TimedEngine` that notes when it readied a switch (`_engine_prepare`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared: list[float] = []
+
+    def _engine_prepare(self) -> None:
+        self.prepared.append(time.time())
+
+
+def test_a_staged_switch_is_readied_before_the_pause_once_where_stage_did_not():
+    """An unverified staged update's switch is readied (`_engine_prepare`: the batched copies
+    planned) in `end` before the named instant, not inside the switch's pause; a verified one
+    readied it at `stage`, and an update that is not staged has no switch to ready."""
+    engine = PreparingEngine()
+    engine.begin("v1", False, "t", True)
+    at = time.time() + 0.3
+    engine.end("v1", None, None, at)
+    assert len(engine.prepared) == 1 and engine.prepared[0] < at <= engine.switched[-1]
+    engine.begin("v2", False, "t", True)
+    engine.stage("v2")
+    engine.end("v2")
+    assert len(engine.prepared) == 1  # `stage` readied it
+    engine.begin("v3")
+    engine.end("v3")
+    assert len(engine.prepared) == 1
+    engine.begin("v4", False, "t", True)
+    engine.end("v4")
+    assert len(engine.prepared) == 2 and engine.prepared[1] <= engine.switched[-1]
+
+
+def test_a_switch_instant_far_ahead_is_waited_for_at_most_switch_wait_max_s(monkeypatch):
+    """A sender whose clock runs ahead names an instant far off: the engine waits at most
+    `SWITCH_WAIT_MAX_S`, not until it."""
+    import weightsync.engine.session as session
+
+    monkeypatch.setattr(session, "SWITCH_WAIT_MAX_S", 0.2)
+    engine = TimedEngine()
+    engine.begin("v1", False, "t", True)
+    start = time.time()
+    engine.end("v1", None, None, start + 3600)
+    assert 0.2 <= engine.switched[-1] - start < 5 and engine.weight_version() == "v1"

@@ -87,17 +87,23 @@ def _rank(rank: int, port: int, results, options: dict) -> None:
     close_trainer_group()
 
 
-def test_a_tp_engines_first_verified_sync_fails_before_commit_on_every_rank():
+def _two_ranks(target, *args) -> dict:
+    """`target(rank, port, results, *args)` in two spawned processes: {rank: what it put}."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, results, {})) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, results, *args)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=240) for _ in procs)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    return got
+
+
+def test_a_tp_engines_first_verified_sync_fails_before_commit_on_every_rank():
+    got = _two_ranks(_rank, {})
     zero, one = got[0], got[1]
     # Rank 0 raises what failed: the worker and parameter, before the engine adopted the update.
     assert zero["error"].startswith("VerificationFailed: verification failed, update 'v1' aborted")
@@ -112,3 +118,57 @@ def test_a_tp_engines_first_verified_sync_fails_before_commit_on_every_rank():
         assert not zero["v2"][name].get("pending")
     assert zero["v2_versions"] == ["v2", "v2"] and zero["w1"]
     assert one["v2"] is None
+
+
+def _slow_rank(rank: int, port: int, results, slow_s: float, timeout_s: float) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from weightsync import SyncOptions, TrainerSync
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
+    from weightsync.trainer.endpoint import LocalEndpoint
+    from weightsync.trainer.process_group import close_trainer_group, init_trainer_group
+
+    class Slow(ModuleWeightReceiver):
+        """An engine whose `stage` and `end` each take `slow_s`: within the sync's timeout
+        one at a time, beyond it together."""
+
+        def _engine_stage(self):
+            time.sleep(slow_s)
+            return super()._engine_stage()
+
+        def _engine_end(self, version):
+            time.sleep(slow_s)
+            return super()._engine_end(version)
+
+    init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    sync = TrainerSync(model, options=SyncOptions(verify=True, timeout_s=timeout_s))
+    engines = {}
+    if rank == 0:
+        slow = Slow(_model(), name="slow")
+        engines = {"slow": LocalEndpoint(slow, name="slow")}
+    sync.connect(engines)
+    out: dict = {}
+    start = time.monotonic()
+    try:
+        report = sync.sync("v1")
+        out["verified"] = None if report is None else report.verify["slow"].verified
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    out["sync_s"] = time.monotonic() - start
+    sync.close()
+    results.put((rank, out))
+    close_trainer_group()
+
+
+def test_a_verified_sync_longer_than_the_timeout_passes_where_each_engine_call_is_within_it():
+    """The other ranks wait for rank 0's checks and `end` in a collective bounded by the sync's
+    timeout; rank 0 tells them the sync goes on between two engine calls, so an engine whose
+    `stage` and `end` each take 60% of the timeout (1.2 times it together) passes on every
+    rank, instead of failing the others at the timeout."""
+    got = _two_ranks(_slow_rank, 3.0, 5.0)
+    assert got[0].get("verified") is True, got
+    assert "error" not in got[1] and got[1]["sync_s"] > 6.0, got

@@ -81,10 +81,26 @@ def test_probe_finds_verbatim_destinations_and_leaves_the_parameters_as_they_wer
         assert torch.equal(p, before[name])
 
 
+def _counted(put, calls):
+    """(load_one, load_many) loaders that `put` each tensor, counting their calls in `calls`."""
+
+    def load_one(name, tensor):
+        calls["one"] += 1
+        put(name, tensor)
+
+    def load_many(pairs):
+        calls["many"] += 1
+        for name, tensor in pairs:
+            put(name, tensor)
+
+    return load_one, load_many
+
+
 def test_the_tensors_of_a_fused_parameter_are_probed_together_in_one_load():
     """64 experts loaded into one fused parameter in a shuffled order, plus a tied pair (two
-    tensors into the same place): the experts are found by one batched load (no probe per
-    tensor), the tied pair one at a time, and the parameters are left as they were."""
+    tensors into the same place): the experts are not where the group probe guesses (back to
+    back in order), so they are found by one batched load of their parameter alone (no probe
+    per tensor), the tied pair one at a time, and the parameters are left as they were."""
     experts, rows = 64, 3
     params = {
         "w": torch.randn(experts * rows, 4).to(torch.bfloat16),
@@ -101,15 +117,7 @@ def test_the_tensors_of_a_fused_parameter_are_probed_together_in_one_load():
             i = slot[int(name[1:])]
             params["w"][i * rows : (i + 1) * rows].copy_(tensor)
 
-    def load_one(name, tensor):
-        calls["one"] += 1
-        put(name, tensor)
-
-    def load_many(pairs):
-        calls["many"] += 1
-        for name, tensor in pairs:
-            put(name, tensor)
-
+    load_one, load_many = _counted(put, calls)
     specs = {n: TensorSpec(name=n, dtype="bfloat16", shape=(rows, 4)) for n in names}
     specs |= {n: TensorSpec(name=n, dtype="float32", shape=(6, 4)) for n in ("embed", "head")}
     param_of = {n: ["w"] for n in names} | {"embed": ["emb"], "head": ["emb"]}
@@ -119,11 +127,123 @@ def test_the_tensors_of_a_fused_parameter_are_probed_together_in_one_load():
         "embed": ("emb", 0),
         "head": ("emb", 0),
     }
-    # One batched load a parameter; the tied pair: one of them overwrote the other, which
-    # was then probed alone (and the one found in the batch is not probed again).
-    assert calls == {"one": 1, "many": 2}, calls
+    # The group's load (the experts; the tied pair does not fit its parameter), one batched
+    # load a parameter; the tied pair: one of them overwrote the other, which was then probed
+    # alone (and the one found in the batch is not probed again).
+    assert calls == {"one": 1, "many": 3}, calls
     for name, p in params.items():
         assert torch.equal(p, before[name])
+
+
+@pytest.mark.parametrize("cols", [4, 3])  # 24-byte experts (one copy checks them), 18-byte
+def test_experts_loaded_in_order_after_a_header_are_found_in_one_batched_load(cols):
+    """Experts loaded back to back, in order, after 4 elements of something else: not where the
+    group probe guesses, so the parameter's own batched probe places every one (where 8-byte
+    sizes let it check them with one copy, and piece by piece otherwise) and puts the
+    parameter back."""
+    experts, rows, head = 16, 3, 4
+    params = {"w": torch.randn(head + experts * rows * cols).to(torch.bfloat16)}
+    names = [f"e{i}" for i in range(experts)]
+    calls = {"one": 0, "many": 0}
+
+    def put(name, tensor):
+        at = head + int(name[1:]) * rows * cols
+        params["w"][at : at + rows * cols].copy_(tensor.reshape(-1))
+
+    load_one, load_many = _counted(put, calls)
+    specs = {n: TensorSpec(name=n, dtype="bfloat16", shape=(rows, cols)) for n in names}
+    before = params["w"].clone()
+    found = probe_destinations(params, {n: ["w"] for n in names}, specs, load_one, load_many)
+    assert found == {n: ("w", 2 * (head + i * rows * cols)) for i, n in enumerate(names)}
+    # The group's load, then the parameter's; 18-byte experts guessed at 8-byte aligned places
+    # would overrun the parameter: no group is tried.
+    assert calls == {"one": 0, "many": 2 if cols == 4 else 1}, calls
+    assert torch.equal(params["w"], before)
+
+
+def _many_params(count: int):
+    """`count` parameters of one tensor each (sizes 3 to 40 elements: some not a multiple of 8
+    bytes, one of 2 bytes), a fused q/k/v loaded back to back in order, "conv" that the loader
+    converts (bf16 in, float32 kept: not verbatim) and "flag" whose loader also writes a byte
+    of another parameter's (an engine's "loaded" mark): random values everywhere."""
+    gen = torch.Generator().manual_seed(3)
+    params = {f"p{i}": torch.randn(1 + (i * 7) % 40, generator=gen) for i in range(count)}
+    params = {n: p.to(torch.bfloat16) for n, p in params.items()}
+    params["qkv"] = torch.randn(12, 8, generator=gen).to(torch.bfloat16)
+    params["conv"] = torch.randn(6, generator=gen)
+    params["flag"] = torch.randn(8, generator=gen).to(torch.bfloat16)
+    specs = {
+        n: TensorSpec(name=n, dtype="bfloat16", shape=tuple(p.shape)) for n, p in params.items()
+    }
+    del specs["qkv"]
+    specs |= {n: TensorSpec(name=n, dtype="bfloat16", shape=(4, 8)) for n in ("q", "k", "v")}
+    param_of = {n: [n] for n in specs} | {n: ["qkv"] for n in ("q", "k", "v")}
+    rows = {"q": 0, "k": 4, "v": 8}
+
+    def put(name, tensor):
+        if name in rows:
+            params["qkv"][rows[name] : rows[name] + 4].copy_(tensor)
+        else:
+            params[name].copy_(tensor)  # "conv": bf16 converted into float32
+        if name == "flag":
+            params["flag"][0] = 1.0
+
+    return params, specs, param_of, put
+
+
+def test_many_parameters_are_placed_by_one_load_and_those_the_loader_changes_are_left_out():
+    """Hundreds of parameters probed in one load of all their tensors: each tensor placed at
+    its byte offset (q, k, v back to back in their fused parameter); the converted tensor and
+    the one whose loader writes an extra byte are left out after a probe of their own; every
+    parameter is left as it was, byte for byte."""
+    params, specs, param_of, put = _many_params(300)
+    calls = {"one": 0, "many": 0}
+    load_one, load_many = _counted(put, calls)
+    before = {n: p.clone() for n, p in params.items()}
+    found = probe_destinations(params, param_of, specs, load_one, load_many)
+    expected = {n: (n, 0) for n in params if n.startswith("p")}
+    expected |= {"q": ("qkv", 0), "k": ("qkv", 64), "v": ("qkv", 128)}
+    assert found == expected
+    # One load for the group; "conv" and "flag" alone: each one tensor, so one at a time.
+    assert calls == {"one": 2, "many": 1}, calls
+    for name, p in params.items():
+        assert torch.equal(p.view(torch.uint8), before[name].view(torch.uint8)), name
+
+
+def test_a_group_budget_splits_the_probe_into_loads_of_at_most_that_many_bytes(monkeypatch):
+    from weightsync.engine.one_copy import segment
+
+    params, specs, param_of, put = _many_params(300)
+    calls = {"one": 0, "many": 0}
+    load_one, load_many = _counted(put, calls)
+    monkeypatch.setitem(segment.GROUP_BYTES, "cpu", 1024)
+    sizes = []
+    found = probe_destinations(
+        params,
+        param_of,
+        specs,
+        load_one,
+        lambda pairs: [sizes.append(len(pairs)), load_many(pairs)],
+    )
+    assert len(found) == 303
+    assert calls["many"] == len(sizes) > 10, calls  # each load at most 1024 bytes of parameters
+    assert sum(sizes) == 303 + 2  # every tensor once, "conv" and "flag" in their groups
+
+
+def test_a_loader_that_fails_during_a_group_probe_leaves_every_parameter_as_it_was():
+    params, specs, param_of, put = _many_params(50)
+    before = {n: p.clone() for n, p in params.items()}
+
+    def load_many(pairs):
+        for name, tensor in pairs:
+            put(name, tensor)
+            if name == "p30":
+                raise RuntimeError("loader failed")
+
+    with pytest.raises(RuntimeError, match="loader failed"):
+        probe_destinations(params, param_of, specs, lambda n, t: put(n, t), load_many)
+    for name, p in params.items():
+        assert torch.equal(p.view(torch.uint8), before[name].view(torch.uint8)), name
 
 
 def test_a_loader_that_writes_beyond_its_tensor_is_probed_one_at_a_time_and_left_out():
@@ -359,3 +479,34 @@ def test_a_new_update_closes_a_one_copy_begin_other_workers_refused():
         receiver.receiver.end_one_copy()
     finally:
         receiver.receiver.close()
+
+
+def test_a_receiver_that_learned_whole_placements_shares_without_running_its_loader_again():
+    """A receiver that learned where its loader puts every tensor while loading (whole, in
+    order) shares its parameters with no probe load: the same offsets as a receiver that
+    learned nothing and probes."""
+    from weightsync.apps.layouts import build_module
+
+    experts = 16
+    shapes = [("w13", (experts * 4, 6)), ("norm", (6,))]
+    where = {f"e{i}": ("w13", i * 24) for i in range(experts)}
+    specs = [TensorSpec(name=n, dtype="bfloat16", shape=(4, 6)) for n in where]
+    specs.append(TensorSpec(name="norm", dtype="bfloat16", shape=(6,)))
+    tensors = [(s.name, torch.randn(s.shape).to(torch.bfloat16)) for s in specs]
+    answers, loads = [], []
+    for learned in (True, False):
+        receiver = ModuleWeightReceiver(build_module(shapes, fill=True), fused=where, sliced=True)
+        receiver.check_refit([spec.to_dict() for spec in specs])
+        if learned:
+            receiver.receiver.learn_placements(tensors)
+        count = []
+        inner = receiver.receiver.load_fn
+        receiver.receiver.sharing.load_fn = lambda pairs, c=count, f=inner: [c.append(1), f(pairs)]
+        try:
+            answers.append(receiver.receiver.share().shared["offsets"])
+        finally:
+            receiver.receiver.close()
+        loads.append(len(count))
+    assert answers[0] == answers[1]
+    assert [answers[0][n] - answers[0]["e0"] for n in where] == [48 * i for i in range(experts)]
+    assert loads[0] == 0 and loads[1] >= 1, loads

@@ -10,6 +10,7 @@ from weightsync.wire.fingerprint import fingerprint
 from weightsync.wire.placement import (
     expected_worker_fingerprints,
     learn_placement,
+    learn_placements,
     pattern_view,
     patterns,
 )
@@ -95,6 +96,79 @@ def test_a_loader_that_converts_or_transforms_has_no_placement():
     full = torch.randn(4, 4)
     _apply(param, full, transposed)  # a permutation is a placement too
     assert torch.equal(param.data, full.t())
+
+
+def _sliced_experts(experts: int, rank: int, transposed: frozenset = frozenset()):
+    """Rank `rank` of 2 of an MoE layer: each expert's (8, 6) weight cut along dim 1 into one
+    fused parameter [experts, 8, 3], in a shuffled order; the experts in `transposed` are
+    kept transposed (a permutation, still a placement)."""
+    param = _param((experts, 8, 3))
+    slot = torch.randperm(experts, generator=torch.Generator().manual_seed(2)).tolist()
+
+    def load_one(i, t):
+        part = t.narrow(1, 3 * rank, 3)
+        if i in transposed:
+            part = t.t()[3 * rank : 3 * rank + 3].reshape(8, 3)
+        param.data[slot[i]].copy_(part)
+
+    return param, load_one
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_tensors_of_one_parameter_are_learned_together_as_each_alone(rank):
+    """64 experts' slices in one fused parameter: learned together in two loads (one index
+    pass: 3072 elements fit float32's 31 bits; one of random bytes), the same patterns as
+    learned one at a time, and the live weights untouched."""
+    experts = 64
+    param, load_one = _sliced_experts(experts, rank, frozenset({5, 9}))
+    live = param.data.clone()
+    loads = []
+
+    def load(pairs):
+        loads.append(len(pairs))
+        for i, t in pairs:
+            load_one(i, t)
+
+    items = [(torch.float32, (8, 6))] * experts
+    together = learn_placements(param, items, load)
+    alone = [
+        learn_placement(param, torch.float32, (8, 6), lambda t, i=i: load_one(i, t))
+        for i in range(experts)
+    ]
+    assert together == alone and all(together)
+    assert loads == [experts, experts]  # one index pass (64 * 48 elements < 2**31), one random
+    assert torch.equal(param.data, live)
+
+
+def test_tensors_loaded_over_each_other_are_learned_one_at_a_time():
+    """Two tensors the loader copies into the same place (a tied pair), in a parameter with a
+    third: learned together they would give the first no elements; the random pass, loaded in
+    reverse, catches it and each is learned alone: both placed at that place."""
+    param = _param((3, 4))
+    loads = []
+
+    def load(pairs):
+        loads.append([i for i, _ in pairs])
+        for i, t in pairs:
+            param.data[0 if i < 2 else 2].copy_(t)
+
+    pats = learn_placements(param, [(torch.float32, (4,))] * 3, load)
+    assert pats == [[[0, 0, 4, 1, 0, 0]], [[0, 0, 4, 1, 0, 0]], [[8, 0, 4, 1, 0, 0]]]
+    assert loads[:2] == [[0, 1, 2], [2, 1, 0]] and len(loads) == 2 + 3 * 2
+
+
+def test_a_tensor_of_another_dtype_or_empty_among_others_is_left_out_or_empty():
+    param = _param((2, 4))
+
+    def load(pairs):
+        for i, t in pairs:
+            if t.numel():
+                param.data[i].copy_(t)
+
+    pats = learn_placements(
+        param, [(torch.float32, (4,)), (torch.bfloat16, (4,)), (torch.float32, (0,))], load
+    )
+    assert pats == [[[0, 0, 4, 1, 0, 0]], None, []]
 
 
 def test_patterns_compress_rows_and_keep_irregular_runs():
@@ -204,7 +278,8 @@ def test_expected_prints_from_the_sent_fingerprints_alone_equal_those_from_the_e
     `WorkerPrints` computes from the tensors' elements, for tensors of 1-, 2- and 4-byte dtypes
     placed whole at offsets of fused parameters and alone in their own; None as soon as one
     tensor is placed otherwise, or was not sent."""
-    from weightsync.wire.placement import prints_from_sent
+    from weightsync.wire.fingerprint import FingerprintBatch, table_prints
+    from weightsync.wire.placement import WholePrints, prints_from_sent
     from weightsync.wire.specs import TensorSpec
 
     gen = torch.Generator().manual_seed(0)
@@ -231,7 +306,129 @@ def test_expected_prints_from_the_sent_fingerprints_alone_equal_those_from_the_e
     got = prints_from_sent(placements, sent, specs)
     assert got is not None and len(got) == 3 * 3
     assert got == expected_worker_fingerprints(tensors, placements)
+    # The same by array arithmetic on the batch's table, the plan kept for the next sync.
+    batch = FingerprintBatch()
+    order = list(reversed(tensors))  # the table's rows in the order the tensors were sent
+    batch.add_all([tensors[n] for n in order])
+    table = batch.read_table()
+    assert table_prints(table) == [fingerprint(tensors[n]) for n in order]
+    plan = WholePrints.of(placements, order, specs)
+    assert plan.whole and plan.prints(table) == got
+    assert WholePrints.of(placements, list(order), specs) is plan
     sliced = {**placements, "l1.k": ["l1.qkv", [[32, 8, 8, 1, 0, 0]]]}
     assert prints_from_sent(sliced, sent, specs) is None
+    assert not WholePrints.of(sliced, order, specs).whole
     del sent["l2.norm"]
     assert prints_from_sent(placements, sent, specs) is None
+    assert not WholePrints.of(placements, order[1:], specs).whole  # l2.norm not sent
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_placed_prints_equal_the_patterns_fingerprinted_one_by_one(dtype):
+    """`placed_prints` (one zeroed span, one fingerprint) gives the combination of `placed` over
+    the patterns, for a transposed slice (one pattern per row, copied as one block), column and
+    row slices of a matrix, and runs longer than a fingerprint row; and equals the fingerprint
+    of a parameter the patterns write (`_apply`) where they cover it."""
+    from weightsync.wire.fingerprint import combine, placed
+    from weightsync.wire.placement import blocks, placed_prints
+
+    gen = torch.Generator().manual_seed(3)
+    source = (torch.randn(96, 40, generator=gen) * 50).to(dtype)
+    # The worker's parameter is rows 48..95 of the source transposed: dst (j, i) <- src (48+i, j).
+    dst_idx = torch.arange(40 * 48)
+    src_idx = (48 + dst_idx % 48) * 40 + dst_idx // 48
+    transposed = patterns(dst_idx, src_idx)
+    assert len(transposed) == 40 and len(blocks(transposed)) == 1
+    long = torch.randint(-100, 100, (3, 70001), generator=gen).to(dtype)
+    cases = [
+        (source, transposed, (40, 48)),
+        (source, [[0, 48 * 40, 48 * 40, 1, 0, 0]], (48, 40)),  # rows 48..95: one run
+        (source, [[0, 20, 20, 96, 20, 40]], (96, 20)),  # columns 20..39 of each row
+        (source, [[7, 20, 20, 96, 25, 40]], (96 * 25 + 7,)),  # the same at a stride, offset
+        (long, [[5, 0, 70001, 3, 80000, 70001]], (3, 80000)),
+        # Halves placed the other way round (a loader that swaps q and k): sources step back.
+        (source, [[0, 1920, 1920, 1, 0, 0], [1920, 0, 1920, 1, 0, 0]], (96, 40)),
+        (source, [[0, 40, 20, 1, 0, 0], [20, 0, 20, 1, 0, 0], [40, 60, 20, 1, 0, 0]], (3, 20)),
+    ]
+    for tensor, pats, shape in cases:
+        flat = tensor.reshape(-1)
+        want = combine([placed(pattern_view(flat, p), p[0], p[4]) for p in pats])
+        assert placed_prints(flat, pats) == want, pats[:2]
+        param = torch.zeros(shape, dtype=dtype)
+        _apply(param, tensor, pats)
+        assert placed_prints(flat, pats) == fingerprint(param)
+    # A view into a larger storage (a bucket) gives the same.
+    bucket = torch.cat([torch.zeros(13, dtype=dtype), source.reshape(-1)])
+    assert placed_prints(bucket[13:], transposed) == placed_prints(source.reshape(-1), transposed)
+
+
+def test_a_receiver_learns_whole_tensors_of_a_parameter_in_one_load_and_slices_by_element():
+    """A receiver learning where a bucket's tensors land: 48 experts placed whole in one fused
+    parameter take one load of them all (keyed random bytes), not a few loads each; a
+    parameter that keeps a slice of its tensor is learned element by element; the placements
+    are those learned one tensor at a time, and the live weights are untouched."""
+    from weightsync.apps.layouts import build_module
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
+    from weightsync.wire.specs import TensorSpec
+
+    experts = 48
+    model = build_module([("w13", (experts * 4, 6)), ("rows", (3, 6))], fill=True)
+    where = {f"e{i}": ("w13", i * 24) for i in range(experts)}
+    receiver = ModuleWeightReceiver(model, fused=where, sliced=True)
+    params = dict(model.named_parameters())
+    params["rows"].weight_loader = lambda p, t: p.data.copy_(t[3:])  # a worker's rows
+    specs = [TensorSpec(name=n, dtype="bfloat16", shape=(4, 6)) for n in where]
+    specs.append(TensorSpec(name="rows", dtype="bfloat16", shape=(6, 6)))
+    receiver.check_refit([spec.to_dict() for spec in specs])
+    live = {n: p.data.clone() for n, p in params.items()}
+    loads = []
+    inner = receiver.receiver.buckets.load
+    receiver.receiver.buckets.load = lambda pairs: [loads.append(len(pairs)), inner(pairs)]
+    tensors = [(s.name, torch.randn(s.shape).to(torch.bfloat16)) for s in specs]
+    receiver.receiver.learn_placements(tensors)
+    placements = receiver.receiver.placements
+    assert placements == {n: ["w13", [[at, 0, 24, 1, 0, 0]]] for n, (_, at) in where.items()} | {
+        "rows": ["rows", [[0, 18, 18, 1, 0, 0]]]
+    }
+    # The experts: one load; "rows": one of keyed bytes (its key is not where it landed), then
+    # one index pass and one random pass.
+    assert loads == [experts, 1, 1, 1], loads
+    for name, p in params.items():
+        assert torch.equal(p.data, live[name]), name
+
+
+def test_a_receiver_guesses_many_parameters_in_one_load_and_a_later_bucket_from_where_they_end():
+    """Three fused parameters whose tensors the loader copies back to back in bucket order are
+    learned in one load of all their tensors on scratch memory; the next bucket's experts of
+    the same parameter are guessed from where the first bucket's ended (one load again); a
+    parameter whose loader reverses its tensors misses the guess and is placed by its own
+    keyed load. The placements are the loaders', and the live weights are untouched."""
+    from weightsync.apps.layouts import build_module
+    from weightsync.engine.module_receiver import ModuleWeightReceiver
+    from weightsync.wire.specs import TensorSpec
+
+    shapes = [("a", (8, 6)), ("b", (12, 6)), ("w13", (16, 6)), ("rev", (8, 6))]
+    where = {f"a{i}": ("a", i * 24) for i in range(2)}
+    where |= {f"b{i}": ("b", i * 24) for i in range(3)}
+    where |= {f"e{i}": ("w13", i * 24) for i in range(4)}
+    where |= {f"r{i}": ("rev", (1 - i) * 24) for i in range(2)}  # in reverse
+    model = build_module(shapes, fill=True)
+    receiver = ModuleWeightReceiver(model, fused=where, sliced=True)
+    specs = [TensorSpec(name=n, dtype="bfloat16", shape=(4, 6)) for n in where]
+    receiver.check_refit([spec.to_dict() for spec in specs])
+    params = dict(model.named_parameters())
+    live = {n: p.data.clone() for n, p in params.items()}
+    loads = []
+    inner = receiver.receiver.buckets.load
+    receiver.receiver.buckets.load = lambda pairs: [loads.append(len(pairs)), inner(pairs)]
+    tensors = {s.name: torch.randn(s.shape).to(torch.bfloat16) for s in specs}
+    first = ["a0", "a1", "b0", "b1", "b2", "e0", "e1", "r0", "r1"]
+    receiver.receiver.learn_placements([(n, tensors[n]) for n in first])
+    assert loads == [9, 2], loads  # one guess for all; "rev" alone, by keyed bytes
+    loads.clear()
+    receiver.receiver.learn_placements([(n, tensors[n]) for n in ("e2", "e3")])
+    assert loads == [2], loads  # guessed from the end of e1
+    placements = receiver.receiver.placements
+    assert placements == {n: [p, [[at, 0, 24, 1, 0, 0]]] for n, (p, at) in where.items()}
+    for name, p in params.items():
+        assert torch.equal(p.data, live[name]), name

@@ -141,8 +141,11 @@ def test_a_following_rank_plans_the_buckets_again_only_when_the_layout_changed()
 def test_an_fsdp2_model_s_layout_has_each_dtensor_s_global_shape_and_follows_a_new_one():
     """A DTensor's shape is read from its spec (`_shapes`, not `.shape`, ~3 us a tensor): the
     layout still gives every parameter's global shape, and a parameter FSDP2 holds replaced by
-    one of another shape shows in the next layout."""
+    one of another shape shows in the next layout. An unchanged model's layout comes from the
+    quick check (each DTensor's spec still has the same `tensor_meta`), and a DTensor whose
+    spec was given another shape in place (the same object) shows too."""
     from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     from tests.conftest import free_port
     from weightsync.trainer.process_group import (
@@ -158,6 +161,18 @@ def test_an_fsdp2_model_s_layout_has_each_dtensor_s_global_shape_and_follows_a_n
         assert type(weight) is DTensor
         source = DTensorV2Source(model)
         assert _shapes(source) == {n: tuple(p.shape) for n, p in model.named_parameters()}
+        first = source.layout()
+        assert source.layout() is first
+        spec = model[1].weight._spec
+        meta = spec.tensor_meta
+        model[1].weight._spec = DTensorSpec(
+            spec.mesh,
+            spec.placements,
+            tensor_meta=TensorMeta(torch.Size([2, 7]), (7, 1), meta.dtype),
+        )
+        assert _shapes(source)["1.weight"] == (2, 7)
+        model[1].weight._spec = spec
+        assert _shapes(source)["1.weight"] == (2, 6)
         first = source.layout()
         model[0].weight = nn.Parameter(
             distribute_tensor(torch.zeros(9, 4), weight.device_mesh, weight.placements)

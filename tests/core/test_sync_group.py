@@ -73,3 +73,49 @@ def test_plain_data_crosses_as_json_and_an_unencodable_value_fails_every_rank(wo
     assert outs[1]["gathered"] is None
     assert outs[1]["unencodable"].startswith("RuntimeError: sync group: rank 0 could not")
     assert outs[1]["after"] == "still in step"
+
+
+def _late_rank(rank: int, port: int, results) -> None:
+    import os
+    import time
+
+    from weightsync.trainer.process_group import init_trainer_group
+    from weightsync.trainer.sync_group import SyncGroup
+
+    init_trainer_group(
+        rank=rank,
+        world_size=2,
+        master_addr="127.0.0.1",
+        master_port=port,
+        device="cpu",
+        timeout_s=2,
+    )
+    group = SyncGroup(timeout_s=60)
+    if rank == 1:
+        time.sleep(5)  # still in its previous call when rank 0 begins the sync
+    try:
+        group.recover()
+        results.put((rank, "recovered"))
+    except RuntimeError as exc:
+        results.put((rank, str(exc)))
+    results.close()
+    results.join_thread()  # the answer is sent before the process leaves
+    os._exit(0)  # the group is out of step: no clean exit through it
+
+
+def test_a_rank_that_does_not_begin_the_sync_in_time_is_named_as_the_cause():
+    """A sync's first collective (whether the last one failed anywhere) waits the training
+    group's timeout for every rank; a rank still busy elsewhere fails it with a message that
+    says so, not gloo's bare receive timeout."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_late_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    outs = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for rank in (0, 1):  # the rank that came late finds the other gone
+        assert outs[rank].startswith(f"trainer rank {rank}: the ranks did not all begin"), outs
+        assert "every rank must call sync() together" in outs[rank]

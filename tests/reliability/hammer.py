@@ -10,12 +10,14 @@ decoded partly on half-written weights, or on weights of two versions, equals no
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import ray
 
 from tests.engine_checks import prompt_ids
@@ -23,7 +25,8 @@ from weightsync.engine.server import http_json
 
 MAX_NEW_TOKENS = 8
 NUM_CLIENTS = 3
-STAGED_SYNCS = 12  # `check_staged_syncs_under_requests`
+STAGED_SYNCS = 12  # `check_staged_syncs_under_requests`: at most
+MIN_STAGED_SYNCS = 2
 
 
 @dataclass(slots=True)
@@ -61,6 +64,14 @@ class Hammer:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=300)
+        failed = [a for a in self.answers if a.outcome.startswith("failed")]
+        longest = max((a.done_s - a.sent_s for a in self.answers), default=0.0)
+        print(
+            f"hammer: {len(self.answers)} answers, {len(failed)} failed"
+            + (f" (first: {failed[0].outcome[:160]})" if failed else "")
+            + f", longest request {longest:.1f} s",
+            flush=True,
+        )
 
     def _run(self, prompts: list[list[int]], client: int) -> None:
         i = client
@@ -116,6 +127,7 @@ def run_syncs_under_requests(
             start = time.monotonic()
             report = trainer.call("sync", f"v{i}")
             windows.append((start, time.monotonic()))
+            print(f"sync v{i} done in {windows[-1][1] - start:.2f} s", flush=True)
             paths.append(report["engines"][name]["path"])
             time.sleep(0.3)  # some answers between syncs too
         time.sleep(2)
@@ -176,6 +188,38 @@ def check_answers(
     return counts
 
 
+def vllm_spans_hammer(engine, versions: dict[str, int]) -> Hammer:
+    """Requests to vLLM's /inference/v1/generate (a server started with `--enable-scale-out`);
+    each answer tagged with the JSON of its version spans [[version index (`versions[tag]`,
+    -1 for another), start, end], ...]."""
+    import json
+
+    base, key = engine_server(engine)
+
+    def ask(prompt: list[int]):
+        body = {
+            "token_ids": prompt,
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_tokens": MAX_NEW_TOKENS,
+                "ignore_eos": True,
+            },
+        }
+        return post_json(base, "/inference/v1/generate", body, api_key=key)
+
+    def parse(out):
+        choice = out["choices"][0]
+        if choice.get("finish_reason") == "abort":
+            return None, None
+        spans = [
+            [versions.get(s["version"], -1), s["start"], s["end"]]
+            for s in choice["weight_versions"]
+        ]
+        return choice["token_ids"], json.dumps(spans)
+
+    return Hammer(ask, parse)
+
+
 def engine_server(engine) -> tuple[str, str]:
     base = ray.get(engine.server_url.remote())
     key = ray.get(engine.server_api_key.remote())
@@ -213,16 +257,24 @@ def check_a_request_waits_for_the_open_update(
 
 
 def check_probes_through_the_gate(
-    engine, model: str, worker: str, served: Callable[[], list[list[int]]]
+    engine,
+    model: str,
+    worker: str,
+    served: Callable[[], list[list[int]]],
+    trainer: Any,
 ) -> None:
     """Two trainers that probe sync into the engine's HTTP server: the probe's request alone
-    passes weightsync's gate while the update is open. A bound below the float32 gap between
+    passes weightsync's gate while the update is open. First `trainer` (the module's, already
+    connected) syncs random weights into the server, so that it does not serve the
+    checkpoint's, which the probing trainers hold (as when this runs first in its module). A bound below the float32 gap between
     the trainer's forward and the engine's fails the probe: rolled back (keep_previous), the
     server keeps serving what it served (`served()`: the greedy tokens of `prompt_ids()`, asked
     of the server directly); a sound bound passes with a gap below 1e-4, and the server then
     serves the trainer's weights."""
     from weightsync.driver import launcher
 
+    trainer.call("set_weights_from", 321)
+    trainer.sync("before-probes")
     before = served()
     version = ray.get(engine.weight_version.remote())
     outcomes: dict[str, Any] = {}
@@ -258,32 +310,40 @@ def check_probes_through_the_gate(
     gap = report.engines["probed"].probe_gap
     assert gap is not None and 0 < gap < 1e-4, report.engines["probed"]
     assert outcomes["probed-version"] == "probed-1"
-    assert outcomes["probed-served"] == outcomes["probed-want"] != before
+    served_now, want = outcomes["probed-served"], outcomes["probed-want"]
+    assert served_now == want != before, {"served": served_now, "want": want, "before": before}
 
 
 TIE_NATS = 1e-3  # a token this close to the most likely one may be chosen either way
 
 
 def check_version_spans(
-    hammer: Hammer, refs: list[list[list[int]]], margins_on: Callable[[int, list], list]
+    hammer: Hammer,
+    refs: list[list[list[int]]],
+    margins_on: Callable[[int, list], list],
+    *,
+    forward: bool = True,
 ) -> dict[str, Any]:
     """Answers whose tag is the JSON of their version spans [[version index, start, end], ...]
     (each token's weight version, as the engine reports it): every span computed on its
     version from the prompt and the tokens before it. A span from the start equals that
     version's reference (`refs[v][prompt]`). A later one (the request was in flight across a
-    switch, and went on from its tokens so far on the new weights) holds, at each position,
-    a greedy choice of that version given the tokens before it: `margins_on(v, [(prompt +
+    switch, and went on from its tokens so far on the new weights), and a first span that
+    differs from the reference ("ties"), holds, at each position, a greedy choice of that
+    version given the tokens before it: `margins_on(v, [(prompt +
     tokens up to the span's end, where the span starts in it), ...])` answers how far each
     token's log-prob falls below the most likely one's (`reference_margins`), and none may
-    be above `TIE_NATS` (a near tie, which float32 rounding may tip either way). Returns the
-    counts ("switched": answers with more than one span)."""
+    be above `TIE_NATS` (a near tie, which float32 rounding may tip either way). With
+    `forward` a later span's version must come after the one before it; without (a revert
+    goes back), only differ from it. Returns the counts ("switched": answers with more than
+    one span)."""
     import json
 
     prompts = prompt_ids()
     complete = [a for a in hammer.answers if a.outcome == "complete"]
     bad: list[str] = []
     later: dict[int, list[tuple[Answer, int, int]]] = {}  # version -> (answer, start, end)
-    switched = 0
+    switched = ties = 0
     for a in complete:
         assert a.tokens is not None and a.tag is not None, a
         spans = json.loads(a.tag)
@@ -293,7 +353,7 @@ def check_version_spans(
             or min(s[0] for s in spans) < 0
             or spans[0][1] != 0
             or spans[-1][2] != len(a.tokens)
-            or any(x[2] != y[1] or y[0] <= x[0] for x, y in pairs)
+            or any(x[2] != y[1] or (y[0] <= x[0] if forward else y[0] == x[0]) for x, y in pairs)
         ):
             bad.append(
                 f"prompt {a.prompt}: spans {spans} (-1: a version not asked of) do not cover "
@@ -303,7 +363,10 @@ def check_version_spans(
         switched += len(spans) > 1
         v, _, end = spans[0]
         if a.tokens[:end] != refs[v][a.prompt][:end]:
-            bad.append(f"prompt {a.prompt}: tokens {a.tokens[:end]} are not version {v}'s")
+            # Not the reference: each token must still be a greedy choice of version v, up to
+            # a near tie that the engine's reduction order (TP > 1 sums partial GEMMs) tips.
+            ties += 1
+            later.setdefault(v, []).append((a, 0, end))
         for v, start, end in spans[1:]:
             later.setdefault(v, []).append((a, start, end))
     for v, items in later.items():
@@ -317,7 +380,7 @@ def check_version_spans(
                     f"prompt {a.prompt}: tokens {start}..{end} of {a.tokens} (spans {a.tag}) "
                     f"are not version {v}'s greedy choices: margins {margins}"
                 )
-    counts = {"complete": len(complete), "switched": switched, "bad": len(bad)}
+    counts = {"complete": len(complete), "switched": switched, "ties": ties, "bad": len(bad)}
     print(f"answers: {counts}")
     failures = [a.outcome for a in hammer.answers if a.outcome != "complete"]
     assert not bad, f"{len(bad)} of {len(complete)} answers: {bad[:3]}"
@@ -325,19 +388,59 @@ def check_version_spans(
     return counts
 
 
+def _inside(answers: list[Answer], windows: list[tuple[float, float]]) -> list[Answer]:
+    """Answers served during staging: answered while a sync ran (`windows[k]`, the sync that
+    brings version k + 1), every token tagged by the engine with the version it served before
+    that sync (k), so computed before its switch. (Not "sent and answered inside a sync": on a
+    machine where an answer takes longer than a sync, none would be.)"""
+    import json
+
+    def staged_under(a: Answer, k: int, lo: float, hi: float) -> bool:
+        if a.outcome != "complete" or not a.tag or not lo <= a.done_s <= hi:
+            return False
+        return all(span[0] == k for span in json.loads(a.tag))
+
+    return [
+        a for a in answers if any(staged_under(a, k, lo, hi) for k, (lo, hi) in enumerate(windows))
+    ]
+
+
+def _seen_inside_and_across(hammer: Hammer, windows: list[tuple[float, float]]) -> bool:
+    """Whether some answer so far came while a sync staged, and some (by its version spans,
+    the engine's own tags) was in flight across a switch."""
+    import json
+
+    answers = list(hammer.answers)
+    across = any(a.outcome == "complete" and a.tag and len(json.loads(a.tag)) > 1 for a in answers)
+    return bool(_inside(answers, windows)) and across
+
+
 def check_staged_syncs_under_requests(
-    engine, model: str, worker: str, spans_hammer: Callable[[Any, dict[str, int]], Hammer]
+    engine,
+    model: str,
+    worker: str,
+    spans_hammer: Callable[[Any, dict[str, int]], Hammer],
+    *,
+    syncs: int = STAGED_SYNCS,
+    **trainer_args: Any,
 ) -> None:
-    """A trainer (`worker` ranks) with `staged=True` syncs `STAGED_SYNCS` verified versions of
-    random weights into `engine` while `spans_hammer(engine, {version tag: index})`'s clients
-    call its server: every answer's version spans are checked (`check_version_spans`), some
-    answer must come while a sync stages and some must cross a switch; each sync reports its
-    one pause (`pause_s`) and when it switched. Prints the counts and the pauses."""
+    """A trainer (`worker` ranks, `trainer_args` over 64 KiB buckets) with `staged=True` syncs
+    verified versions of random weights into `engine` while `spans_hammer(engine, {version
+    tag: index})`'s clients call its server: every answer's version spans are checked
+    (`check_version_spans`), some answer must come while a sync stages and some must cross a
+    switch; each sync reports its one pause (`pause_s`) and when it switched. It syncs until
+    both were seen, at least `MIN_STAGED_SYNCS` times and at most `syncs` (how many a window
+    of a sync holds an answer depends on the machine's speed). Prints the counts and the
+    pauses."""
     from weightsync.driver import launcher
 
     first_seed = 2000
+    # Each engine call may wait for the server's step under the clients' load: on a slow,
+    # shared two-core machine a staged sync's `begin` went unanswered past the default 60 s once.
+    args: dict[str, Any] = {"bucket_bytes": 1 << 16, "seed": 0, "timeout_s": 240, **trainer_args}
+    # A sync past 10 minutes fails the test naming the call and each rank (GroupCall).
     trainer = launcher.TrainerGroup(
-        worker, model_path=model, bucket_bytes=1 << 16, seed=0, staged=True, verify=True
+        worker, model_path=model, staged=True, verify=True, call_timeout_s=600, **args
     )
     try:
         trainer.call("connect", {"staged": engine})
@@ -345,22 +448,30 @@ def check_staged_syncs_under_requests(
         trainer.call("set_weights_from", first_seed)
         trainer.call("sync", "s0")
         refs = []
-        for i in range(STAGED_SYNCS + 1):
+        for i in range(syncs + 1):
             trainer.call("set_weights_from", first_seed + i)
             refs.append(
                 trainer.call("reference_generate", ids, max_new_tokens=MAX_NEW_TOKENS)["tokens"]
             )
-        hammer = spans_hammer(engine, {f"s{i}": i for i in range(STAGED_SYNCS + 1)})
+        hammer = spans_hammer(engine, {f"s{i}": i for i in range(syncs + 1)})
         reports, windows = [], []
         hammer.start()
         try:
             time.sleep(1)
-            for i in range(1, STAGED_SYNCS + 1):
+            for i in range(1, syncs + 1):
                 trainer.call("set_weights_from", first_seed + i)
                 start = time.monotonic()
                 reports.append(trainer.call("sync", f"s{i}"))
                 windows.append((start, time.monotonic()))
+                # a failed run's last lines say how far it came (tests/conftest.py)
+                print(
+                    f"staged sync s{i} done in {windows[-1][1] - start:.2f} s; "
+                    f"{len(hammer.answers)} answers so far",
+                    flush=True,
+                )
                 time.sleep(0.2)
+                if i >= MIN_STAGED_SYNCS and _seen_inside_and_across(hammer, windows):
+                    break
             time.sleep(1)
         finally:
             hammer.stop()
@@ -378,19 +489,92 @@ def check_staged_syncs_under_requests(
         part = report["engines"]["staged"]
         assert report["verify"]["staged"]["verified"], report["verify"]
         assert part["path"] == "buckets" and part["pause_s"] > 0 and part["switched_at"] > 0
-    # Answers sent after a sync began and answered before it ended: served during staging.
-    inside = [
-        a for a in hammer.answers if any(lo <= a.sent_s and a.done_s <= hi for lo, hi in windows)
-    ]
+    inside = _inside(hammer.answers, windows)
+    for report in reports:  # where a slow sync's time went
+        part = report["engines"]["staged"]
+        times = {k: part.get(k) for k in ("load_s", "end_s", "session_s", "pause_s")}
+        print(f"staged sync {report['version']}: sync_s {report['sync_s']:.3f}, engine {times}")
     pauses = sorted(r["engines"]["staged"]["pause_s"] for r in reports)
     syncs = sorted(r["sync_s"] for r in reports)
     print(
-        f"staged: {counts}; {len(inside)} answers inside a sync; sync_s median "
+        f"staged: {counts}; {len(reports)} syncs; {len(inside)} answers inside a sync; sync_s median "
         f"{syncs[len(syncs) // 2]:.3f} s; pause_s median {pauses[len(pauses) // 2] * 1e3:.1f} ms, "
         f"max {pauses[-1] * 1e3:.1f} ms"
     )
     assert inside, "no request was answered while a sync was staging"
     assert counts["switched"] > 0, "no request was in flight across a switch: nothing checked"
+
+
+def check_a_revert_under_requests(
+    engine,
+    model: str,
+    worker: str,
+    name: str,
+    spans_hammer: Callable[[Any, dict[str, int]], Hammer],
+) -> None:
+    """A trainer (`worker`) with `staged=True, keep_previous=True` syncs two verified versions
+    into `engine` (as `name`), then `TrainerSync.revert` puts the first back while
+    `spans_hammer`'s clients call its server: every answer's tokens are those of the versions
+    the engine tags them with (a request in flight across the revert goes on, on the first
+    version again), some answer overlaps the revert, every one sent after it is the first
+    version's alone, and a second revert is refused, naming why. The engine keeps
+    `keep_previous` on afterwards."""
+    from weightsync.driver import launcher
+
+    seeds = [3000, 3001]
+    trainer = launcher.TrainerGroup(
+        worker,
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+        staged=True,
+        verify=True,
+        keep_previous=True,
+    )
+    try:
+        trainer.call("connect", {name: engine})
+        ids = prompt_ids()
+        refs = []
+        for i, seed in enumerate(seeds):
+            trainer.call("set_weights_from", seed)
+            assert trainer.sync(f"back-{i}").verify[name].verified
+            refs.append(
+                trainer.call("reference_generate", ids, max_new_tokens=MAX_NEW_TOKENS)["tokens"]
+            )
+        assert refs[0] != refs[1], "two versions alike: nothing shown"
+        hammer = spans_hammer(engine, {f"back-{i}": i for i in range(len(seeds))})
+        hammer.start()
+        try:
+            time.sleep(1)
+            start = time.monotonic()
+            reverted = trainer.call("revert")[name]
+            end = time.monotonic()
+            time.sleep(1)
+        finally:
+            hammer.stop()
+        assert reverted["weight_version"] == "back-0" and reverted["pause_s"] > 0, reverted
+        assert ray.get(engine.weight_version.remote(), timeout=120) == "back-0"
+
+        def margins_on(version: int, asks: list) -> list:
+            trainer.call("set_weights_from", seeds[version])
+            return trainer.call(
+                "reference_margins", [seq for seq, _ in asks], [at for _, at in asks]
+            )
+
+        counts = check_version_spans(hammer, refs, margins_on, forward=False)
+        with pytest.raises(Exception, match="nothing to revert"):
+            trainer.call("revert")
+    finally:
+        trainer.kill()
+    across = [a for a in hammer.answers if a.sent_s < end and a.done_s > start]
+    after = [a for a in hammer.answers if a.sent_s > end]
+    print(
+        f"revert: {counts}; {len(across)} answers overlap it; pause {reverted['pause_s'] * 1e3:.1f} ms"
+    )
+    assert across, "no request was in flight during the revert: nothing checked"
+    assert after and all(json.loads(a.tag or "[]")[0][0] == 0 for a in after), [
+        a.tag for a in after
+    ]
 
 
 def check_a_failed_staged_sync_is_seen_by_no_request(

@@ -16,6 +16,7 @@ from tests.reliability.hammer import (
     Hammer,
     check_a_failed_staged_sync_is_seen_by_no_request,
     check_a_request_waits_for_the_open_update,
+    check_a_revert_under_requests,
     check_answers,
     check_probes_through_the_gate,
     check_staged_syncs_under_requests,
@@ -31,6 +32,17 @@ NUM_SYNCS = 30
 IDLE_TIMEOUT_S = 20.0  # the engine's: an update whose sender is silent this long is aborted
 
 
+def _trainer(model: str, **options) -> launcher.TrainerGroup:
+    """A 2-rank FSDP2 trainer over 1 MiB buckets, and `options`."""
+    return launcher.TrainerGroup(
+        "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+        **options,
+    )
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("model")), arch="opt", seed=0)
@@ -41,12 +53,7 @@ def setup(tmp_path_factory):
         mode="http",
         idle_timeout_s=IDLE_TIMEOUT_S,
     )
-    trainer = launcher.TrainerGroup(
-        "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
-        model_path=model,
-        bucket_bytes=1 << 20,
-        seed=0,
-    )
+    trainer = _trainer(model)
     trainer.call("connect", {NAME: engine})
     yield engine, trainer, model
     ray.get(engine.shutdown.remote(), timeout=120)
@@ -148,12 +155,13 @@ def test_the_probe_scores_the_staged_weights_through_the_servers_closed_gate(set
     """A trainer that probes syncs into the HTTP server (started through weightsync's serve
     module, which runs the gate): the probe's request alone passes the gate while the update
     is open (tests/reliability/hammer.py)."""
-    engine, _, model = setup
+    engine, trainer, model = setup
     check_probes_through_the_gate(
         engine,
         model,
         "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
         lambda: _served(engine),
+        trainer,
     )
 
 
@@ -193,6 +201,39 @@ def test_staged_syncs_serve_on_and_switch_in_one_short_pause(setup):
     check_staged_syncs_under_requests(engine, model, WORKER, _spans_hammer)
 
 
+def test_a_server_its_owner_paused_stays_paused_through_a_staged_switch(setup):
+    """The server's owner pauses generation (SGLang's own /pause_generation); a staged,
+    verified sync switches the weights meanwhile and leaves the server paused: a request sent
+    after it waits until the owner's /continue_generation, then is answered on the new
+    version."""
+    engine, _, model = setup
+    base, key = engine_server(engine)
+    staged = _trainer(model, staged=True, verify=True)
+    answers: list = []
+    asked = threading.Thread(
+        target=lambda: answers.append(_generate(base, key, prompt_ids()[0])), daemon=True
+    )
+    try:
+        staged.call("connect", {NAME: engine})
+        staged.call("set_weights_from", 31)
+        status, out = post_json(base, "/pause_generation", {"mode": "retract"}, api_key=key)
+        assert status == 200, out
+        try:
+            report = staged.sync("owner-paused-1")
+            assert report.verify[NAME].verified and report.engines[NAME].switched_at > 0
+            asked.start()
+            asked.join(3)
+            assert asked.is_alive() and not answers  # still paused
+        finally:
+            status, out = post_json(base, "/continue_generation", {}, api_key=key)
+        assert status == 200, out
+        asked.join(120)
+        assert answers and answers[0][0] == 200, answers
+        assert answers[0][1]["meta_info"]["weight_version"] == "owner-paused-1", answers
+    finally:
+        staged.kill()
+
+
 def test_a_staged_update_serves_the_current_weights_and_an_abort_keeps_them(setup):
     """While a staged update is open the server answers, on the weights it served (SGLang's
     own update calls would hold the request until the update closed: here only the abort
@@ -222,3 +263,15 @@ def test_a_staged_sync_that_fails_verification_is_seen_by_no_request(setup):
     check_a_failed_staged_sync_is_seen_by_no_request(
         engine, trainer, NAME, _spans_hammer(engine, {version: 0}), _served(engine)
     )
+
+
+def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_under_requests(setup):
+    """Over HTTP (weightsync's switch route with the loader's "revert"), while clients call
+    the server: after staged syncs with `keep_previous`, `TrainerSync.revert` puts the previous
+    weights and version tag back in one short pause (requests in flight retracted, as at a
+    switch, and computed again on the previous version); every answer's tokens are those of
+    the versions SGLang tags them with, every answer sent after it is the previous version's,
+    and a second revert is refused, naming why (tests/reliability/hammer.py). (Last in the
+    module: the engine keeps `keep_previous` on.)"""
+    engine, _, model = setup
+    check_a_revert_under_requests(engine, model, WORKER, NAME, _spans_hammer)

@@ -4,7 +4,6 @@ directly never get an answer decoded on half-written weights or on two versions.
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import time
 from typing import Any
@@ -21,12 +20,14 @@ from tests.reliability.hammer import (
     Hammer,
     check_a_failed_staged_sync_is_seen_by_no_request,
     check_a_request_waits_for_the_open_update,
+    check_a_revert_under_requests,
     check_answers,
     check_probes_through_the_gate,
     check_staged_syncs_under_requests,
     engine_server,
     post_json,
     run_syncs_under_requests,
+    vllm_spans_hammer,
 )
 from weightsync.apps.models import make_tiny_model
 from weightsync.driver import launcher
@@ -184,45 +185,17 @@ def _served(engine, model: str) -> list[list[int]]:
 def test_the_probe_scores_the_staged_weights_through_the_servers_closed_gate(setup):
     """A trainer that probes syncs into the HTTP server: the probe's request alone passes
     weightsync's gate while the update is open (tests/reliability/hammer.py)."""
-    engine, _, model = setup
+    engine, trainer, model = setup
     check_probes_through_the_gate(
         engine,
         model,
         "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
         lambda: _served(engine, model),
+        trainer,
     )
 
 
 WORKER = "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker"
-
-
-def _spans_hammer(engine, versions: dict[str, int]) -> Hammer:
-    """Requests to /inference/v1/generate; each answer tagged with the JSON of its version
-    spans [[version index (`versions[tag]`), start, end], ...]."""
-    base, key = engine_server(engine)
-
-    def ask(prompt: list[int]):
-        body = {
-            "token_ids": prompt,
-            "sampling_params": {
-                "temperature": 0.0,
-                "max_tokens": MAX_NEW_TOKENS,
-                "ignore_eos": True,
-            },
-        }
-        return post_json(base, "/inference/v1/generate", body, api_key=key)
-
-    def parse(out):
-        choice = out["choices"][0]
-        if choice.get("finish_reason") == "abort":
-            return None, None
-        spans = [
-            [versions.get(s["version"], -1), s["start"], s["end"]]
-            for s in choice["weight_versions"]
-        ]
-        return choice["token_ids"], json.dumps(spans)
-
-    return Hammer(ask, parse)
 
 
 def test_staged_syncs_serve_on_and_switch_in_one_short_pause(setup):
@@ -232,7 +205,11 @@ def test_staged_syncs_serve_on_and_switch_in_one_short_pause(setup):
     the new weights (its KV computed again): its later span equals the new version's greedy
     continuation. Each sync reports its one pause (`pause_s`) and when it switched."""
     engine, _, model = setup
-    check_staged_syncs_under_requests(engine, model, WORKER, _spans_hammer)
+    # Fewer, larger buckets than SGLang's: vLLM runs each staged load between two forward
+    # steps, so under the clients a sync takes about its buckets times a step.
+    check_staged_syncs_under_requests(
+        engine, model, WORKER, vllm_spans_hammer, syncs=6, bucket_bytes=1 << 18
+    )
 
 
 def test_a_staged_update_serves_the_current_weights_and_an_abort_keeps_them(setup):
@@ -262,5 +239,17 @@ def test_a_staged_sync_that_fails_verification_is_seen_by_no_request(setup):
     engine, trainer, model = setup
     version = ray.get(engine.weight_version.remote())
     check_a_failed_staged_sync_is_seen_by_no_request(
-        engine, trainer, NAME, _spans_hammer(engine, {version: 0}), _served(engine, model)
+        engine, trainer, NAME, vllm_spans_hammer(engine, {version: 0}), _served(engine, model)
     )
+
+
+def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_through_the_server(setup):
+    """Over HTTP (weightsync's switch route with "revert"), while clients call the server:
+    after staged syncs with `keep_previous`, `TrainerSync.revert` puts the previous weights
+    and version tag back in one short pause; every answer's tokens are those of the versions
+    the server tags them with (one in flight across the revert goes on, on the previous
+    version), every answer sent after it is the previous version's, and a second revert is
+    refused, naming why (tests/reliability/hammer.py). (Last in the module: the engine keeps
+    `keep_previous` on.)"""
+    engine, _, model = setup
+    check_a_revert_under_requests(engine, model, WORKER, NAME, vllm_spans_hammer)

@@ -71,6 +71,70 @@ def plant_load(model: Any, named_tensors: list) -> None:
         json.dump(reply, f)
 
 
+SLOW_SWITCH = f"{__name__}.plant_slow_switch"
+
+
+def _plant_partway(staging: Any) -> None:
+    """The next switch's second batch of copies (the served parameters written from the
+    staged copy, weightsync/engine/staging.py `_Swaps`) raises after it ran."""
+    real = staging._issue
+    calls: list[int] = []
+
+    def failing(batches: Any) -> None:
+        real(batches)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("planted: this scheduler's switch failed partway")
+
+    staging._planted_real = real
+    staging._issue = failing
+
+
+def plant_slow_switch(model: Any, named_tensors: list) -> None:
+    """SGLang's custom-loader call, {"seconds", "marker", "fail", "reply"} as JSON: from now on
+    each staged switch in this scheduler first creates the file `marker` and sleeps `seconds`,
+    then switches as before; with `fail` "before" it raises before it copies anything, with
+    "midway" after switching half of the parameters, with "partway" (seconds ignored) the
+    next switch's own copying raises after writing the parameters (seconds 0 and no `fail`:
+    as before).
+    Never raises; the reply file says."""
+    import time
+
+    from weightsync.backends.sglang import loader
+
+    message = json.loads(named_tensors[0][0])
+    try:
+        from weightsync.engine import staging
+
+        weights = loader._staging(model)["weights"]
+        weights.__dict__.pop("switch", None)  # the class's own switch back
+        real_issue = staging.__dict__.pop("_planted_real", None)
+        if real_issue is not None:
+            staging._issue = real_issue  # the module's own copies back
+        seconds, marker = float(message["seconds"]), str(message["marker"])
+        fail = message.get("fail") or None
+        if fail == "partway":
+            _plant_partway(staging)
+        elif seconds > 0 or fail:
+            switch = weights.switch
+
+            def slow_switch(names: set[str], *args: Any, **kwargs: Any) -> float:
+                open(marker, "w").close()
+                time.sleep(seconds)
+                if fail == "midway":
+                    switch(set(sorted(names)[: len(names) // 2]), *args, **kwargs)
+                if fail:
+                    raise RuntimeError(f"planted: this scheduler's switch failed {fail}")
+                return switch(names, *args, **kwargs)
+
+            weights.switch = slow_switch
+        reply: dict[str, Any] = {"planted": seconds, "fail": fail}
+    except BaseException as exc:  # noqa: BLE001 - an exception would kill the scheduler
+        reply = {"error": f"{type(exc).__name__}: {exc}"}
+    with open(os.path.join(message["reply"], f"{os.getpid()}.json"), "w") as f:
+        json.dump(reply, f)
+
+
 class PlantedEngine(FrameworkEngine):
     """A framework's own rollout actor (tests/sglang/framework_engine.py: its `weightsync` and
     `rollout`) over an `sglang.Engine` that keeps its previous weights during updates and runs

@@ -13,6 +13,7 @@ import ray
 import torch
 
 from tests.engine_checks import (
+    MAX_NEW_TOKENS,
     assert_engine_matches_reference,
     check_failed_verification_is_never_adopted,
     check_repeated_syncs,
@@ -147,26 +148,36 @@ def test_a_sync_that_fails_verification_is_never_adopted(setup):
     assert_engine_matches_reference(engine, trainer)
 
 
-def test_staged_syncs_into_both_replicas_are_verified_and_serve_the_trainers_weights(setup, model):
-    """A trainer with `staged=True`: each sync loads into a second copy of both in-process
-    engines' parameters while they serve, verifies each against its copy, then switches both
-    (their `end`s at once); each reports its pause and when it switched. A non-staged sync
-    after them, and a staged one after that, still land (the copy is made again)."""
-    engine, trainer, replica = setup
-    engines = {"sglang": engine, "sglang-2": replica}
-    staged = launcher.TrainerGroup(
+def _staged_trainer(model: str, **options):
+    """A trainer that syncs staged and verified into several engines, switching them at one
+    named instant (`switch_lead_s`), and `options`."""
+    return launcher.TrainerGroup(
         "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
         model_path=model,
         bucket_bytes=1 << 16,
         seed=0,
         staged=True,
         verify=True,
+        switch_lead_s=0.05,
+        **options,
     )
+
+
+def test_staged_syncs_into_both_replicas_are_verified_and_serve_the_trainers_weights(setup, model):
+    """A trainer with `staged=True`: each sync loads into a second copy of both in-process
+    engines' parameters while they serve, verifies each against its copy, then switches both
+    at the one instant the trainer named (`switch_lead_s`: each serves on until it); each
+    reports its pause, the instant and when it switched. A non-staged sync after them, and a
+    staged one after that, still land (the copy is made again); that last one is not verified:
+    each scheduler readies its switch at `end` (the staged `prepare` op), not at `stage`."""
+    engine, trainer, replica = setup
+    engines = {"sglang": engine, "sglang-2": replica}
+    staged = _staged_trainer(model)
     try:
         staged.call("connect", engines)
         for i in range(2):
             staged.call("set_weights_from", 3000 + i)
-            report = staged.call("sync", f"staged-{i}")
+            report = staged.call("sync", f"staged-{i}", verify=i == 0)
             parts = report["engines"]
             print(
                 f"staged-{i}: sync {report['sync_s']:.3f} s, pauses "
@@ -174,9 +185,13 @@ def test_staged_syncs_into_both_replicas_are_verified_and_serve_the_trainers_wei
                 f"{abs(parts['sglang']['switched_at'] - parts['sglang-2']['switched_at']) * 1e3:.1f}"
                 f" ms apart"
             )
+            assert parts["sglang"]["switch_at"] == parts["sglang-2"]["switch_at"]
+            checked = report.get("verify")
+            assert bool(checked) == (i == 0), checked
             for name, one in engines.items():
-                assert report["verify"][name]["verified"], report["verify"]
+                assert i or checked[name]["verified"], checked
                 assert parts[name]["path"] == "buckets" and parts[name]["pause_s"] > 0
+                assert parts[name]["switched_at"] >= parts[name]["switch_at"]
                 assert ray.get(one.engine_weight_version.remote()) == f"staged-{i}"
                 assert_engine_matches_reference(one, staged)
             if i == 0:  # the served weights written otherwise: the next staged copy is remade
@@ -194,6 +209,58 @@ def test_a_staged_sync_that_fails_verification_is_adopted_by_neither_replica(set
     check_failed_verification_is_never_adopted(
         engine, trainer, "sglang", staged=True, replicas={"sglang-2": replica}
     )
+
+
+def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_on_both_replicas(setup, model):
+    """`SyncOptions(staged=True, keep_previous=True)`: each switch swaps the served weights
+    with the staged copy, so `TrainerSync.revert` asks both in-process engines at once to serve
+    the previous version again, each in one short pause: its version tag, its fingerprints and
+    its greedy tokens. Nothing is left to revert after a revert; the next staged sync is
+    verified (its copy made again from the reverted weights)."""
+    engine, _, replica = setup
+    engines = {"sglang": engine, "sglang-2": replica}
+    staged = _staged_trainer(model, keep_previous=True)
+
+    def served(one) -> list[list[int]]:
+        return ray.get(one.generate.remote(prompt_ids(), max_new_tokens=MAX_NEW_TOKENS))["tokens"]
+
+    try:
+        staged.call("connect", engines)
+        firsts = {}
+        for i in range(2):
+            staged.call("set_weights_from", 3100 + i)
+            report = staged.sync(f"rev-{i}")
+            assert all(report.verify[n].verified for n in engines), report.verify
+            firsts[i] = {n: served(one) for n, one in engines.items()}
+            prints = {n: ray.get(one.fingerprints.remote()) for n, one in engines.items()}
+            if i == 0:
+                kept = prints
+        assert firsts[0] != firsts[1], "two versions alike: nothing shown"
+        reverted = staged.call("revert")
+        print(
+            f"revert: pauses { {n: round(r['pause_s'] * 1e3, 1) for n, r in reverted.items()} } "
+            f"ms, {abs(reverted['sglang']['switched_at'] - reverted['sglang-2']['switched_at']) * 1e3:.1f}"
+            f" ms apart"
+        )
+        assert reverted["sglang"]["switch_at"] == reverted["sglang-2"]["switch_at"]
+        for name, one in engines.items():
+            assert reverted[name]["weight_version"] == "rev-0" and reverted[name]["pause_s"] > 0
+            assert reverted[name]["switched_at"] >= reverted[name]["switch_at"]
+            assert ray.get(one.engine_weight_version.remote()) == "rev-0"
+            assert ray.get(one.fingerprints.remote()) == kept[name]
+            assert served(one) == firsts[0][name]
+        assert prints != kept  # the second version's differed: the revert changed something
+        with pytest.raises(Exception, match="nothing to revert"):
+            staged.call("revert")
+        staged.call("set_weights_from", 3102)
+        report = staged.sync("rev-2")
+        assert all(report.verify[n].verified for n in engines), report.verify
+        for one in engines.values():
+            assert_engine_matches_reference(one, staged)
+    finally:
+        staged.kill()
+        for one in engines.values():  # later tests update without keeping the previous weights
+            ray.get(one.set_keep_previous.remote(False), timeout=120)
 
 
 def test_a_trainer_that_syncs_point_to_point_refuses_sglang_at_connect(setup, tmp_path):

@@ -114,8 +114,52 @@ def plant_switch(worker: Any, rank: int) -> bool:
     return True
 
 
+def plant_slow_switch(worker: Any, seconds: float, marker: str) -> bool:
+    """Every worker's staged switch (`weightsync_commit`) first creates the file `marker`,
+    then waits `seconds`, then switches: a switch long enough to send a request during it."""
+    import pathlib
+    import time
+
+    real = type(worker).weightsync_commit
+
+    def slow() -> dict[str, Any]:
+        pathlib.Path(marker).touch()
+        time.sleep(seconds)
+        return real(worker)
+
+    worker.weightsync_commit = slow
+    return True
+
+
+def plant_partial_switch(worker: Any, rank: int) -> bool:
+    """Tensor-parallel worker `rank`'s next staged switch fails partway: its second batch of
+    copies (the served parameters written from the staged copy) raises after it ran, so the
+    worker holds the new values where it raises (weightsync/engine/staging.py `_Swaps`)."""
+    from weightsync.engine import staging
+
+    if worker._ws_tp()[0] != rank:
+        return False
+    real = staging.__dict__.get("_planted_real", staging._issue)
+    calls: list[int] = []
+
+    def failing(batches: Any) -> None:
+        real(batches)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError(f"planted: worker {rank}'s switch failed partway")
+
+    staging._planted_real = real
+    staging._issue = failing
+    return True
+
+
 def unplant_switch(worker: Any) -> bool:
-    return worker.__dict__.pop("weightsync_commit", None) is not None
+    from weightsync.engine import staging
+
+    real = staging.__dict__.pop("_planted_real", None)
+    if real is not None:
+        staging._issue = real
+    return worker.__dict__.pop("weightsync_commit", None) is not None or real is not None
 
 
 class PlantedRollout(FrameworkRollout):
@@ -162,6 +206,9 @@ class PlantedRollout(FrameworkRollout):
 
     def plant_switch(self, rank: int) -> list[bool]:
         return self.llm.collective_rpc(plant_switch, args=(rank,))
+
+    def plant_partial_switch(self, rank: int) -> list[bool]:
+        return self.llm.collective_rpc(plant_partial_switch, args=(rank,))
 
     def unplant_switch(self) -> list[bool]:
         return self.llm.collective_rpc(unplant_switch)

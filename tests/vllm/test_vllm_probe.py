@@ -75,17 +75,9 @@ def test_the_framework_actor_refuses_its_own_generation_mid_update_and_takes_the
     check_framework_actor(planted)
 
 
-def test_a_switch_that_fails_on_one_worker_fails_the_sync_and_the_engine_refuses_to_serve(
-    rollout, planted
-):
-    """Staged, verified syncs into the two tensor-parallel workers. A prefix cache that cannot
-    be reset fails a sync before its switch writes anything: the engine serves on, its version
-    and tokens unchanged. Worker 1's switch failing while worker 0 switches (planted in
-    `weightsync_commit`) fails the sync naming the worker, and the engine's version stays;
-    the framework's own generation is refused until a sync completes, and the next staged sync
-    serves the trainer's reference tokens."""
-    handle, path = rollout
-    trainer = launcher.TrainerGroup(
+def _staged_trainer(path: str, **options):
+    """A 1-rank trainer that syncs staged and verified (and `options`)."""
+    return launcher.TrainerGroup(
         "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
         model_path=path,
         world_size=1,
@@ -94,7 +86,12 @@ def test_a_switch_that_fails_on_one_worker_fails_the_sync_and_the_engine_refuses
         lr=0.02,
         staged=True,
         verify=True,
+        **options,
     )
+
+
+def _served(handle):
+    """(the framework actor's greedy tokens of `prompt_ids()`, its weight version), as calls."""
 
     def tokens() -> list[list[int]]:
         return ray.get(handle.rollout.remote(prompt_ids(), MAX_NEW_TOKENS), timeout=300)
@@ -102,6 +99,24 @@ def test_a_switch_that_fails_on_one_worker_fails_the_sync_and_the_engine_refuses
     def version() -> str | None:
         return ray.get(handle.weightsync.remote("weight_version"), timeout=120)
 
+    return tokens, version
+
+
+def test_a_switch_that_fails_on_one_worker_fails_the_sync_and_the_others_are_switched_back(
+    rollout, planted
+):
+    """Staged, verified syncs into the two tensor-parallel workers of an engine that keeps
+    its previous weights (`keep_previous=True`: a switch swaps). A prefix cache that cannot be
+    reset fails a sync before its switch writes anything: the engine serves on, its version
+    and tokens unchanged. Worker 1's switch failing while worker 0 switches (planted in
+    `weightsync_commit`) fails the sync naming the worker; worker 0 is switched back, so the
+    engine serves on with the previous version's tokens and tag. Likewise when worker 1's
+    own swap fails partway, after writing some of its parameters (it swaps them back itself).
+    The next staged sync serves the trainer's reference tokens. (Without keep_previous the engine refuses to
+    serve instead: tests/vllm/test_vllm_attached.py.)"""
+    handle, path = rollout
+    trainer = _staged_trainer(path)
+    tokens, version = _served(handle)
     try:
         trainer.call("connect", {"switch": {"actor": handle, "dispatch": "weightsync"}})
         trainer.call("train_step", training_batch(2))
@@ -132,13 +147,80 @@ def test_a_switch_that_fails_on_one_worker_fails_the_sync_and_the_engine_refuses
         finally:
             ray.get(handle.unplant_switch.remote(), timeout=120)
         assert "from engine worker 1 of 2" in str(caught.value), str(caught.value)[:2000]
-        assert version() == "switch-1"
-        with pytest.raises(Exception, match="does not serve: update 'switch-3' was aborted"):
-            tokens()
+        assert "the workers that switched were switched back" in str(caught.value)
+        assert version() == "switch-1" and tokens() == served
+
+        # Worker 1's own swap failing partway (some parameters written): it swaps back what it
+        # wrote, worker 0 is switched back, the engine serves the previous version whole.
+        assert ray.get(handle.plant_partial_switch.remote(1), timeout=120) == [False, True]
+        try:
+            with pytest.raises(Exception, match="switched back") as caught:
+                trainer.sync("switch-3b")
+        finally:
+            ray.get(handle.unplant_switch.remote(), timeout=120)
+        assert "planted: worker 1's switch failed partway" in str(caught.value), str(caught.value)[
+            :2000
+        ]
+        assert "swapped back: the previous weights are served whole" in str(caught.value)
+        assert version() == "switch-1" and tokens() == served
 
         last = trainer.sync("switch-4")
         assert last.verify["switch"].verified and version() == "switch-4"
         want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
         assert tokens() == want["tokens"]
+    finally:
+        trainer.kill()
+
+
+def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_on_both_workers(rollout):
+    """`SyncOptions(staged=True, keep_previous=True)`: each switch keeps what it replaced (the
+    staged copy swapped with the served weights), so `TrainerSync.revert` serves the previous
+    version again, on both tensor-parallel workers, in one short pause: its version tag and
+    its greedy tokens. Nothing is left to revert after a revert; the next staged sync is
+    verified (its copy made again from the reverted weights) and can be reverted in turn.
+    (Last in the module: the engine keeps `keep_previous` on.)"""
+    handle, path = rollout
+    trainer = _staged_trainer(path, keep_previous=True)
+    tokens, version = _served(handle)
+
+    def reference() -> list[list[int]]:
+        out = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
+        return out["tokens"]
+
+    try:
+        trainer.call("connect", {"rev": {"actor": handle, "dispatch": "weightsync"}})
+        trainer.call("train_step", training_batch(4))
+        assert trainer.sync("rev-1").verify["rev"].verified
+        first = tokens()
+        assert first == reference()
+        trainer.call("train_step", training_batch(5))
+        trainer.call("train_step", training_batch(6))
+        assert trainer.sync("rev-2").verify["rev"].verified
+        second = tokens()
+        assert second == reference() and second != first, "two versions alike: nothing shown"
+
+        # Both workers' swap back failing partway: each undoes it, the engine serves on with
+        # the current version whole, and the revert can be asked again.
+        assert ray.get(handle.plant_partial_switch.remote(0), timeout=120) == [True, False]
+        assert ray.get(handle.plant_partial_switch.remote(1), timeout=120) == [False, True]
+        try:
+            with pytest.raises(Exception, match="failed partway on every worker and was undone"):
+                trainer.call("revert")
+        finally:
+            ray.get(handle.unplant_switch.remote(), timeout=120)
+        assert version() == "rev-2" and tokens() == second
+
+        reverted = trainer.call("revert")["rev"]
+        assert reverted["weight_version"] == "rev-1" and reverted["pause_s"] > 0, reverted
+        assert version() == "rev-1" and tokens() == first
+        assert not trainer.verify()["rev"].verified  # the engine no longer holds the trainer's
+        with pytest.raises(Exception, match="nothing to revert"):
+            trainer.call("revert")
+        assert version() == "rev-1" and tokens() == first
+
+        assert trainer.sync("rev-3").verify["rev"].verified
+        assert version() == "rev-3" and tokens() == second
+        assert trainer.call("revert")["rev"]["weight_version"] == "rev-1"
+        assert tokens() == first
     finally:
         trainer.kill()

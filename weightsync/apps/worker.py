@@ -119,6 +119,11 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         report = self.weights.verify(engines)
         return None if report is None else as_plain(report.to_dict())
 
+    def revert(self, engines: list[str] | None = None) -> dict[str, Any] | None:
+        """`TrainerSync.revert`: rank 0 answers {engine: `EndReport.to_dict()`}."""
+        reports = self.weights.revert(engines)
+        return None if reports is None else {n: as_plain(r.to_dict()) for n, r in reports.items()}
+
     def shutdown(self) -> None:
         self.weights.close()
         close_trainer_group()

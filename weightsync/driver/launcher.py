@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weightsync.driver import envs, preflight
+from weightsync.driver.hang_report import MARK as HANG_MARK
 from weightsync.wire.protocol import SyncReport, VerifyReport
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class ActorHost:
             level=_logging.INFO,
             format=f"%(asctime)s {qualname.rsplit('.', 1)[-1]} %(name)s: %(message)s",
         )
+        self.qualname = qualname
         self.obj: Any = None
         self.start_error: Exception | None = None
         try:
@@ -109,6 +111,15 @@ class ActorHost:
         if self.start_error is not None:
             raise self.start_error.with_traceback(self._start_frames)
         return getattr(self.obj, method)(*args, **kwargs)
+
+    def call_within(self, report_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`call`; should the method still run `report_s` later, where this process's threads
+        are is written to its output (`weightsync.driver.hang_report.HangReport`), which Ray
+        shows to the driver."""
+        from weightsync.driver.hang_report import HangReport
+
+        with HangReport(report_s, f"{self.qualname}.{method}()"):
+            return self.call(method, *args, **kwargs)
 
     def where(self) -> dict[str, Any]:
         """The Ray node, interpreter and process this actor runs in, and the placement group
@@ -420,18 +431,124 @@ class EnvProbe:
         return out
 
 
+def _last_line(err: BaseException) -> str:
+    """A rank's error in one line: its type and the last line of its text that says something
+    (a Ray task error's text is its remote traceback, the cause last)."""
+    text = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {text[-1][:400] if text else ''}"
+
+
+def _report_lead_s(timeout_s: float) -> float:
+    """How long before a trainer group call's timeout a rank still in it reports where it is
+    (time for Ray to bring its output to the driver before the driver raises)."""
+    return min(30.0, timeout_s / 4)
+
+
 class GroupCall:
     """A method running on every rank of a `TrainerGroup` (`TrainerGroup.submit`)."""
 
-    def __init__(self, refs: list[Any], *, timeout_s: float) -> None:
+    def __init__(
+        self,
+        refs: list[Any],
+        *,
+        timeout_s: float,
+        method: str = "call",
+        wheres: list[Any] | None = None,
+    ) -> None:
+        """`wheres`: each rank's `ActorHost.where` answer (a ref), which lets a timed-out call
+        read a rank on this node from outside."""
         self.refs = refs
         self.timeout_s = timeout_s
+        self.method = method
+        self.wheres = wheres
+
+    # Once one rank's error came, how long the others get to answer before it raises: what they
+    # saw is added to it (the rank that failed first is often not the one whose error came
+    # first: a rank whose peer died fails at once, the peer's death is noticed later).
+    others_grace_s = 15.0
 
     def result(self) -> Any:
-        """Rank 0's answer, once every rank answered; a rank's error raises here."""
+        """Rank 0's answer, once every rank answered. The first rank's error raises here, with
+        a note of every rank's outcome (its error, its success, or that it is still running
+        after `others_grace_s`). A call not answered by every rank within `timeout_s` raises
+        TimeoutError naming the method and what each rank did (it is not cancelled)."""
         import ray
 
-        return ray.get(self.refs, timeout=self.timeout_s)[0]
+        try:
+            return ray.get(self.refs, timeout=self.timeout_s)[0]
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TimeoutError(
+                f"trainer group call {self.method}() not answered by every rank within "
+                f"{self.timeout_s:g} s (TrainerGroup's call_timeout_s); "
+                + self._every_rank(grace_s=0.0)
+                + " (each rank still running wrote where its threads are to its output, "
+                f"{_report_lead_s(self.timeout_s):g} s before: '{HANG_MARK}')"
+                + self._read_from_outside()
+            ) from exc
+        except Exception as exc:
+            exc.add_note(self._every_rank())
+            raise
+
+    def _read_from_outside(self) -> str:
+        """Where each rank still running is, read by this process (py-spy): one found outside
+        the call (its main thread never came back from what ran before) writes no report of
+        its own. Only ranks on this node; empty without `wheres`."""
+        import ray
+
+        from weightsync.driver.hang_report import where_is
+
+        if not self.wheres:
+            return ""
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        done = {ref.hex() for ref in ready}
+        here = ray.get_runtime_context().get_node_id()
+        parts = []
+        for rank, (ref, where) in enumerate(zip(self.refs, self.wheres)):
+            if ref.hex() in done:
+                continue
+            try:
+                found = ray.get(where, timeout=0)
+            except Exception:  # never answered: the actor did not start
+                parts.append(f"rank {rank}: its actor never answered where() (did it start?)")
+                continue
+            if found["node_id"] != here:
+                continue
+            seen = where_is(found["pid"])
+            if "\nThread " not in seen:  # py-spy missing, or it could not read the process
+                state = "not read (see below)"
+            elif "call_within" in seen:
+                state = "in the call"
+            else:
+                state = (
+                    "not in the call: it never started, the rank's main thread is still in "
+                    "what ran before it"
+                )
+            parts.append(f"rank {rank} (pid {found['pid']}) as the driver read it: {state}\n{seen}")
+        return "".join("\n" + part for part in parts)
+
+    def _every_rank(self, grace_s: float | None = None) -> str:
+        import ray
+
+        grace_s = self.others_grace_s if grace_s is None else grace_s
+        if grace_s > 0:
+            ray.wait(self.refs, num_returns=len(self.refs), timeout=grace_s)
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        done = {ref.hex() for ref in ready}
+        lines = []
+        for rank, ref in enumerate(self.refs):
+            if ref.hex() not in done:
+                lines.append(
+                    f"rank {rank}: still running {grace_s:.0f} s later"
+                    if grace_s > 0
+                    else f"rank {rank}: still running"
+                )
+                continue
+            try:
+                ray.get(ref, timeout=0)
+                lines.append(f"rank {rank}: answered")
+            except Exception as err:
+                lines.append(f"rank {rank}: {_last_line(err)}")
+        return "every rank of the call: " + "; ".join(lines)
 
 
 class TrainerGroup:
@@ -465,6 +582,7 @@ class TrainerGroup:
                 f"{len(placements)} placements for world_size={world_size}: give one per rank"
             )
         self.timeout_s = call_timeout_s
+        self._wheres: list[Any] | None = None  # each rank's `ActorHost.where` answer
         store = host_store(master_addr, timeout_s=call_timeout_s)
         self.store: TCPStore | None = store
         self.ranks = [
@@ -488,8 +606,11 @@ class TrainerGroup:
     def submit(self, method: str, *args: Any, **kwargs: Any) -> GroupCall:
         """`call` without waiting: the method starts on every rank now; `.result()` waits for
         all of them and returns rank 0's answer (the driver samples meanwhile, for example)."""
-        refs = [getattr(r, method).remote(*args, **kwargs) for r in self.ranks]
-        return GroupCall(refs, timeout_s=self.timeout_s)
+        if self._wheres is None:  # asked once, ahead of the first call (the rank runs both
+            self._wheres = [r.handle.where.remote() for r in self.ranks]  # in this order)
+        report_s = self.timeout_s - _report_lead_s(self.timeout_s)
+        refs = [r.handle.call_within.remote(report_s, method, *args, **kwargs) for r in self.ranks]
+        return GroupCall(refs, timeout_s=self.timeout_s, method=method, wheres=self._wheres)
 
     def sync(
         self,

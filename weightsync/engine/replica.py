@@ -75,6 +75,10 @@ class ModelReceiver:
         if placed_replays:
             self.buckets.placed = self.placements
         self._unplaced: set[str] = set()
+        # parameter -> the byte (8-aligned) after the whole tensors learned in it so far: where
+        # the next bucket's tensors of it are guessed to start (`learn_placements`)
+        self._ends: dict[str, int] = {}
+        self._pools: dict[torch.device, torch.Tensor] = {}  # its random bytes, on the CPU
         self._writing = False  # a one-copy update is open: trainer ranks write the parameters
         self._prints = ModelPrints(model)
         # bucket index -> (its views, the map they were checked against, the parameters written)
@@ -194,32 +198,86 @@ class ModelReceiver:
         # of segments or senders the transport let go; kept, they would stay mapped).
         self._mapped = {i: m for i, m in self._mapped.items() if i in self._loaded}
         self._loaded = set()
+        self._pools.clear()  # learning is the first sync's: its random bytes go
 
     def learn_placements(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """After loading: for each tensor seen for the first time
-        that lands in one parameter, where the loader puts its elements
-        (weightsync/wire/placement.py; on a scratch copy, the live weights are not touched)."""
-        from weightsync.wire.placement import learn_placement
+        """After loading: for each tensor seen for the first time that lands in one parameter,
+        where the loader puts its elements (weightsync/wire/placement.py; on a scratch copy,
+        the live weights are not touched). The tensors of one parameter are learned together
+        (`learn_placements`: a few loads of all of them, not a few each)."""
+        from weightsync.engine.one_copy.segment import WholePlacements
+        from weightsync.wire.placement import learn_placements
 
-        params = None
+        by_param: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for name, tensor in named_tensors:
             targets = self.param_of.get(name, [])
             if name in self.placements or name in self._unplaced or len(targets) != 1:
                 continue
-            params = params or dict(self.model.named_parameters())
+            by_param.setdefault(targets[0], []).append((name, tensor))
+        if not by_param:
+            return
+        params = dict(self.model.named_parameters())
+        specs = self.refit.accepted
+        names = {p: [n for n, _ in pairs if n in specs] for p, pairs in by_param.items()}
+        # Whole tensors first (guessed back to back for many parameters in one load, from
+        # where an earlier bucket's tensors of the parameter end; else one load a parameter).
+        whole = WholePlacements(specs, names.values()).place_all(
+            params,
+            names,
+            self.buckets.load,
+            {p: self._ends[p] for p in names if p in self._ends},
+            self._pools,
+        )
+        ends = self._ends
+        sizes = {p: params[p].element_size() for p in names}
+        for name, (pname, at) in whole.items():
+            spec = specs[name]
+            self.placements[name] = [pname, [[at, 0, spec.numel, 1, 0, 0]]]
+            end = (at * sizes[pname] + spec.nbytes + 7) & ~7
+            if end > ends.get(pname, 0):
+                ends[pname] = end
+        for pname, pairs in by_param.items():
+            # The rest element by element.
+            pairs = [(n, t) for n, t in pairs if n not in whole]
+            if not pairs:
+                continue
 
-            def load_one(t: torch.Tensor, name: str = name) -> None:
-                self.buckets.load([(name, t)])
+            def load(chosen: list[tuple[int, torch.Tensor]], pairs: list = pairs) -> None:
+                self.buckets.load([(pairs[i][0], t) for i, t in chosen])
 
-            pats = learn_placement(params[targets[0]], tensor.dtype, tuple(tensor.shape), load_one)
-            if pats is None:
-                self._unplaced.add(name)
-            else:
-                self.placements[name] = [targets[0], pats]
+            learned = learn_placements(
+                params[pname], [(t.dtype, tuple(t.shape)) for _, t in pairs], load
+            )
+            for (name, _), pats in zip(pairs, learned):
+                if pats is None:
+                    self._unplaced.add(name)
+                else:
+                    self.placements[name] = [pname, pats]
 
     def share(self, placements: dict[str, Any] | None = None) -> ShareAnswer:
+        """`ParameterSharing.share`; without `placements` (one worker holds whole tensors),
+        the tensors whose whole verbatim placement was learned while loading are not probed
+        again (`learn_placements` checked those copies with random bytes)."""
         self._prints.forget()  # the parameters move into shared memory
-        return self.sharing.share(placements)
+        return self.sharing.share(placements, None if placements else self.whole_destinations())
+
+    def whole_destinations(self) -> dict[str, tuple[str, int]]:
+        """{tensor: (parameter, byte offset)} of the learned placements that put a tensor whole
+        and in order into its parameter."""
+        from weightsync.wire.placement import whole_offset
+
+        accepted = self.refit.accepted
+        sizes: dict[str, int] = {}
+        out: dict[str, tuple[str, int]] = {}
+        for name, (pname, pats) in self.placements.items():
+            spec = accepted.get(name)
+            at = None if spec is None else whole_offset(pats, spec.numel)
+            if at is None:
+                continue
+            if pname not in sizes:
+                sizes[pname] = self.model.get_parameter(pname).element_size()
+            out[name] = (pname, at * sizes[pname])
+        return out
 
     def begin_one_copy(
         self, *, keep_previous: bool, sharing: list[str] | None = None

@@ -84,14 +84,22 @@ class WeightReceiver(ABC):
         (`"update"`, the version its sender opened) is refused before anything is read."""
 
     @abstractmethod
-    def end(self, version: str, probe: dict | None = None, known: dict | None = None) -> dict:
+    def end(
+        self,
+        version: str,
+        probe: dict | None = None,
+        known: dict | None = None,
+        switch_at: float | None = None,
+    ) -> dict:
         """Finish: post-process the weights, reset the prefix cache, adopt `version`: an
         `EndReport`. With `probe` (weightsync/wire/probe.py `ProbeRequest.to_dict()`), first
         score its tokens with the engine's forward on the staged weights and refuse to adopt
         them (`ProbeFailed`; the update stays open for the sender's abort) when the scores are
         too far from the trainer's. `known`: how much of the engine's placements the sender
         already holds (weightsync/wire/protocol.py `known_maps`): left out of the report when
-        it holds them whole."""
+        it holds them whole. `switch_at` (a staged update; `time.time()` seconds): the
+        instant the sender named for every engine's switch; the engine serves on until then
+        (at once when it has passed)."""
 
     @abstractmethod
     def abort(self, reason: str, owner: str | None = None) -> None:
@@ -157,6 +165,10 @@ class WeightReceiver(ABC):
         raise NotImplementedError(self.p2p_support())
 
 
+class NothingSwitched(RuntimeError):
+    """A staged update's switch (or a revert) stopped before any parameter was written."""
+
+
 class EngineSession(WeightReceiver):
     """The update-session rules every engine actor follows, around engine-specific hooks.
 
@@ -207,6 +219,10 @@ class EngineSession(WeightReceiver):
         self._into_copy = False  # the open update loads into a second copy (`begin`'s `staged`)
         # The open staged update's switch was asked for: the served weights may have changed.
         self._switching = False
+        self._prepared = False  # the open staged update's switch was made ready (`end`)
+        # The version `revert` goes back to: set by a staged update whose switch swapped
+        # (`_engine_swaps`), cleared by the next update or revert.
+        self._revert_to: str | None = None
         # Taken by every method that changes the session, as the watchdog thread calls `abort`.
         self._lock = threading.RLock()
         self._pausing = GenerationPause(self)
@@ -241,6 +257,21 @@ class EngineSession(WeightReceiver):
 
     def _engine_stage(self) -> StageReport:
         return StageReport(fingerprints=[self.fingerprints()])
+
+    def _engine_prepare(self) -> None:
+        """A staged update's switch made ready before the engine's pause (its batched copies
+        planned), where `_engine_stage` (a verified update's) did not already: `end` calls it
+        before it waits for the named instant and switches. Nothing by default."""
+
+    def _engine_swaps(self) -> bool:
+        """Whether a staged update's switch keeps the weights it replaces (then `revert` can
+        put them back until the next update)."""
+        return False
+
+    def _engine_revert(self, version: str) -> EndReport:
+        """Put back, in one short pause, the weights the last switch replaced, tagged
+        `version`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot revert a switch")
 
     def _engine_probe(self, tokens: list[list[int]]) -> list[list[float]]:
         """Inside the open update, after its last write and before `_engine_end`: per prompt,
@@ -287,7 +318,8 @@ class EngineSession(WeightReceiver):
                 self.abort(f"update {self._open!r} never ended; a new update {version!r} began")
             self._loaded = 0
             self._begin_t = self._last_call = time.perf_counter()
-            self._into_copy, self._switching = staged, False
+            self._into_copy, self._switching, self._prepared = staged, False, False
+            self._revert_to = None  # this update may write what a revert would put back
             if not staged:  # a staged update serves on until `_engine_end` switches
                 self._pause_generation()
             try:
@@ -341,11 +373,19 @@ class EngineSession(WeightReceiver):
                 )
             self._last_call = time.perf_counter()
             try:
-                return self._engine_stage().to_dict()
+                report = self._engine_stage().to_dict()
+                self._prepared = self._into_copy  # a staged engine readies its switch there
+                return report
             finally:
                 self._last_call = time.perf_counter()
 
-    def end(self, version: str, probe: dict | None = None, known: dict | None = None) -> dict:
+    def end(
+        self,
+        version: str,
+        probe: dict | None = None,
+        known: dict | None = None,
+        switch_at: float | None = None,
+    ) -> dict:
         with self._lock:
             if self._open != version:
                 raise RuntimeError(
@@ -362,9 +402,19 @@ class EngineSession(WeightReceiver):
                     f"engine's forward serves the current weights, not the staged ones"
                 )
             probed = None if probe is None else self._probe(version, probe)
+            if self._into_copy and not self._prepared:  # not inside the pause, nor late
+                self._engine_prepare()
+                self._prepared = True
+            at = float(switch_at) if switch_at is not None and self._into_copy else None
+            if at is not None:  # serving on until the instant
+                wait_until(at)
             report = self._engine_end(version)
+            if at is not None:
+                report = replace(report, switch_at=at)
             if probed is not None:
                 report = replace(report, probe=probed)
+            swapped = self._into_copy and self._engine_swaps()
+            self._revert_to = self._version if swapped else None
             self._open, self._broken, self._version = None, None, version
             self._resume_generation()
             if known:
@@ -495,6 +545,48 @@ class EngineSession(WeightReceiver):
         self._expire_idle()
         return self._version
 
+    def revert(self, switch_at: float | None = None) -> dict:
+        """Serve again the weights the last update replaced, and their version tag: after a
+        staged update whose switch kept them (`SyncOptions(staged=True, keep_previous=True)`),
+        before any other update. In one short pause, as the switch (`EndReport`'s `pause_s`,
+        `switched_at`). A revert that fails after writing leaves the engine refusing to serve
+        until a sync completes; one that wrote nothing (the prefix cache could not be reset),
+        or whose writes every worker undid (`NothingSwitched` from `_engine_revert`), can be
+        asked again. `switch_at`: as `end`'s, the instant the sender named for every
+        engine's revert."""
+        with self._lock:
+            self._expire_idle()
+            if self._open is not None:
+                raise RuntimeError(
+                    f"{self.engine_name}: revert during update {self._open!r}; abort it first"
+                )
+            if type(self)._engine_revert is EngineSession._engine_revert:
+                raise NotImplementedError(
+                    f"{self.engine_name}: {type(self).__name__} cannot revert a switch (its "
+                    f"staged switch does not keep the weights it replaces)"
+                )
+            version = self._revert_to
+            if version is None:
+                raise RuntimeError(
+                    f"{self.engine_name}: nothing to revert: the last update was not a staged "
+                    f"one switched with keep_previous=True (SyncOptions(staged=True, "
+                    f"keep_previous=True)), or another update or a revert came after it"
+                )
+            if switch_at is not None:
+                wait_until(float(switch_at))
+            try:
+                report = self._engine_revert(version)
+            except (NotImplementedError, NothingSwitched):
+                raise  # nothing was written: the engine serves on, the revert may be asked again
+            except Exception as exc:
+                self._revert_to = None
+                self._broken = f"the revert to {version!r} failed ({exc}); sync again"
+                raise
+            if switch_at is not None:
+                report = replace(report, switch_at=float(switch_at))
+            self._revert_to, self._version = None, version
+            return report.to_dict()
+
     def _expire_idle(self) -> None:
         with self._lock:
             idle = time.perf_counter() - self._last_call
@@ -567,3 +659,27 @@ class GenerationPause:
                 except Exception:
                     logger.exception("%s: expiring a silent update failed", session.engine_name)
                     return
+
+
+SWITCH_WAIT_MAX_S = 60.0  # the longest an engine waits for a named switch instant
+
+
+def wait_until(instant: float) -> None:
+    """Sleep until wall-clock `instant` (`time.time()` seconds); at once when it has passed,
+    and for at most `SWITCH_WAIT_MAX_S` (a sender whose clock runs ahead of this host's does
+    not hold the engine longer). The last stretch is spun, since a sleep may overshoot by a
+    scheduler tick."""
+    latest = time.time() + SWITCH_WAIT_MAX_S
+    if instant > latest:
+        logger.warning(
+            "a switch instant %.1f s ahead: waiting %.0f s at most (are the hosts' clocks apart?)",
+            instant - time.time(),
+            SWITCH_WAIT_MAX_S,
+        )
+        instant = latest
+    while True:
+        left = instant - time.time()
+        if left <= 0:
+            return
+        if left > 0.002:
+            time.sleep(left - 0.001)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from weightsync.trainer.endpoint import Call, Endpoint, EngineCalls, EngineState
-from weightsync.trainer.verify import SentPrints, Verifier, WorkerSent
+from weightsync.trainer.verify import Sent, SentPrints, Verifier, WorkerSent
 from weightsync.transports import SenderTransport
 from weightsync.wire.bucket import (
     BucketPlan,
@@ -65,6 +65,11 @@ class SyncPeers(Protocol):
         read again (every rank takes part)."""
         ...
 
+    def alive(self) -> None:
+        """Between two engine calls after `filled`: the other ranks, waiting in one collective
+        (bounded by the sync's timeout) until the sync ends, hear that it goes on, so their
+        wait spans one engine call (each bounded too), not all of them."""
+
 
 class WeightSender:
     """Plans buckets once from refit info, then runs syncs into registered engines."""
@@ -78,12 +83,14 @@ class WeightSender:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         allow_unchecked: bool = False,
         staged: bool = False,
+        switch_lead_s: float = 0.0,
     ) -> None:
         """`transport` may be set later (`self.transport = ...`), e.g. once the engines are
         known, as a collective transport needs their number. `allow_unchecked`: a verified
         sync passes with parameters it could not compare (else it fails naming them).
         `staged`: every sync by buckets is a staged update on the engines (`WeightReceiver
-        .begin`): they serve on until `end` switches them."""
+        .begin`): they serve on until `end` switches them; with `switch_lead_s` and more than
+        one engine, all at one instant that long after their `end`s are sent."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be positive")
         self.specs = specs
@@ -102,6 +109,7 @@ class WeightSender:
         self._views: dict[int, tuple[BucketPlan, tuple[int, int], list, list, KeptHashes]] = {}
         self.num_syncs = 0
         self.staged = staged
+        self.switch_lead_s = switch_lead_s
 
     def add_engine(self, endpoint: Endpoint, *, timeout_s: float | None = None) -> RefitAnswer:
         """Check refit info with the engine (nothing is written) and remember it.
@@ -245,9 +253,13 @@ class WeightSender:
                 peers.filled()
             for slot in list(in_flight):
                 self._wait_loads(in_flight.pop(slot), loads)
+                if peers is not None:
+                    peers.alive()
             checked = None
             if sent:  # stage, verify, then commit: nothing failed is ever adopted
                 staged = dict(zip(names, self.calls.call_all("stage", version, names=names)))
+                if peers is not None:
+                    peers.alive()
                 prints, worker_sent = sent.result(), sent.worker_results()
                 checked = self.verifier.check_staged(
                     staged, prints, version=version, worker_sent=worker_sent
@@ -416,8 +428,12 @@ class WeightSender:
             reports: list[LoadReport] = self.calls.wait_all(receiving)
             phases["send"] = time.perf_counter() - start - phases["begin"]
             phases["rank_send"] = sent["send_s"]
+            if peers is not None:
+                peers.alive()
             if verify:  # each rank hashed what it sent (`send`'s "worker_sent")
                 staged = dict(zip(engines, self.calls.call_all("stage", version, names=engines)))
+                if peers is not None:
+                    peers.alive()
                 checked = self.verifier.check_staged(
                     staged, {}, version=version, worker_sent=sent["worker_sent"]
                 )
@@ -449,9 +465,16 @@ class WeightSender:
     def _end_all(
         self, version: str, names: list[str], probe: dict[str, dict] | None
     ) -> list[EndReport]:
-        """`end` on every engine of `names` at once, with its probe where it has one."""
+        """`end` on every engine of `names` at once, with its probe where it has one; a staged
+        sync into several engines names the instant they all switch at (`switch_lead_s`)."""
         probe = probe or {}
         calls = []
+        if self.staged and len(names) > 1 and self.switch_lead_s > 0:
+            at = time.time() + self.switch_lead_s
+            for n in names:
+                known = known_maps(self.engines[n].placements) or None
+                calls.append(self.calls.submit(n, "end", version, probe.get(n), known, at))
+            return self.calls.wait_all(calls)
         for n in names:
             known = known_maps(self.engines[n].placements)
             if known:  # placements it holds whole are not sent again
@@ -469,13 +492,13 @@ class WeightSender:
 
     def verify(
         self,
-        sent: dict[str, Fingerprint],
+        sent: Sent,
         *,
         engines: list[str],
         worker_sent: dict[str, list[dict[str, Fingerprint]]] | None = None,
     ) -> VerifyReport:
         """Compare the engines' parameter fingerprints with what was sent (`sent`: trainer
-        tensor -> fingerprint). A tensor-parallel engine is compared worker by worker with
+        tensor -> fingerprint, or their `SentTable`). A tensor-parallel engine is compared worker by worker with
         `worker_sent[engine]` (per worker, parameter -> fingerprint of the slices it holds,
         `placement.WorkerPrints`); without it its result is pending (`verified` None): the
         caller computes it from the tensors and verifies again."""

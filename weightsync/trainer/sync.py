@@ -23,6 +23,7 @@ engine's parameters).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -35,10 +36,11 @@ from weightsync.trainer.sender import DEFAULT_TIMEOUT_S, WeightSender
 from weightsync.trainer.shard_writes import BucketGatherWriter, BucketShardWriter
 from weightsync.trainer.source import DTensorV2Source, Layout
 from weightsync.trainer.sync_group import SyncGroup
+from weightsync.trainer.verify import SentTable
 from weightsync.wire.bucket import DEFAULT_BUCKET_BYTES
 from weightsync.wire.fingerprint import FingerprintBatch
 from weightsync.wire.placement import WorkerPrints, sliced
-from weightsync.wire.protocol import RefitAnswer, SyncReport, VerifyReport
+from weightsync.wire.protocol import EndReport, RefitAnswer, SyncReport, VerifyReport
 from weightsync.wire.specs import dtype_from_str, specs_to_dicts
 
 if TYPE_CHECKING:
@@ -122,6 +124,14 @@ class SyncOptions:
     engine serving what it served. Costs one more copy of each engine's parameters. Goes by
     buckets (the one-copy and point-to-point paths are off); engines that cannot stage (stock
     engines, some SGLang models: docs/staged.md) are refused at `connect`."""
+    switch_lead_s: float = 0.0
+    """A staged sync (and a revert) into more than one engine: the trainer names one instant,
+    this long after it sends their `end`s, at which every engine switches (each serves on until
+    then; one whose `end` arrives later switches at once), so their switches are apart by how
+    long each takes from that instant to its copy, not by when each `end` arrived
+    (`SyncReport.switch_skew_s`; the engines report the instant as `switch_at`). Engines on
+    several hosts need their clocks in step (NTP). 0 (the default): each engine switches when
+    its `end` arrives. docs/staged.md gives what it changed on one host."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -132,6 +142,12 @@ class SyncOptions:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"SyncOptions.{name}={value!r}: must be a positive number")
+        lead = self.switch_lead_s
+        if not isinstance(lead, int | float) or isinstance(lead, bool) or not 0 <= lead <= 60:
+            raise ValueError(
+                f"SyncOptions.switch_lead_s={lead!r}: must be a number of seconds from 0 (each "
+                f"engine switches when its end arrives) to 60"
+            )
         if not isinstance(self.bucket_bytes, int):
             raise ValueError(f"SyncOptions.bucket_bytes={self.bucket_bytes!r}: must be an int")
         if self.one_copy and self.transport not in ONE_COPY_TRANSPORTS:
@@ -284,6 +300,7 @@ class TrainerSync:
                 timeout_s=opts.timeout_s,
                 allow_unchecked=opts.allow_unchecked,
                 staged=opts.staged,
+                switch_lead_s=opts.switch_lead_s,
             )
         elif engines and opts.transport in ("gloo", "nccl"):
             raise ValueError(
@@ -455,6 +472,34 @@ class TrainerSync:
         )
         return report
 
+    def revert(self, engines: list[str] | None = None) -> dict[str, EndReport] | None:
+        """Put back on `engines` (default: all connected), all at once, the weights the last
+        sync replaced, and their version tag: after a staged sync with `keep_previous`
+        (`SyncOptions(staged=True, keep_previous=True)`: each switch kept what it replaced),
+        before the next sync. Each engine reverts in one short pause, as it switched. Rank 0
+        returns {engine: `EndReport`} (`weight_version`: the version served again, `pause_s`,
+        `switched_at`); the other ranks return None (nothing to gather). Raises, naming the
+        engine, where one cannot (its last update was not such a sync, or it failed)."""
+        if self.rank != 0:
+            return None
+        sender = self._connected()
+        names = list(sender.engines) if engines is None else list(engines)
+        unknown = [n for n in names if n not in sender.engines]
+        if unknown:
+            raise ValueError(f"unknown engine(s) {unknown}; registered: {list(sender.engines)}")
+        lead = self.options.switch_lead_s
+        at = (time.time() + lead,) if len(names) > 1 and lead > 0 else ()
+        calls = [sender.calls.submit(n, "revert", *at) for n in names]
+        errors, reports = [], {}
+        for call in calls:  # every answer, so one engine's failure does not hide another's
+            try:
+                reports[call[0]] = sender.calls.wait_all([call])[0]
+            except Exception as exc:  # noqa: BLE001 - reported together below
+                errors.append(f"{call[0]}: {exc}")
+        if errors:
+            raise RuntimeError(f"revert failed on {len(errors)} engine(s): {'; '.join(errors)}")
+        return reports
+
     def verify(self, engines: list[str] | None = None) -> VerifyReport | None:
         """Compare each engine's parameters with the model's current weights, without syncing.
         Rank 0 returns the `VerifyReport` (`report[name].verified`, `.mismatched`,
@@ -488,7 +533,7 @@ class TrainerSync:
                     held, held_bytes = [], 0
                 for prints in workers.values():
                     prints.add(name, tensor)
-        sent = dict(zip(order, batch.read()))
+        sent = SentTable(order, batch.read_table())
         del held
         if self.rank != 0:
             return None
@@ -639,6 +684,8 @@ class TrainerSync:
         failed the sync (`_RankZeroSteps` on rank 0)."""
         while True:
             step = self.group.broadcast(None)
+            if "alive" in step:  # rank 0 is between two engine calls
+                continue
             if "pending" in step:
                 for _ in self.source.tensors():  # take part in every gather
                     pass
@@ -672,8 +719,8 @@ class _RankZeroSteps:
     """Rank 0's side of `TrainerSync._follow_checks` during a verified bucket sync (the
     sender's `SyncPeers`): once every bucket is sent, the other ranks wait for one of
     {"pending": engines} (read the tensors again with rank 0, which computes those engines'
-    worker fingerprints before they commit), {"error": ...} (the sync failed on rank 0) or
-    {"done": True}."""
+    worker fingerprints before they commit), {"alive": True} (between two of rank 0's engine
+    calls: wait again), {"error": ...} (the sync failed on rank 0) or {"done": True}."""
 
     def __init__(self, sync: TrainerSync) -> None:
         self.sync = sync
@@ -697,6 +744,10 @@ class _RankZeroSteps:
         if self.waiting:
             self.waiting = False
             self.sync.group.broadcast({"error": f"{type(exc).__name__}: {str(exc)[:2000]}"})
+
+    def alive(self) -> None:
+        if self.waiting:
+            self.sync.group.broadcast({"alive": True})
 
     def done(self) -> None:
         if self.waiting:

@@ -113,9 +113,18 @@ class SyncGroup:
         flag = torch.tensor(
             [int(self.failed)], device=torch.cuda.current_device() if on_gpu else "cpu"
         )
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._parent)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._parent)
+            failed = int(flag.item())  # where NCCL's wait surfaces
+        except RuntimeError as exc:
+            first = (str(exc).splitlines() or [""])[0][:300]
+            raise RuntimeError(
+                f"trainer rank {dist.get_rank()}: the ranks did not all begin this sync within "
+                f"the training group's timeout (one still in its previous call, or gone): "
+                f"every rank must call sync() together. {first}"
+            ) from exc
         self.failed = False
-        if not int(flag.item()):
+        if not failed:
             return False
         _abandoned.append(self.group)
         self._group = _new_group(self._ranks, self._timeout)

@@ -32,15 +32,42 @@ from weightsync.wire.fingerprint import (
     KeptHashes,
     expected_fingerprints,
     sole_holders,
+    table_prints,
 )
-from weightsync.wire.placement import WorkerPrints, placed_params, prints_from_sent, sliced
-from weightsync.wire.protocol import EngineVerification, StageReport, VerifyReport
+from weightsync.wire.placement import (
+    WholePrints,
+    WorkerPrints,
+    placed_params,
+    prints_from_sent,
+    sliced,
+)
+from weightsync.wire.protocol import EngineVerification, StageReport, VerifyReport, known_maps
 from weightsync.wire.specs import TensorSpec
 
 if TYPE_CHECKING:
     import torch
 
 WorkerSent = dict[str, list[dict[str, Fingerprint]]]
+
+
+class SentTable:
+    """What a verified sync sent, as the fingerprints' [N, 3] table
+    (`FingerprintBatch.read_table`, row i for `names[i]`): what `Verifier` computes the
+    expected fingerprints from without a step per tensor (`WholePrints`), and, made when first
+    asked, the same as {name: fingerprint} (`prints`)."""
+
+    def __init__(self, names: list[str], table: torch.Tensor) -> None:
+        self.names = names
+        self.table = table
+        self._prints: dict[str, Fingerprint] | None = None
+
+    def prints(self) -> dict[str, Fingerprint]:
+        if self._prints is None:
+            self._prints = dict(zip(self.names, table_prints(self.table)))
+        return self._prints
+
+
+Sent = dict[str, Fingerprint] | SentTable  # what `check_staged` compares with
 
 
 class SentPrints:
@@ -53,6 +80,7 @@ class SentPrints:
     ) -> None:
         self._batch = FingerprintBatch()
         self._order: list[str] = []
+        self._table: SentTable | None = None
         self._workers = {
             n: WorkerPrints(engines[n].placements)
             for n in names
@@ -71,8 +99,11 @@ class SentPrints:
             for name, tensor in zip(names, tensors):
                 prints.add(name, tensor)
 
-    def result(self) -> dict[str, Fingerprint]:
-        return dict(zip(self._order, self._batch.read()))
+    def result(self) -> SentTable:
+        """The fingerprints of every tensor added, read once."""
+        if self._table is None:
+            self._table = SentTable(self._order, self._batch.read_table())
+        return self._table
 
     def worker_results(self) -> WorkerSent:
         return {n: w.result() for n, w in self._workers.items()}
@@ -94,7 +125,7 @@ class Verifier:
 
     def verify(
         self,
-        sent: dict[str, Fingerprint],
+        sent: Sent,
         *,
         engines: list[str],
         worker_sent: WorkerSent | None = None,
@@ -114,13 +145,13 @@ class Verifier:
         answers = self.calls.wait_all([call for _, _, call in asked])
         for (name, want, _), prints in zip(asked, answers):
             workers = [prints] if want == "by-name" else prints
-            out[name] = self._compare(name, want, workers, sent)
+            out[name] = self._compare(name, want, workers, _prints(sent))
         return VerifyReport(engines=out, verify_s=time.perf_counter() - start)
 
     def check_staged(
         self,
         staged: dict[str, StageReport],
-        sent: dict[str, Fingerprint],
+        sent: Sent,
         *,
         version: str,
         worker_sent: WorkerSent | None = None,
@@ -128,18 +159,24 @@ class Verifier:
         """Compare what each engine's open update holds (its `stage` answer) with what was
         sent; raise `VerificationFailed` naming the engines and parameters that differ, and,
         unless `allow_unchecked`, those that could not be compared (a parameter a tensor lands
-        in whose loader does not copy verbatim)."""
+        in whose loader does not copy verbatim). `sent`: {tensor: fingerprint}, or
+        `SentPrints.result()`'s table."""
         start = time.perf_counter()
         out: dict[str, EngineVerification] = {}
         for name, report in staged.items():
             state = self.engines[name]
             if report.param_of is not None:
                 state.param_of = report.param_of
-            if report.placements is not None:
+            if report.placements is not None and known_maps(report.placements) != known_maps(
+                state.placements
+            ):  # placements only grow: the same sizes are the same placements, kept as they
+                # are so that what is computed from them once (`WholePrints`) is kept too
                 state.placements = report.placements
             want = self._expected(name, sent, worker_sent or {})
             out[name] = (
-                _pending() if want is None else self._compare(name, want, report.fingerprints, sent)
+                _pending()
+                if want is None
+                else self._compare(name, want, report.fingerprints, _prints(sent))
             )
         checked = VerifyReport(engines=out, verify_s=time.perf_counter() - start)
         bad = {n: r.mismatched for n, r in out.items() if r.mismatched}
@@ -162,10 +199,14 @@ class Verifier:
         return checked
 
     def _expected(
-        self, name: str, sent: dict[str, Fingerprint], worker_sent: WorkerSent
+        self,
+        name: str,
+        sent: Sent,
+        worker_sent: WorkerSent,
     ) -> str | list[dict[str, Fingerprint]] | None:
         """Per worker, what its parameters must fingerprint to; "by-name" for a receiver
-        without placements; None when that needs the tensors again (pending)."""
+        without placements; None when that needs the tensors again (pending). From a
+        `SentTable`, by the worker's kept `WholePrints`."""
         placements = self.engines[name].placements
         if placements is None:
             return "by-name"
@@ -173,7 +214,11 @@ class Verifier:
             return worker_sent[name]
         want = []
         for worker in placements:
-            prints = prints_from_sent(worker, sent, self.specs)
+            if isinstance(sent, SentTable):
+                plan = WholePrints.of(worker, sent.names, self.specs)
+                prints = plan.prints(sent.table) if plan.whole else None
+            else:
+                prints = prints_from_sent(worker, sent, self.specs)
             if prints is None:
                 return None
             want.append(prints)
@@ -249,6 +294,10 @@ def _first(by_engine: dict[str, list[str]], most: int = 8) -> str:
         + (f" and {len(names) - most} more" if len(names) > most else "")
         for engine, names in by_engine.items()
     )
+
+
+def _prints(sent: Sent) -> dict[str, Fingerprint]:
+    return sent.prints() if isinstance(sent, SentTable) else sent
 
 
 def _pending() -> EngineVerification:

@@ -241,6 +241,7 @@ class CollectiveReceiver(ReceiverTransport):
     def __init__(self) -> None:
         self._groups: dict[tuple[str, int], Any] = {}
         self._stores: dict[tuple[str, int], Any] = {}
+        self._backends: dict[tuple[str, int], str] = {}
         self._buffer: torch.Tensor | None = None
         # NCCL: a receive buffer per sender slot, and the event after its last load
         self._buffers: dict[int, torch.Tensor] = {}
@@ -252,6 +253,7 @@ class CollectiveReceiver(ReceiverTransport):
         key = (handle["host"], int(handle["port"]))
         group = self._groups.get(key)
         if group is None:
+            self._let_go_of_gone_senders()
             timeout = datetime.timedelta(seconds=float(handle.get("timeout_s", 60)))
             store = dist.TCPStore(
                 key[0], key[1], int(handle["world_size"]), is_master=False, timeout=timeout
@@ -267,7 +269,29 @@ class CollectiveReceiver(ReceiverTransport):
             )
             self._stores[key] = store
             self._groups[key] = group
+            self._backends[key] = handle["backend"]
         return group
+
+    # How long a kept group's store gets to answer before its sender counts as gone.
+    store_check_s = 5.0
+
+    def _let_go_of_gone_senders(self) -> None:
+        """Before joining a new sender's group: the gloo groups of senders whose store no
+        longer answers (their trainer is gone) are let go, with their threads and sockets. An
+        engine that many trainers reach over its life (restarts, a group rebuilt after a
+        failed sync) keeps the live senders' groups only. NCCL groups are kept (destroying a
+        communicator whose peer died can block)."""
+        for key, store in list(self._stores.items()):
+            if self._backends.get(key) != "gloo":
+                continue
+            try:
+                store.set_timeout(datetime.timedelta(seconds=self.store_check_s))
+                store.num_keys()
+            except (RuntimeError, OSError):  # torch's DistError derives RuntimeError
+                logger.info("letting go of the gloo group of gone sender %s:%d", *key)
+                self._groups.pop(key, None)
+                self._stores.pop(key, None)
+                self._backends.pop(key, None)
 
     def receive(self, handle: dict[str, Any], nbytes: int) -> torch.Tensor:
         timeout_s = float(handle.get("timeout_s", 60))
@@ -337,6 +361,7 @@ class CollectiveReceiver(ReceiverTransport):
             torch.cuda.synchronize()
         self._groups.clear()
         self._stores.clear()
+        self._backends.clear()
         self._buffer = None
         self._buffers.clear()
         self._loaded.clear()

@@ -210,6 +210,9 @@ class EndReport:
     switched_at: float | None = None
     """A staged update (`begin(..., staged=True)`): the wall-clock time (`time.time()`, seconds)
     at which the engine's new weights were in place, its generation still held."""
+    switch_at: float | None = None
+    """A staged update whose sender named the instant every engine switches at
+    (`SyncOptions.switch_lead_s`): that instant; the engine served on until it."""
     pause_s: float | None = None
     """A staged update: how long the engine held generation to switch to the staged weights
     (its only pause of the update)."""
@@ -229,6 +232,7 @@ class EndReport:
                 "placements": self.placements,
                 "probe": self.probe,
                 "switched_at": self.switched_at,
+                "switch_at": self.switch_at,
                 "pause_s": self.pause_s,
                 "pause_parts": self.pause_parts,
             }
@@ -246,6 +250,7 @@ class EndReport:
             placements=_get(d, cls, "placements", None),
             probe=_get(d, cls, "probe", None),
             switched_at=_get(d, cls, "switched_at", None),
+            switch_at=_get(d, cls, "switch_at", None),
             pause_s=_get(d, cls, "pause_s", None),
             pause_parts=_get(d, cls, "pause_parts", None),
         )
@@ -310,6 +315,7 @@ ANSWERS: dict[str, type[Answer]] = {
     "load_bucket": LoadReport,
     "p2p_receive": LoadReport,
     "end": EndReport,
+    "revert": EndReport,
     "settle": SettleReport,
     "stage": StageReport,
 }
@@ -354,6 +360,9 @@ class EngineSyncReport:
     """The largest gap of one probe token."""
     switched_at: float | None = None
     """A staged sync: when the engine's new weights were in place (`time.time()`)."""
+    switch_at: float | None = None
+    """A staged sync into several engines: the instant the trainer named for every engine's
+    switch (`SyncOptions.switch_lead_s`, `EndReport.switch_at`)."""
     pause_s: float | None = None
     """A staged sync: how long the engine held generation to switch (its only pause)."""
     pause_parts: dict[str, float] | None = None
@@ -380,6 +389,7 @@ class EngineSyncReport:
             probe_gap=probe.get("mean_gap"),
             probe_max_gap=probe.get("max_gap"),
             switched_at=end.switched_at,
+            switch_at=end.switch_at,
             pause_s=end.pause_s,
             pause_parts=end.pause_parts,
         )
@@ -400,6 +410,7 @@ class EngineSyncReport:
                     "probe_gap": self.probe_gap,
                     "probe_max_gap": self.probe_max_gap,
                     "switched_at": self.switched_at,
+                    "switch_at": self.switch_at,
                     "pause_s": self.pause_s,
                     "pause_parts": self.pause_parts,
                 }
@@ -424,6 +435,7 @@ class EngineSyncReport:
                     "probe_gap",
                     "probe_max_gap",
                     "switched_at",
+                    "switch_at",
                     "pause_s",
                     "pause_parts",
                 )

@@ -39,12 +39,18 @@ class ParameterSharing:
         # Parameter object in its own memory counts as moved.
         self._homes: tuple[list[dict], list[str]] = ([], [])
 
-    def share(self, placements: dict[str, Any] | None = None) -> ShareAnswer:
+    def share(
+        self,
+        placements: dict[str, Any] | None = None,
+        known: dict[str, tuple[str, int]] | None = None,
+    ) -> ShareAnswer:
         """Share the parameters for the trainer to write (CPU: moved into a shared-memory
-        segment; GPU: their CUDA storages exported, weightsync/engine/one_copy/cuda_exports.py); once, after a first
-        sync by buckets (the loader must have shown where every tensor goes). `placements`
-        (weightsync/wire/placement.py), from a tensor-parallel worker: which elements of each tensor
-        it holds and where; the trainer then writes each tensor through its patterns."""
+        segment; GPU: their CUDA storages exported, weightsync/engine/one_copy/cuda_exports.py);
+        once, after a first sync by buckets (the loader must have shown where every tensor
+        goes). `placements` (weightsync/wire/placement.py), from a tensor-parallel worker:
+        which elements of each tensor it holds and where; the trainer then writes each tensor
+        through its patterns. `known`: {tensor: (parameter, byte offset)} already learned from
+        the loader (whole verbatim placements): those tensors are not probed again."""
         if self.shared is not None:
             try:
                 self._check()
@@ -63,9 +69,11 @@ class ParameterSharing:
             )
         params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         if placements is None:
-            destinations = probe_destinations(
+            known = {n: d for n, d in (known or {}).items() if n in accepted and d[0] in params}
+            destinations = dict(known)
+            destinations |= probe_destinations(
                 params,
-                param_of,
+                {n: t for n, t in param_of.items() if n not in known},
                 accepted,
                 lambda name, tensor: self.load_fn(iter([(name, tensor)])),
                 lambda pairs: self.load_fn(iter(pairs)),
