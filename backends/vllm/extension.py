@@ -96,9 +96,11 @@ class WeightsyncWorkerExtension:
             parsed, config.model, engine_dtype=dtype_to_str(config.dtype), name="vllm"
         )
         receiver.refit.accept(parsed)
-        # Layers whose packed weights cannot be kept in step (vLLM pads their size) are refused
-        # here, at connect, not at the first sync.
+        # Layers whose packed weights cannot be kept in step (vLLM pads their size), or whose
+        # derived tensors cannot be derived again, are refused here, at connect, not at the
+        # first sync.
         self._ws_experts()
+        self._ws_derived()
         return RefitAnswer(
             param_of=receiver.param_of,
             num_params=len(receiver.refit.accepted),
@@ -119,6 +121,7 @@ class WeightsyncWorkerExtension:
         serves on; `weightsync_commit` switches to it."""
         state = self._ws_state()
         state["revertible"] = None  # a new update: the previous switch can no longer be undone
+        state["derived"] = False  # this update's derived tensors are not derived yet
         if staged:
             self._ws_begin_staged(swap=keep_previous)
             return {"why": None}
@@ -302,6 +305,22 @@ class WeightsyncWorkerExtension:
             state["experts"] = PackedExperts(state["receiver"].model if cpu else None)
         return state["experts"]
 
+    def _ws_derived(self) -> Any:
+        """vLLM's derived tensors of this model (backends/vllm/derived.py); a layer whose
+        derived tensors cannot be kept in step raises ValueError here: at `weightsync_check`
+        (connect), before any weight changes."""
+        state = self._ws_state()
+        if "derived_tensors" not in state:
+            from weightsync.backends.vllm.derived import DerivedTensors
+
+            derived = DerivedTensors(state["receiver"].model)
+            if derived.refused:
+                raise ValueError(
+                    f"vllm: {len(derived.refused)} layer(s) refused: {derived.refused[0]}"
+                )
+            state["derived_tensors"] = derived
+        return state["derived_tensors"]
+
     @_guard
     def weightsync_rollback(self) -> dict[str, Any]:
         """Put back what the open update overwrote (kept since `weightsync_begin`); its layers
@@ -312,6 +331,7 @@ class WeightsyncWorkerExtension:
         experts.unpack()  # a finished update packed them; the kept weights are unpacked
         restored = receiver.restore_previous()
         experts.pack()
+        self._ws_derived().derive()  # from the weights put back
         state["gemms"].mark_stale({n for n, _ in receiver.model.named_parameters()})
         state["open"], state["one_copy"], state["keep"] = False, False, False
         state["gemms"].start()
@@ -426,7 +446,20 @@ class WeightsyncWorkerExtension:
             # until re-packed, as after a load.
             state["gemms"].mark_stale(set(state["receiver"].one_copy_params()))
         self._ws_experts().pack()  # before the engine serves again
+        self._ws_derive()
         state["finished"] = True
+
+    def _ws_derive(self) -> None:
+        """Inside an update that wrote the served parameters, once: the derived tensors
+        derived from what it wrote, then checked (a failure fails the sync, verified or not,
+        before the engine serves)."""
+        state = self._ws_state()
+        if state.get("derived"):
+            return
+        derived = self._ws_derived()
+        derived.derive()
+        derived.check("after the update")
+        state["derived"] = True
 
     @_guard
     def weightsync_end(self) -> dict[str, Any]:
@@ -453,6 +486,7 @@ class WeightsyncWorkerExtension:
         state = self._ws_state()
         receiver = state["receiver"]
         if state.get("staged"):
+            self._ws_derive_staged()
             with self._ws_staged():
                 answer = {
                     "fingerprints": self._ws_fingerprints(),
@@ -461,11 +495,27 @@ class WeightsyncWorkerExtension:
                 }
             self._ws_prepare()  # the switch's batched copies made now, not inside its pause
             return answer
+        self._ws_derive()  # from what the update wrote, before anything is checked
         return {
             "fingerprints": self._ws_fingerprints(),
             "placements": receiver.placements,
             "param_of": receiver.param_of,
         }
+
+    def _ws_derive_staged(self) -> None:
+        """Inside a staged update, once: the derived tensors derived in the staged copy from
+        the weights loaded there, and checked; those that are not views of their weight in the
+        served model switch with the weights (a view follows its weight)."""
+        state = self._ws_state()
+        if state.get("derived"):
+            return
+        derived = self._ws_derived()
+        views = set(derived.views())  # the served model's
+        with self._ws_staged():
+            written = derived.derive()
+            derived.check("in the staged copy")
+        state["staged_written"].update(set(written) - views)
+        state["derived"] = True
 
     @_guard
     def weightsync_prepare(self) -> dict[str, Any]:
@@ -478,6 +528,7 @@ class WeightsyncWorkerExtension:
         return {"prepare_s": self._ws_prepare()}
 
     def _ws_prepare(self) -> float:
+        self._ws_derive_staged()
         state = self._ws_state()
         experts = self._ws_experts()
         packed = set(experts.params()) if not experts.unpacked else set()

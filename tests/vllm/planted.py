@@ -162,12 +162,64 @@ def unplant_switch(worker: Any) -> bool:
     return worker.__dict__.pop("weightsync_commit", None) is not None or real is not None
 
 
+def plant_stale_derived(worker: Any, checked: bool) -> bool:
+    """The worker's MLA layers keep the derived tensors they hold (W_UK_T / W_UV): what
+    weightsync derives from the synced weights is left unwritten (backends/vllm/derived.py);
+    without `checked`, weightsync's check of them is left out too."""
+    derived = worker._ws_derived()
+    derived.derive = lambda only=None: []
+    if not checked:
+        derived.check = lambda when: None
+    else:
+        derived.__dict__.pop("check", None)
+    return bool(derived.layers)
+
+
+def unplant_stale_derived(worker: Any) -> bool:
+    derived = worker._ws_derived()
+    derived.__dict__.pop("check", None)
+    return derived.__dict__.pop("derive", None) is not None
+
+
+def derived_state(worker: Any) -> dict[str, Any]:
+    """{"names": the worker's derived tensors (weightsync's list), "stale": the MLA layers
+    whose W_UK_T / W_UV differ from what vLLM's own `split_kv_b_proj` derives from the
+    layer's kv_b_proj weight now (checked here, not by weightsync's code), "views": the
+    derived tensors that are views of their weight's memory}."""
+    import torch
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention, split_kv_b_proj
+
+    stale = []
+    for name, layer in worker.model_runner.model.named_modules():
+        if not isinstance(layer, MLAAttention):
+            continue
+        w_uk, w_uv = split_kv_b_proj(
+            layer.kv_b_proj,
+            layer.W_UV.dtype,
+            layer.kv_lora_rank,
+            layer.num_heads,
+            layer.qk_nope_head_dim,
+            layer.v_head_dim,
+        )
+        if not torch.equal(layer.W_UK_T, w_uk.permute(1, 2, 0)):
+            stale.append(f"{name}.W_UK_T")
+        if not torch.equal(layer.W_UV, w_uv.transpose(0, 1)):
+            stale.append(f"{name}.W_UV")
+    derived = worker._ws_derived()
+    return {"names": derived.names(), "stale": stale, "views": derived.views()}
+
+
 class PlantedRollout(FrameworkRollout):
     """A framework's own rollout actor (tests/vllm/framework_rollout.py: its `weightsync` and
     `rollout`) over a `vllm.LLM` of `tensor_parallel_size` workers, keeping its previous weights
     during updates, whose loaders the test can plant faults in."""
 
-    def __init__(self, model_path: str, tensor_parallel_size: int = 1) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        tensor_parallel_size: int = 1,
+        engine_args: dict[str, Any] | None = None,
+    ) -> None:
         import os
         import sys
 
@@ -195,6 +247,7 @@ class PlantedRollout(FrameworkRollout):
             enforce_eager=True,
             max_model_len=256,
             **args,
+            **(engine_args or {}),
         )
         self.weights = VllmEngineActor(llm=self.llm, keep_previous=True)
 
@@ -212,6 +265,25 @@ class PlantedRollout(FrameworkRollout):
 
     def unplant_switch(self) -> list[bool]:
         return self.llm.collective_rpc(unplant_switch)
+
+    def plant_stale_derived(self, checked: bool) -> list[bool]:
+        return self.llm.collective_rpc(plant_stale_derived, args=(checked,))
+
+    def unplant_stale_derived(self) -> list[bool]:
+        return self.llm.collective_rpc(unplant_stale_derived)
+
+    def derived_state(self) -> list[dict[str, Any]]:
+        return self.llm.collective_rpc(derived_state)
+
+    def decode(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+        """Greedy tokens and their log-probs (`VllmEngineActor.generate`): the first token
+        comes from the prefill, the others from decode steps."""
+        return self.weights.generate(prompts, max_new_tokens=max_tokens, ignore_eos=True)
+
+    def prefill_scores(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Each token's log-prob after the first given the ones before it, from one forward
+        over the whole sequence (prefill: MLA computes it from kv_b_proj itself)."""
+        return self.weights.client.score(sequences)
 
     def refuse_cache_resets(self, refuse: bool) -> None:
         """vLLM's prefix-cache reset answers False (as it does while blocks are held)."""

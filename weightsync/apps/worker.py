@@ -186,6 +186,18 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
                 local = param.to_local() if hasattr(param, "to_local") else param
                 local.copy_(torch.randn(local.shape, generator=gen) * 0.05)
 
+    def scale_weights(self, suffix: str, factor: float) -> int:
+        """Multiply every parameter whose name ends with `suffix` by `factor` (tests: weights
+        that dominate what the model computes); how many there were."""
+        count = 0
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name.endswith(suffix):
+                    local = param.to_local() if hasattr(param, "to_local") else param
+                    local.mul_(factor)
+                    count += 1
+        return count
+
     def model_info(self) -> dict[str, Any]:
         """Which class holds the weights and how many parameters are DTensors (plain data)."""
         params = list(self.model.parameters())
