@@ -82,10 +82,6 @@ class DerivedTensors:
         """The derived tensors' parameter names."""
         return [self._names[(id(layer), attr)] for _, layer in self.layers for attr in DERIVED]
 
-    def sources(self) -> list[str]:
-        """The names of the weights they derive from, as the layers' modules name them."""
-        return [f"{name}.kv_b_proj.weight" for name, _ in self.layers]
-
     @staticmethod
     def _derivation(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK_T, W_UV) as vLLM derives them from the layer's kv_b_proj weight now."""
