@@ -37,15 +37,15 @@ stop_watch() {
   rm -f "$WEIGHTSYNC_FAILURE_LOG"
 }
 trap stop_watch EXIT
-status=0
-for suite in "${suites[@]}"; do
+run_suite() {
+  local suite=$1 env py start
   if [ "$suite" = lint ]; then
     echo "== suite lint"
-    scripts/lint.sh || status=1
-    continue
+    scripts/lint.sh
+    return
   fi
   [ -d "tests/$suite" ] && ls tests/"$suite"/test_*.py >/dev/null 2>&1 || {
-    echo "== suite $suite: no tests yet, skipped"; continue; }
+    echo "== suite $suite: no tests yet, skipped"; return 0; }
   case "$suite" in
     sglang) env=sglang ;;
     vllm) env=$(vllm_env_name) ;;
@@ -59,7 +59,39 @@ for suite in "${suites[@]}"; do
   fi
   echo "== suite $suite ($py) at $(date +%T)"
   start=$(date +%s)
-  "$py" -m pytest "tests/$suite" -q -p no:cacheprovider --durations=12 || status=1
+  local rc=0
+  "$py" -m pytest "tests/$suite" -q -p no:cacheprovider --durations=12 || rc=$?
   echo "== suite $suite: $(( $(date +%s) - start )) s"
+  return $rc
+}
+
+has_suite() { case " ${suites[*]} " in *" $1 "*) return 0 ;; esac; return 1; }
+
+status=0
+# `envs` spends most of its time downloading and installing the engine envs, so when `core` runs
+# too, envs runs beside lint and core (its log printed when it ends) and the suites that need
+# the engine envs start after it.
+envs_pid=
+envs_log=
+if has_suite envs && has_suite core; then
+  envs_log=$(mktemp)
+  echo "== suite envs runs beside lint and core; its log follows when it ends"
+  run_suite envs >"$envs_log" 2>&1 &
+  envs_pid=$!
+fi
+wait_envs() {
+  [ -n "$envs_pid" ] || return 0
+  wait "$envs_pid" || status=1
+  envs_pid=
+  cat "$envs_log"
+  rm -f "$envs_log"
+}
+for suite in "${suites[@]}"; do
+  if [ "$suite" = envs ] && [ -n "$envs_log" ]; then
+    continue
+  fi
+  case "$suite" in lint | core) ;; *) wait_envs ;; esac
+  run_suite "$suite" || status=1
 done
+wait_envs
 exit $status

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from weightsync.transports.shm import (
+    PREFIX,
     SHM_DIR,
     ShmReceiver,
     ShmSender,
@@ -270,7 +271,9 @@ def test_sender_refuses_a_bucket_larger_than_dev_shm_before_making_a_segment():
     try:
         with pytest.raises(RuntimeError, match=rf"bytes but {SHM_DIR} has \d+ free; .*--shm-size"):
             sender.buffer(0, 2 * _free_bytes(SHM_DIR))
-        assert [n for n in list_segments() if n not in before] == []
+        # This process's segments only: other suites may run beside this one.
+        mine = f"{PREFIX}{os.getpid()}-"
+        assert [n for n in list_segments() if n not in before and n.startswith(mine)] == []
     finally:
         sender.close()
 
