@@ -22,6 +22,8 @@ from weightsync.wire.specs import error_reply, ok_reply
 logger = logging.getLogger(__name__)
 
 _receivers: dict[int, Any] = {}
+_post_loads: dict[int, Any] = {}  # per model: PostLoadTensors (backends/sglang/derived.py)
+_derived_state: dict[int, dict[str, Any]] = {}  # per model: {"pending": derive before serving}
 _staged: dict[int, dict[str, Any]] = {}  # per model: {"weights": StagedWeights, "open", "written"}
 
 
@@ -32,15 +34,50 @@ def _receiver(model: Any) -> Any:
 
     receiver = _receivers.get(id(model))
     if receiver is None:
+        post_load = _post_load(model)
+
+        def load_fn(weights: Any) -> Any:
+            # The model's post-load step waits for the end of the update (`_derive`): run by
+            # each load, it would derive from scratch copies while placements are learned.
+            with post_load.held():
+                return model.load_weights(weights)
+
         receiver = ModelReceiver(
             model,
-            load_fn=model.load_weights,
+            load_fn=load_fn,
             default_loader=default_weight_loader,
             name="sglang",
             placed_replays=True,
         )
         _receivers[id(model)] = receiver
     return receiver
+
+
+def _post_load(model: Any) -> Any:
+    post_load = _post_loads.get(id(model))
+    if post_load is None:
+        from weightsync.backends.sglang.derived import PostLoadTensors
+
+        post_load = _post_loads[id(model)] = PostLoadTensors(model)
+    return post_load
+
+
+def _refuse_derived(model: Any) -> None:
+    """A model whose derived tensors cannot be kept in step is refused at `check` (connect)."""
+    refused = _post_load(model).refused
+    if refused:
+        raise ValueError(f"sglang: {len(refused)} layer(s) refused: {refused[0]}")
+
+
+def _derive(model: Any, state: dict[str, Any]) -> None:
+    """Inside an update that wrote the served parameters, once, before the engine is verified,
+    probed or serves: what the model derives after loading derived from what the update wrote,
+    then checked (a failure fails the sync, verified or not)."""
+    if state.get("pending"):
+        post_load = _post_load(model)
+        post_load.derive()
+        post_load.check("after the update")
+        state["pending"] = False
 
 
 def _tp() -> tuple[int, int]:
@@ -61,7 +98,23 @@ def staged_support(model: Any) -> str | None:
     staged copy holds the parameters as the model serves them, and the loaders write it as
     they write the parameters: layers whose weights SGLang transforms after loading (quantized
     layers, CPU AMX packing, MoE backends that re-lay their experts) would be written in the
-    checkpoint's layout over a transformed one."""
+    checkpoint's layout over a transformed one, and tensors derived from the parameters after
+    loading (MLA's w_kc / w_vc) would stay those of the served weights."""
+    from weightsync.backends.sglang.derived import post_load_platform
+
+    platform = post_load_platform()
+    if platform is not None:
+        return (
+            f"sglang: on {platform} SGLang transforms the weights after loading, which a staged "
+            f"copy cannot hold; sync without staged"
+        )
+    post_load = _post_load(model)
+    if post_load.layers or post_load.refused:
+        return (
+            f"sglang: {type(model).__name__} derives tensors from its weights after loading "
+            f"({', '.join(post_load.names()[:2]) or 'post_load_weights'}), which a staged copy "
+            f"of the parameters does not hold; sync without staged"
+        )
     for name, module in model.named_modules():
         if getattr(module, "use_intel_amx_backend", False):
             return (
@@ -204,9 +257,14 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
         return {"why": staged_support(model)}
     if message.get("staged") or op in ("begin_staged", "discard", "switch", "revert"):
         return _run_staged(model, receiver, op, message)
+    derived = _derived_state.setdefault(id(model), {})
     if op in ("load", "begin_one_copy", "share", "rollback"):
         _written_otherwise(model)  # these write the served parameters
+        derived["pending"] = True
+    elif op in ("stage", "finish", "commit"):
+        _derive(model, derived)  # before fingerprints, a probe or serving
     if op == "check":
+        _refuse_derived(model)
         return receiver.check_refit(specs_from_dicts(message["specs"])).to_dict()
     if op == "load":
         report, _ = receiver.load_bucket(
@@ -232,7 +290,9 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
         receiver.drop_previous()
         return {"placements": receiver.placements}
     if op == "rollback":
-        return {"restored": receiver.restore_previous()}
+        restored = receiver.restore_previous()
+        _derive(model, derived)  # from the weights put back
+        return {"restored": restored}
     if op == "fingerprints":
         return {"fingerprints": receiver.fingerprints()}
     if op == "stage":

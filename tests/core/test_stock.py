@@ -122,6 +122,28 @@ def test_the_refit_check_refuses_what_the_checkpoint_does_not_hold(
     assert engine.staged_folder() is None
 
 
+def test_a_tied_trainer_into_an_engine_whose_checkpoint_unties_the_head_is_refused(tmp_path):
+    """The trainer ties its head (sends only the embedding); the engine's checkpoint has a head
+    of its own that no sync would reach (vLLM's refit check, at connect, is this one)."""
+    from weightsync.apps.models import make_tiny_model
+    from weightsync.engine.refit import check_against_checkpoint, checkpoint_specs
+
+    untied = make_tiny_model(str(tmp_path / "qwen2"), arch="qwen2", seed=0)
+    specs = [TensorSpec.from_dict(s) for s in _specs(untied)]
+    with pytest.raises(
+        ValueError,
+        match=r"engine tensor 'lm_head.weight' would get no trainer tensor: the engine's "
+        r"checkpoint unties the LM head .*tie_word_embeddings false.*untie the trainer's model",
+    ):
+        check_against_checkpoint(specs, untied, engine_dtype="float32", name="vllm")
+    # Sent, it is taken; a tied checkpoint needs no head from the trainer.
+    head = checkpoint_specs(untied)["lm_head.weight"]
+    check_against_checkpoint([*specs, head], untied, engine_dtype="float32", name="vllm")
+    tied = make_tiny_model(str(tmp_path / "opt"), arch="opt", seed=0)
+    tied_specs = [TensorSpec.from_dict(s) for s in _specs(tied)]
+    check_against_checkpoint(tied_specs, tied, engine_dtype="float32", name="vllm")
+
+
 def _stock_rank(rank: int, port: int, results, options: dict) -> None:
     from weightsync import SyncOptions, TrainerSync
     from weightsync.apps.models import build_model

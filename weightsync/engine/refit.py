@@ -17,6 +17,8 @@ and learn `param_of` while loading.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -198,7 +200,6 @@ def checkpoint_specs(path: str) -> dict[str, TensorSpec]:
     """Name, dtype and shape of every tensor in a safetensors checkpoint directory (headers
     only; nothing is loaded)."""
     import glob
-    import os
 
     from safetensors import safe_open
 
@@ -217,6 +218,21 @@ def checkpoint_specs(path: str) -> dict[str, TensorSpec]:
                     shape=tuple(piece.get_shape()),
                 )
     return specs
+
+
+def _unties_head(path: str) -> bool:
+    """Whether the checkpoint's config.json unties the LM head from the embedding (its
+    `tie_word_embeddings`, or its `text_config`'s, is false); where it says nothing the head
+    counts as tied, transformers' default."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    for part in (config, config.get("text_config") or {}):
+        if "tie_word_embeddings" in part:
+            return part["tie_word_embeddings"] is False
+    return False
 
 
 def check_against_checkpoint(
@@ -255,7 +271,17 @@ def check_against_checkpoint(
                 f"engine dtype {engine_dtype}; send {engine_dtype} (the worker's "
                 f"dtype= option)"
             )
-    # A tied head is stored once by the engine and is not sent.
+    # A tied head is not sent (the engine loads the embedding into it); an untied engine's
+    # head must be, or no sync would ever reach it.
+    untied = _unties_head(path)
+    if untied and "lm_head.weight" in known and "lm_head.weight" not in seen:
+        raise ValueError(
+            f"{name}: engine tensor 'lm_head.weight' would get no trainer tensor: the engine's "
+            f"checkpoint unties the LM head from the embedding (tie_word_embeddings false in "
+            f"{os.path.join(path, 'config.json')}) but the trainer ties them and sends only the "
+            f"embedding; untie the trainer's model (tie_word_embeddings=False) or start the "
+            f"engine from a tied checkpoint"
+        )
     missing = sorted(set(known) - seen - {"lm_head.weight"})
     if missing:
         raise ValueError(
