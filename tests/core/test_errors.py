@@ -71,6 +71,23 @@ def test_the_first_failed_reply_is_raised_and_otherwise_every_result_returned():
     assert "from engine worker 1 of 2" in info.value.__notes__
 
 
+def test_one_workers_refusal_after_another_worker_did_the_call_is_no_longer_a_rejection():
+    """`BucketRejected` promises the weights are as they were. One tensor-parallel worker's
+    refusal while another wrote its part breaks that promise for the engine: it crosses as a
+    RuntimeError naming both, so the engine counts the call as one that may have written
+    (rolled back, or not served)."""
+    refused = _over_the_wire(BucketRejected("the point-to-point receive failed before writing"))
+    with pytest.raises(BucketRejected):
+        unwrap_all([refused, refused])  # every worker refused: nothing written anywhere
+    with pytest.raises(RuntimeError) as info:
+        unwrap_all([ok_reply({"num_tensors": 3}), refused])
+    assert type(info.value) is RuntimeError
+    assert str(info.value) == (
+        "engine worker 1 of 2 refused before writing (the point-to-point receive failed before "
+        "writing), but worker(s) [0] did the call: the engine's weights may be partly written"
+    )
+
+
 def test_errors_with_fields_survive_pickling_as_a_trainer_actors_error_does():
     """Ray pickles an actor's exception to its caller: one whose constructor takes more than the
     message must come back whole (else the caller gets Ray's "failed to deserialize")."""

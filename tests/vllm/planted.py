@@ -209,6 +209,36 @@ def derived_state(worker: Any) -> dict[str, Any]:
     return {"names": derived.names(), "stale": stale, "views": derived.views()}
 
 
+def plant_p2p_refusal(worker: Any, rank: int) -> bool:
+    """Tensor-parallel worker `rank`'s point-to-point receives take their bytes, then fail
+    before writing any (its inbox answers `BucketRejected`: its own weights are as they were),
+    while the other workers write all of theirs."""
+    from weightsync.transports.p2p import PointToPointReceiver
+
+    if worker._ws_tp()[0] != rank:
+        return False
+    real = vars(PointToPointReceiver).get("_planted_real", PointToPointReceiver.receive_buffers)
+
+    def refused(self: Any) -> dict[int, int]:
+        real(self)
+        raise RuntimeError(f"planted: worker {rank}'s receive failed before writing")
+
+    PointToPointReceiver._planted_real = real  # type: ignore[attr-defined]
+    PointToPointReceiver.receive_buffers = refused  # type: ignore[method-assign]
+    return True
+
+
+def unplant_p2p_refusal(worker: Any) -> bool:
+    from weightsync.transports.p2p import PointToPointReceiver
+
+    real = vars(PointToPointReceiver).get("_planted_real")
+    if real is None:
+        return False
+    PointToPointReceiver.receive_buffers = real  # type: ignore[method-assign]
+    del PointToPointReceiver._planted_real  # type: ignore[attr-defined]
+    return True
+
+
 class PlantedRollout(FrameworkRollout):
     """A framework's own rollout actor (tests/vllm/framework_rollout.py: its `weightsync` and
     `rollout`) over a `vllm.LLM` of `tensor_parallel_size` workers, keeping its previous weights
@@ -265,6 +295,12 @@ class PlantedRollout(FrameworkRollout):
 
     def unplant_switch(self) -> list[bool]:
         return self.llm.collective_rpc(unplant_switch)
+
+    def plant_p2p_refusal(self, rank: int) -> list[bool]:
+        return self.llm.collective_rpc(plant_p2p_refusal, args=(rank,))
+
+    def unplant_p2p_refusal(self) -> list[bool]:
+        return self.llm.collective_rpc(unplant_p2p_refusal)
 
     def plant_stale_derived(self, checked: bool) -> list[bool]:
         return self.llm.collective_rpc(plant_stale_derived, args=(checked,))

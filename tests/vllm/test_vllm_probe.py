@@ -172,6 +172,56 @@ def test_a_switch_that_fails_on_one_worker_fails_the_sync_and_the_others_are_swi
         trainer.kill()
 
 
+def test_a_point_to_point_receive_one_worker_refused_after_the_other_wrote_is_rolled_back(
+    rollout,
+):
+    """Point-to-point syncs into the two tensor-parallel workers of an engine that keeps its
+    previous weights. Worker 1's receive fails before it writes anything while worker 0 wrote
+    all of its pieces: the engine does not count that as "nothing written" (its weights would
+    then be two versions under the old tag); it puts back what worker 0 overwrote, and serves
+    the previous version whole: the same tag, every worker's fingerprints, the same tokens.
+    The next point-to-point sync is verified and serves the trainer's weights."""
+    handle, path = rollout
+    trainer = launcher.TrainerGroup(
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+        model_path=path,
+        world_size=1,
+        bucket_bytes=1 << 20,
+        seed=0,
+        lr=0.02,
+        transport="gloo",
+        point_to_point=True,
+    )
+    tokens, version = _served(handle)
+
+    def prints() -> list:
+        return ray.get(handle.weightsync.remote("worker_fingerprints"), timeout=120)
+
+    try:
+        trainer.call("connect", {"pp": {"actor": handle, "dispatch": "weightsync"}})
+        assert trainer.sync("pp-1", verify=True).verify["pp"].verified  # buckets, placements
+        trainer.call("train_step", training_batch(7))
+        assert trainer.sync("pp-2").path == "p2p"
+        served, held = tokens(), prints()
+        trainer.call("train_step", training_batch(8))
+        assert ray.get(handle.plant_p2p_refusal.remote(1), timeout=120) == [False, True]
+        try:
+            with pytest.raises(
+                Exception, match=r"worker 1's receive failed before writing"
+            ) as caught:
+                trainer.sync("pp-3")
+        finally:
+            ray.get(handle.unplant_p2p_refusal.remote(), timeout=120)
+        assert "worker(s) [0] did the call" in str(caught.value), str(caught.value)[:2000]
+        assert version() == "pp-2" and prints() == held and tokens() == served
+        last = trainer.sync("pp-4", verify=True)
+        assert last.path == "p2p" and last.verify["pp"].verified and version() == "pp-4"
+        want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
+        assert tokens() == want["tokens"]
+    finally:
+        trainer.kill()
+
+
 def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_on_both_workers(rollout):
     """`SyncOptions(staged=True, keep_previous=True)`: each switch keeps what it replaced (the
     staged copy swapped with the served weights), so `TrainerSync.revert` serves the previous

@@ -231,10 +231,18 @@ def error_reply(exc: BaseException) -> dict[str, Any]:
 def unwrap_all(replies: list[dict[str, Any]]) -> list[Any]:
     """Every reply's result, in worker order; a failed reply is raised again as `WIRE_ERRORS`
     says (the caller's bad input as itself, anything else as RuntimeError), with a note naming
-    the worker when there are several."""
+    the worker when there are several. A `BucketRejected` says the engine's weights are as they
+    were; where other workers of the engine did the call, theirs may not be: it is raised as a
+    RuntimeError naming them (the engine counts the call as one that may have written)."""
     for i, reply in enumerate(replies):
         if not reply["ok"]:
             exc = error_from_wire(reply)
+            done = [j for j, r in enumerate(replies) if r["ok"]]
+            if isinstance(exc, BucketRejected) and done:
+                raise RuntimeError(
+                    f"engine worker {i} of {len(replies)} refused before writing ({exc}), but "
+                    f"worker(s) {done} did the call: the engine's weights may be partly written"
+                )
             if len(replies) > 1:
                 exc.add_note(f"from engine worker {i} of {len(replies)}")
             raise exc
