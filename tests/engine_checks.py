@@ -145,7 +145,13 @@ def half_update(engine, spec: dict, version: str = "half") -> None:
 
 
 def check_failed_verification_is_never_adopted(
-    engine, trainer, name: str, *, staged: bool = False, replicas: dict | None = None
+    engine,
+    trainer,
+    name: str,
+    *,
+    staged: bool = False,
+    replicas: dict | None = None,
+    learn_first: bool = False,
 ) -> None:
     """Stage, verify, commit, against a real engine: a verified sync (new random weights for
     every tensor, from a sender in this process) whose check fails is aborted before `end`.
@@ -154,7 +160,11 @@ def check_failed_verification_is_never_adopted(
     then puts back its previous weights and goes on serving them, same version and answers.
     `staged`: a staged sync (`begin(..., staged=True)`), without keep_previous: the served
     weights were never written. `replicas` ({name: engine}): more engines in the same sync;
-    one engine's failed check aborts it for all, and none of them adopts it."""
+    one engine's failed check aborts it for all, and none of them adopts it. `learn_first`: a
+    verified sync first (from a list, which the sender reads again to check the workers of a
+    tensor-parallel engine before they adopt it), so that the failing sync knows where each
+    worker keeps each tensor and checks every engine, each worker included: the failure is
+    then every engine's own, the tensor-parallel one's too."""
     import pytest
     import torch
 
@@ -170,6 +180,21 @@ def check_failed_verification_is_never_adopted(
     target = next(
         s.name for s in specs if s.name.endswith("fc1.weight") or s.name.endswith("up_proj.weight")
     )
+    module = target.rsplit(".", 2)[0] + "."  # its layer's parameters: fc1, gate_up_proj
+
+    def random_tensors(seed: int) -> list:
+        gen = torch.Generator().manual_seed(seed)
+        return [
+            (s.name, (torch.randn(s.shape, generator=gen) * 0.1).to(dtype_from_str(s.dtype)))
+            for s in specs
+        ]
+
+    sender = WeightSender(specs, transport=ShmSender(), capacity_bytes=1 << 20, staged=staged)
+    for n, e in everyone.items():
+        sender.add_engine(RayEndpoint(e, name=n))
+    if learn_first:
+        first = sender.sync(random_tensors(122), version="before-never-adopted", verify=True)
+        assert all(first.verify[n].verified for n in everyone), first.verify
     before = {}
     for n, e in everyone.items():
         ray.get(e.settle.remote(), timeout=300)
@@ -178,30 +203,40 @@ def check_failed_verification_is_never_adopted(
             ray.get(e.fingerprints.remote()),
             ray.get(e.generate.remote(prompt_ids()))["tokens"],
         )
-    gen = torch.Generator().manual_seed(123)
-    tensors = [
-        (s.name, (torch.randn(s.shape, generator=gen) * 0.1).to(dtype_from_str(s.dtype)))
-        for s in specs
-    ]
-    sender = WeightSender(specs, transport=ShmSender(), capacity_bytes=1 << 20, staged=staged)
+    tensors = random_tensors(123)
     seen: dict = {}
     check = sender.verifier.check_staged
 
-    def planted(staged, sent, **kwargs):
+    def planted(staged, sent, *, worker_sent=None, **kwargs):
         seen.update(staged)
         table = sent.table.clone()  # the sent fingerprints (`SentTable`), one of them off
         table[sent.names.index(target), 0] += 1
-        return check(staged, SentTable(sent.names, table), **kwargs)
+        off = {  # and, per worker of a tensor-parallel engine, what the target lands in
+            engine: [
+                {
+                    p: (f[0] + 1, *f[1:])
+                    if p.startswith(module) and ("up" in p or "fc1" in p)
+                    else f
+                    for p, f in prints.items()
+                }
+                for prints in workers
+            ]
+            for engine, workers in (worker_sent or {}).items()
+        }
+        return check(staged, SentTable(sent.names, table), worker_sent=off, **kwargs)
 
     sender.verifier.check_staged = planted
     if not staged:  # a staged update never writes the served weights: nothing to keep
         for e in everyone.values():
             ray.get(e.set_keep_previous.remote(True))
     try:
-        for n, e in everyone.items():
-            sender.add_engine(RayEndpoint(e, name=n))
-        with pytest.raises(VerificationFailed, match="'never-adopted' aborted before any engine"):
+        with pytest.raises(
+            VerificationFailed, match="'never-adopted' aborted before any engine"
+        ) as caught:
             sender.sync(iter(tensors), version="never-adopted", verify=True)
+        if learn_first:  # every engine checked, and every one failed its own check
+            failed = caught.value.results
+            assert all(failed[n]["mismatched"] for n in everyone), failed
     finally:
         if not staged:
             for e in everyone.values():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weightsync.wire.errors import VerificationFailed
 from weightsync.wire.fingerprint import fingerprint
 from weightsync.wire.placement import (
     expected_worker_fingerprints,
@@ -220,7 +221,9 @@ def sliced_model(full: torch.nn.Module, rank: int, size: int) -> torch.nn.Module
 def test_two_sliced_workers_are_each_verified_against_what_they_hold():
     """The reference receiver with slicing loaders stands for two TP workers (the GPU script's
     tensor-parallel mode runs the same over CUDA IPC): each learns its placements during the
-    first sync, and the sender checks each against the trainer's elements it holds."""
+    first sync, and the sender checks each against the trainer's elements it holds, before
+    they adopt it: from the tensors read again (a list), or, given an iterator it cannot read
+    again, not at all: that first sync is aborted, adopted by neither."""
     from weightsync.engine.module_receiver import ModuleWeightReceiver
     from weightsync.trainer.endpoint import LocalEndpoint
     from weightsync.trainer.sender import WeightSender
@@ -233,15 +236,33 @@ def test_two_sliced_workers_are_each_verified_against_what_they_hold():
     for i in range(4):
         full.register_parameter(f"w{i}", torch.nn.Parameter(torch.randn(8, 6)))
     source = DTensorV2Source(full)
-    workers = [
-        ModuleWeightReceiver(sliced_model(full, r, 2), name=f"w{r}", sliced=True) for r in range(2)
-    ]
-    sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=1 << 10)
-    try:
+
+    def connected() -> tuple[WeightSender, list[ModuleWeightReceiver]]:
+        workers = [
+            ModuleWeightReceiver(sliced_model(full, r, 2), name=f"w{r}", sliced=True)
+            for r in range(2)
+        ]
+        sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=1 << 10)
         for r, worker in enumerate(workers):
             sender.add_engine(LocalEndpoint(worker, name=f"tp{r}"))
-        report = sender.sync(source.tensors(), version="v1", verify=True)
-        assert report.verify["tp0"].pending  # needs the tensors again, with placements
+        return sender, workers
+
+    once, held = connected()
+    try:
+        with pytest.raises(
+            VerificationFailed,
+            match=r"update 'v1' aborted before any engine adopted it: the workers of "
+            r"\['tp0', 'tp1'\] hold slices .* `tensors` was read once \(generator\); pass a list",
+        ):
+            once.sync(source.tensors(), version="v1", verify=True)
+        assert [w.weight_version() for w in held] == [None, None]
+    finally:
+        once.close()
+    sender, workers = connected()
+    try:
+        first = sender.sync(list(source.tensors()), version="v1", verify=True).verify
+        assert first["tp0"].verified and first["tp1"].verified, first
+        assert first["tp1"].num_checked == 4 and not first["tp1"].pending
 
         def check():
             expected = {n: WorkerPrints(sender.engines[n].placements) for n in ("tp0", "tp1")}

@@ -145,10 +145,16 @@ def test_a_staged_sync_that_fails_verification_is_adopted_by_neither_replica(set
     """A staged, verified sync into the TP=2 engine and its TP=1 replica whose check fails
     (planted on the sender's side, so both hold the new bytes in their staged copies when
     checked) is aborted before either switches: both keep their version, fingerprints and
-    answers."""
+    answers. Each engine fails its own check, the TP=2 engine's worker by worker (a first
+    sync taught the sender where each worker keeps each tensor)."""
     engines, trainer, *_ = setup
     check_failed_verification_is_never_adopted(
-        engines["tp2"], trainer, "tp2", staged=True, replicas={"tp1": engines["tp1"]}
+        engines["tp2"],
+        trainer,
+        "tp2",
+        staged=True,
+        replicas={"tp1": engines["tp1"]},
+        learn_first=True,
     )
 
 

@@ -17,7 +17,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -175,7 +175,7 @@ class WeightSender:
 
     def sync(
         self,
-        tensors: Iterator[tuple[str, torch.Tensor]] | None,
+        tensors: Iterable[tuple[str, torch.Tensor]] | None,
         *,
         version: str,
         engines: list[str] | None = None,
@@ -191,8 +191,8 @@ class WeightSender:
         `ProbeRequest.to_dict()`} for the engines that score a probe at `end`
         (weightsync/wire/probe.py). With `verify`, an engine whose workers hold slices and whose
         placements were not known when the sync began (its first sync) is checked before `end`
-        from `peers.worker_prints` (the tensors read again); without `peers` it is left
-        pending, checked only after it committed."""
+        from the tensors read again (`peers.worker_prints`; without `peers`, `tensors` again,
+        which must then be a list: `Verifier.reread`)."""
         transport = self.transport
         if transport is None:
             raise ValueError("sync without a transport; set WeightSender.transport first")
@@ -230,10 +230,10 @@ class WeightSender:
                 raise ValueError("sync without tensors: give `tensors` or `write_bucket`")
             elif attach is not None:
                 filled = _attach_each(
-                    self.plans, tensors, wait_slot, attach, sent.add if sent else None
+                    self.plans, iter(tensors), wait_slot, attach, sent.add if sent else None
                 )
             else:
-                filled = fill_buckets(self.plans, tensors, get_buffer)
+                filled = fill_buckets(self.plans, iter(tensors), get_buffer)
             for plan in filled:
                 slot = plan.index % num_slots
                 handle = transport.describe(slot, plan.index)
@@ -264,9 +264,13 @@ class WeightSender:
                 checked = self.verifier.check_staged(
                     staged, prints, version=version, worker_sent=worker_sent
                 )
-                if checked.pending and peers is not None:  # placements learned just now
+                if checked.pending:  # placements learned just now: the tensors read again
                     read = time.perf_counter()
-                    worker_sent.update(peers.worker_prints(checked.pending))
+                    worker_sent.update(
+                        peers.worker_prints(checked.pending)
+                        if peers is not None
+                        else self.verifier.reread(tensors, checked.pending, version=version)
+                    )
                     read_s = time.perf_counter() - read
                     again = self.verifier.check_staged(
                         {n: staged[n] for n in checked.pending},

@@ -198,6 +198,29 @@ class Verifier:
             )
         return checked
 
+    def reread(
+        self, tensors: Any, engines: list[str], *, version: str
+    ) -> dict[str, list[dict[str, Fingerprint]]]:
+        """What each of `engines`' workers must hold (`WorkerPrints`), from `tensors` read
+        again: the engines whose workers hold slices and whose placements were learned in this
+        sync (`check_staged` left them pending). Only a list or tuple can be read again; from
+        anything else (an iterator, read once) no pending engine may adopt the update, so it
+        raises `VerificationFailed` (the sender then aborts it)."""
+        if not isinstance(tensors, list | tuple):
+            raise VerificationFailed(
+                f"verification incomplete, update {version!r} aborted before any engine adopted "
+                f"it: the workers of {engines} hold slices and where the tensors land in them was "
+                f"learned in this sync, so their bytes can be checked only from the tensors read "
+                f"again, and `tensors` was read once ({type(tensors).__name__}); pass a list, or "
+                f"sync through TrainerSync (which reads them again)",
+                {n: _pending().to_dict() for n in engines},
+            )
+        workers = {n: WorkerPrints(self.engines[n].placements or []) for n in engines}
+        for name, tensor in tensors:
+            for prints in workers.values():
+                prints.add(name, tensor)
+        return {n: w.result() for n, w in workers.items()}
+
     def _expected(
         self,
         name: str,
