@@ -121,7 +121,8 @@ class _InProcess:
         return self.llm.collective_rpc(method, args=args)
 
     def reset_prefix_cache(self) -> bool:
-        return _retried(lambda: bool(self.llm.reset_prefix_cache()))
+        # A KV connector's cache too (CPU offloading, LMCache): it holds KV of the old weights.
+        return _retried(lambda: bool(self.llm.reset_prefix_cache(reset_connector=True)))
 
     def switch(self, version: str, revert: bool = False) -> tuple[list[dict], dict[str, Any]]:
         """A staged update's end (`_Http.switch`), or with `revert` the previous weights put
@@ -204,11 +205,12 @@ def _retried(reset: Any, attempts: int = 5) -> bool:
 
 
 def reset_prefix_cache(request: Any) -> bool:
-    """vLLM's server's `/reset_prefix_cache` (`request(method, path)` -> (status, JSON)): whether
+    """vLLM's server's `/reset_prefix_cache` (`request(method, path)` -> (status, JSON)), a KV
+    connector's cache included (`reset_external`; vLLM counts none configured as reset): whether
     it was reset. The route answers 200 either way, with {"success": ...}."""
 
     def once() -> bool:
-        status, out = request("POST", "/reset_prefix_cache")
+        status, out = request("POST", "/reset_prefix_cache?reset_external=true")
         return status == 200 and isinstance(out, dict) and bool(out.get("success"))
 
     return _retried(once)

@@ -122,7 +122,7 @@ async def switch(engine: Any, version: str, method: str = "weightsync_commit") -
             await engine.pause_generation(mode="keep", clear_cache=False)
         clock.mark("hold")
         for _ in range(RESET_TRIES):
-            if await engine.reset_prefix_cache(True, False):
+            if await engine.reset_prefix_cache(True, True):  # a KV connector's cache too
                 break
         else:
             return {"error": "the prefix cache could not be reset; nothing was switched"}

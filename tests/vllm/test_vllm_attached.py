@@ -457,13 +457,18 @@ def test_an_llm_made_without_weightsyncs_extension_is_refused_naming_the_argumen
 
 def test_a_prefix_cache_reset_counts_only_when_vllm_says_it_succeeded():
     """vLLM's /reset_prefix_cache answers 200 either way, with {"success": ...} (it refuses
-    while blocks are held): a refusal, retried, counts as not reset, which fails the update."""
+    while blocks are held): a refusal, retried, counts as not reset, which fails the update.
+    The reset asks for a KV connector's cache too (`reset_external=true`: CPU offloading or
+    LMCache would otherwise keep KV of the old weights; the route here answers only that)."""
     from tests.engine_checks import open_json_server
     from weightsync.backends.vllm.engine import reset_prefix_cache
     from weightsync.engine.server import RemoteServer
 
     for success in (True, False):
-        routes = {"/health": {}, "POST /reset_prefix_cache": {"success": success}}
+        routes = {
+            "/health": {},
+            "POST /reset_prefix_cache?reset_external=true": {"success": success},
+        }
         with open_json_server(routes) as url:
             server = RemoteServer(url, name="vllm")
             assert reset_prefix_cache(server.request) is success
