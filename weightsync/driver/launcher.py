@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.driver import envs, preflight
 from weightsync.driver.hang_report import MARK as HANG_MARK
+from weightsync.wire.errors import portable
 from weightsync.wire.protocol import SyncReport, VerifyReport
 
 if TYPE_CHECKING:
@@ -104,13 +105,21 @@ class ActorHost:
                 f"raised by {qualname}(...) in its actor (pid {os.getpid()}, "
                 f"{sys.executable}) while it started; the actor holds no object"
             )
-            self.start_error, self._start_frames = exc, exc.__traceback__
+            self.start_error, self._start_frames = portable(exc), exc.__traceback__
             logger.error("%s could not start", qualname, exc_info=True)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The object's `method`; an error of a class only this env has (an engine's own)
+        reaches the caller as a plain one with its message (`portable`)."""
         if self.start_error is not None:
             raise self.start_error.with_traceback(self._start_frames)
-        return getattr(self.obj, method)(*args, **kwargs)
+        try:
+            return getattr(self.obj, method)(*args, **kwargs)
+        except Exception as exc:
+            plain = portable(exc)
+            if plain is exc:
+                raise
+            raise plain from None
 
     def call_within(self, report_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
         """`call`; should the method still run `report_s` later, where this process's threads

@@ -103,6 +103,28 @@ def error_to_wire(exc: BaseException) -> dict[str, Any]:
     }
 
 
+PORTABLE_MODULES = ("builtins", "weightsync.", "ray.")
+"""Where the classes of exceptions that any weightsync process can unpickle come from."""
+
+
+def portable(exc: Exception) -> Exception:
+    """`exc` as an actor raises it to a caller in another env: as itself where its class is
+    one every weightsync process has (Python's, weightsync's, Ray's); else (an engine's own
+    error, whose module exists only in the engine's env: Ray would hand the caller "Failed to
+    deserialize exception") a new exception of the class it crosses as (`wire_class`, else
+    RuntimeError), whose message names the original class, with the original's notes and the
+    last frames of where it was raised."""
+    cls = type(exc)
+    if cls.__module__ == "builtins" or cls.__module__.startswith(PORTABLE_MODULES[1:]):
+        return exc
+    plain = (wire_class(exc) or RuntimeError)(f"{cls.__module__}.{cls.__qualname__}: {exc}")
+    for note in getattr(exc, "__notes__", ()):
+        plain.add_note(note)
+    frames = traceback.format_exception(exc, limit=-8)
+    plain.add_note("raised at (last frames):\n" + "".join(frames).rstrip())
+    return plain
+
+
 def error_from_wire(error: dict[str, Any], *, peer: str | None = None) -> Exception:
     """The exception to raise for `error_to_wire`'s fields: the table's class with the peer's
     message, else RuntimeError (naming `peer` and the peer's exception type when given)."""
