@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import ray
 
@@ -116,9 +117,9 @@ def check_server_on_loopback_demands_key(
     assert leaked == [], f"the server's key is in the logs {leaked}"
 
 
-def half_update(engine, spec: dict, version: str = "half") -> None:
-    """Begin an update, load one tensor of random float32 values (`spec`, from refit info),
-    then abort it, as a sender that died mid-sync would leave it."""
+def load_random(engine, spec: dict) -> Any:
+    """Load one tensor of random float32 values (`spec`, from refit info) as a bucket into the
+    engine's open update; returns the sender holding its memory (the caller closes it)."""
     import torch
 
     from weightsync.transports.shm import ShmSender
@@ -137,8 +138,19 @@ def half_update(engine, spec: dict, version: str = "half") -> None:
             "handle": sender.handle(0),
             "tensors": [meta.to_dict()],
         }
-        ray.get(engine.begin.remote(version))
-        ray.get(engine.load_bucket.remote(descriptor))  # one tensor in, then the sender "dies"
+        ray.get(engine.load_bucket.remote(descriptor), timeout=300)
+    except BaseException:
+        sender.close()
+        raise
+    return sender
+
+
+def half_update(engine, spec: dict, version: str = "half") -> None:
+    """Begin an update, load one tensor of random float32 values (`spec`, from refit info),
+    then abort it, as a sender that died mid-sync would leave it."""
+    ray.get(engine.begin.remote(version))
+    sender = load_random(engine, spec)  # one tensor in, then the sender "dies"
+    try:
         ray.get(engine.abort.remote("sender failed"))
     finally:
         sender.close()

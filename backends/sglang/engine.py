@@ -416,13 +416,21 @@ class _Http:
         if status != 200:
             raise RuntimeError(f"sglang server /pause_generation answered {status}: {out}")
 
-    def resume(self) -> None:
+    def resume(self, refuse: str | None = None) -> None:
+        """Generation goes on; `refuse` (why the engine does not serve): a gated server answers
+        its clients 503 with it until the next resume (a server without the gate cannot)."""
         if self.gated:
-            open_gate(self._request, "sglang")
+            open_gate(self._request, "sglang", refuse=refuse)
             return
         status, out = self._request("POST", "/continue_generation", {})
         if status != 200:
             raise RuntimeError(f"sglang server /continue_generation answered {status}: {out}")
+
+    def refuse(self, reason: str | None) -> None:
+        """A gated server answers its clients 503 with `reason` until the next resume (one
+        without the gate cannot); None: it serves them again."""
+        if self.gated:
+            open_gate(self._request, "sglang", refuse=reason)
 
     def score(self, prompts: list[list[int]]) -> list[list[float]]:
         """`_InProcess.score` through the server, past its closed gate (`pause`'s token)."""
@@ -852,7 +860,13 @@ class SglEngineActor(EngineSession):
 
     def _resume(self) -> None:
         if isinstance(self.client, _Http):  # only a server pauses (`_pause`)
-            self.client.resume()
+            # An update aborted with the weights partly written: the server's own clients are
+            # refused too, until a sync completes.
+            self.client.resume(refuse=self._broken)
+
+    def _refuse(self, reason: str | None) -> None:
+        if isinstance(self.client, _Http):
+            self.client.refuse(reason)
 
     # ---- serving -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], **sampling: Any) -> dict[str, Any]:

@@ -319,8 +319,10 @@ class _Http:
         # this update's token passes until `resume`: the probe's (`score`).
         self._token = close_gate(self._request, "vllm")
 
-    def resume(self) -> None:
-        open_gate(self._request, "vllm")
+    def resume(self, refuse: str | None = None) -> None:
+        """Generation goes on; `refuse` (why the engine does not serve): the server answers its
+        clients 503 with it until the next resume."""
+        open_gate(self._request, "vllm", refuse=refuse)
 
     def score(self, prompts: list[list[int]]) -> list[list[float]]:
         """`_InProcess.score` through the server, past its closed gate (`pause`'s token)."""
@@ -702,7 +704,13 @@ class VllmEngineActor(EngineSession):
 
     def _resume(self) -> None:
         if isinstance(self.client, _Http):  # only a server pauses (`_pause`)
-            self.client.resume()
+            # An update aborted with the weights partly written: the server's own clients are
+            # refused too, until a sync completes.
+            self.client.resume(refuse=self._broken)
+
+    def _refuse(self, reason: str | None) -> None:
+        if isinstance(self.client, _Http):
+            self.client.resume(refuse=reason)  # the gate is open: it refuses from now on
 
     def settle(self, timeout_s: float = 120.0) -> dict:
         """On CPU the packed GEMMs are rebuilt in the background after an update."""

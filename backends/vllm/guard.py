@@ -41,6 +41,7 @@ CONTROL_PATHS = frozenset(
         "/update_weight_version",
         "/get_world_size",
         "/v1/models",
+        "/weight_info",  # the version tag, read while a server refuses to serve
         "/pause",
         "/resume",
         "/is_paused",

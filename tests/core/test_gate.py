@@ -107,6 +107,37 @@ def test_a_gate_that_cannot_drain_in_time_says_so_and_bad_bodies_are_refused(mon
     asyncio.run(scenario())
 
 
+def test_a_gate_opened_refusing_answers_held_and_new_requests_503_until_opened_again(monkeypatch):
+    """After an update aborted with the weights partly written the actor opens the gate with
+    the reason: the requests it held and every later one get 503 and the reason, control routes
+    still pass; the next update's closed gate lets its probe through, and its plain opening
+    serves again."""
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    reason = "vllm engine does not serve: update 'v2' was aborted after 1 bucket(s); sync again"
+
+    async def scenario() -> None:
+        app = _App()
+        for path in ("/v1/completions", "/collective_rpc"):
+            app.release[path] = asyncio.Event()
+            app.release[path].set()
+        guard = KeyOnEveryRoute(app)
+        _json(await _call(guard, GATE_PATH, {"close": True, "token": "t2", "timeout_s": 5}))
+        held = _call(guard, "/v1/completions")
+        await asyncio.sleep(0.05)
+        assert not held.done()
+        _json(await _call(guard, GATE_PATH, {"close": False, "refuse": reason}))
+        for answer in (await held, await _call(guard, "/v1/completions")):
+            assert answer[0]["status"] == 503 and json.loads(answer[1]["body"]) == {"error": reason}
+        assert (await _call(guard, "/collective_rpc"))[0]["status"] == 200
+        assert app.done == ["/collective_rpc"]  # nothing reached the model
+        _json(await _call(guard, GATE_PATH, {"close": True, "token": "t3", "timeout_s": 5}))
+        assert (await _call(guard, "/v1/completions", probe="t3"))[0]["status"] == 200
+        _json(await _call(guard, GATE_PATH, {"close": False}))
+        assert (await _call(guard, "/v1/completions"))[0]["status"] == 200
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("path", [GATE_PATH, "/v1/completions"])
 def test_the_gate_route_and_held_routes_demand_the_key(monkeypatch, path):
     monkeypatch.setenv("VLLM_API_KEY", KEY)

@@ -30,6 +30,16 @@ def _plant(receiver, kind: str) -> None:
         q.weight_loader = lambda p, t: None
 
 
+def _one_token_off(tokens: list[list[int]]) -> list[list[float]]:
+    """The trainer's scores with one token's moved 4 nats: as an engine whose fault reaches
+    a single token (one embedding row, one expert) would differ from them."""
+    from weightsync.wire.probe import score_causal_lm
+
+    scores = score_causal_lm(_one_token_off.model, tokens)  # type: ignore[attr-defined]
+    scores[1][7] += 4.0
+    return scores
+
+
 def _probe_rank(rank: int, port: int, results, options: dict) -> None:
     from weightsync import TrainerSync
     from weightsync.apps.models import build_model
@@ -47,9 +57,13 @@ def _probe_rank(rank: int, port: int, results, options: dict) -> None:
         for name, param in model.named_parameters():
             if "q_proj.weight" in name or "k_proj.weight" in name:
                 param.to_local().mul_(20.0)
+    _one_token_off.model = model  # type: ignore[attr-defined]
     out: dict = {}
-    for kind in ("right", "qk_swapped", "transposed", "dropped"):
-        sync = TrainerSync(model, options=SyncOptions(probe=Probe(every=3, length=24)))
+    for kind in ("right", "qk_swapped", "transposed", "dropped", "one_token"):
+        probe = Probe(every=3, length=24)
+        if kind == "one_token":  # one scored token 4 nats off, the mean still within its bound
+            probe = Probe(every=3, length=24, score=_one_token_off)
+        sync = TrainerSync(model, options=SyncOptions(probe=probe))
         receiver = None
         if rank == 0:
             receiver = ModuleWeightReceiver(build_model("opt", "tiny", seed=99), name=kind)
@@ -93,6 +107,31 @@ def test_a_loader_wrong_from_the_first_sync_fails_the_probe_before_commit(probed
     assert gap > 1e-2  # far above the right loader's
     # Never committed: each sync probes it again (it was never probed right) and fails again.
     assert result["version"] is None and result["reports"] == []
+
+
+def test_one_token_far_off_fails_the_probe_though_the_mean_is_within_its_bound(probed):
+    """46 scored tokens, one 4 nats off: a mean gap of 0.087, within `bound` (0.1); the
+    default `max_bound` (1 nat) fails the sync before commit, naming the token."""
+    result = probed["one_token"]
+    assert result.get("type") == "ProbeFailed", result
+    assert "one_token: update 'v1' failed the log-prob probe" in result["error"]
+    assert "token 8 of prompt 1 4 nats away" in result["error"], result["error"]
+    assert "max_bound 1;" in result["error"] and "The update is not committed" in result["error"]
+    assert result["version"] is None and result["reports"] == []
+
+
+def test_the_largest_gap_is_bounded_as_well_as_the_mean():
+    expected = [[-1.0] * 61]
+    got = [[-1.0] * 61]
+    got[0][30] = -6.0  # one token 5 nats off: mean 0.082
+    request = ProbeRequest(tokens=[list(range(62))], expected=expected, bound=0.1)
+    assert check_probe(request, got, engine="e", version="v").max_gap == pytest.approx(5.0)
+    bounded = ProbeRequest.from_dict({**request.to_dict(), "max_bound": 1.0})
+    with pytest.raises(ProbeFailed, match="scores token 31 of prompt 0 5 nats away"):
+        check_probe(bounded, got, engine="e", version="v")
+    with pytest.raises(ValueError, match="Probe.max_bound=0: must be a positive number"):
+        Probe(max_bound=0)
+    assert Probe().max_bound == 1.0 and Probe(max_bound=None).max_bound is None
 
 
 def test_probe_values_are_checked_when_made():

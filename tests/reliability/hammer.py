@@ -230,30 +230,67 @@ def engine_server(engine) -> tuple[str, str]:
 def check_a_request_waits_for_the_open_update(
     engine, trainer, hammer: Hammer, close: Callable[[], None], *, wait_s: float = 120.0
 ) -> tuple[float, str | None]:
-    """Open an update (nothing loaded), send one request straight to the server: it is not
-    answered while the update is open. `close()` ends the update (the sender's abort, or
-    nothing: the idle watchdog), then the request is answered on the weights held before,
+    """Open an update and load a bucket into it (one tensor of random values, with
+    keep_previous on), send one request straight to the server: it is not answered while the
+    update is open. `close()` ends the update (the sender's abort, or nothing: the idle
+    watchdog), which puts the previous weights back; then the request is answered on them,
     equal to the trainer's reference. Returns (seconds from `begin` to the answer, the engine's
-    version tag of the answer). Nothing calls the actor between `begin` and the answer."""
+    version tag of the answer). Nothing calls the actor between the load and the answer."""
+    from tests.engine_checks import load_random
+
     prompt = prompt_ids()[0]
     want = trainer.call("reference_generate", [prompt], max_new_tokens=MAX_NEW_TOKENS)["tokens"]
     answers: list = []
     client = threading.Thread(target=lambda: answers.append(hammer.ask(prompt)), daemon=True)
-    ray.get(engine.begin.remote("never-ends"), timeout=120)
-    begun = time.monotonic()
+    ray.get(engine.set_keep_previous.remote(True), timeout=120)
     try:
-        client.start()
-        client.join(timeout=5)
-        assert not answers, f"answered during an open update: {answers}"
+        ray.get(engine.begin.remote("never-ends"), timeout=120)
+        begun = time.monotonic()
+        sender = load_random(engine, trainer.call("refit_info")[0])
+        try:
+            client.start()
+            client.join(timeout=5)
+            assert not answers, f"answered during an open update: {answers}"
+        finally:
+            close()
+        client.join(timeout=wait_s)
+        sender.close()
     finally:
-        close()
-    client.join(timeout=wait_s)
+        ray.get(engine.set_keep_previous.remote(False), timeout=120)
     assert answers, f"no answer {wait_s:g} s after the update was closed: the server stayed paused"
     status, out = answers[0]
     assert status == 200, out
     tokens, tag = hammer.parse(out)
     assert [tokens] == want
     return time.monotonic() - begun, tag
+
+
+def check_a_half_written_update_is_refused_to_the_servers_clients(
+    engine, trainer, hammer: Hammer, engine_name: str, name: str
+) -> None:
+    """An update that loaded a tensor and was aborted (no keep_previous: the weights stay partly
+    written) leaves the server refusing its own clients: a request sent straight to it is
+    answered 503 with the reason, as is a second one; the next sync (verified) ends that, and
+    the server answers as the trainer's reference. `engine_name`: "vllm" or "sglang";
+    `name`: the engine's name in the trainer's `connect`."""
+    from tests.engine_checks import half_update
+
+    ray.get(engine.set_keep_previous.remote(False), timeout=120)
+    prompt = prompt_ids()[0]
+    half_update(engine, trainer.call("refit_info")[0], version="half-written")
+    for _ in range(2):
+        status, out = hammer.ask(prompt)
+        assert status == 503, (status, out)
+        want = f"{engine_name} engine does not serve: update 'half-written' was aborted"
+        assert want in out["error"], out
+    report = trainer.call("sync", "after-half-written", verify=True)
+    assert report["verify"][name]["verified"], report["verify"]
+    want_tokens = trainer.call("reference_generate", [prompt], max_new_tokens=MAX_NEW_TOKENS)[
+        "tokens"
+    ]
+    status, out = hammer.ask(prompt)
+    assert status == 200, out
+    assert [hammer.parse(out)[0]] == want_tokens
 
 
 def check_probes_through_the_gate(

@@ -15,6 +15,7 @@ from tests.reliability.hammer import (
     MAX_NEW_TOKENS,
     Hammer,
     check_a_failed_staged_sync_is_seen_by_no_request,
+    check_a_half_written_update_is_refused_to_the_servers_clients,
     check_a_request_waits_for_the_open_update,
     check_a_revert_under_requests,
     check_answers,
@@ -110,8 +111,9 @@ def test_one_copy_http_clients_never_see_half_written_weights_during_many_syncs(
 
 
 def test_an_aborted_update_resumes_the_servers_generation(setup):
-    """A request sent straight to the server while an update is open waits; the sender's
-    `abort` resumes the server, which answers it on the weights it held before."""
+    """A request sent straight to the server while an update is open (a bucket loaded,
+    keep_previous on) waits; the sender's `abort` puts the previous weights back and resumes
+    the server, which answers it on them."""
     engine, trainer, _ = setup
     version = ray.get(engine.engine_weight_version.remote())  # SGLang's own tag
     _, tag = check_a_request_waits_for_the_open_update(
@@ -123,10 +125,20 @@ def test_an_aborted_update_resumes_the_servers_generation(setup):
     assert tag == version
 
 
+def test_a_half_written_update_is_refused_to_the_servers_own_clients_until_a_sync(setup):
+    """An update aborted after loading a tensor, without keep_previous: the server answers its
+    own clients (direct requests) 503 naming the aborted update until the next sync lands."""
+    engine, trainer, _ = setup
+    check_a_half_written_update_is_refused_to_the_servers_clients(
+        engine, trainer, _hammer(engine), "sglang", NAME
+    )
+
+
 def test_a_silent_update_is_expired_by_the_watchdog_and_the_server_resumes(setup):
-    """Nobody calls the actor after `begin` (a dead trainer): the watchdog aborts the update
-    after idle_timeout_s and resumes the server; the waiting request is answered on the
-    previous weights, and the next sync lands verified."""
+    """Nobody calls the actor after `begin` and one bucket (a dead trainer): the watchdog
+    aborts the update after idle_timeout_s, puts the previous weights back (keep_previous on)
+    and resumes the server; the waiting request is answered on them, and the next sync lands
+    verified."""
     engine, trainer, _ = setup
     version = ray.get(engine.engine_weight_version.remote())  # SGLang's own tag
     waited_s, tag = check_a_request_waits_for_the_open_update(

@@ -19,6 +19,7 @@ from tests.reliability.hammer import (
     MAX_NEW_TOKENS,
     Hammer,
     check_a_failed_staged_sync_is_seen_by_no_request,
+    check_a_half_written_update_is_refused_to_the_servers_clients,
     check_a_request_waits_for_the_open_update,
     check_a_revert_under_requests,
     check_answers,
@@ -126,14 +127,24 @@ def test_one_copy_http_clients_never_see_half_written_weights_during_many_syncs(
 
 
 def test_an_aborted_update_resumes_the_servers_generation(setup):
-    """A request sent while an update is open waits; the sender's `abort` resumes the server,
-    which answers it on the weights it held before (nothing was loaded)."""
+    """A request sent while an update is open (a bucket loaded, keep_previous on) waits; the
+    sender's `abort` puts the previous weights back and resumes the server, which answers it
+    on them."""
     engine, trainer, model = setup
     check_a_request_waits_for_the_open_update(
         engine,
         trainer,
         _hammer(engine, model),
         lambda: ray.get(engine.abort.remote("the trainer gave up"), timeout=120),
+    )
+
+
+def test_a_half_written_update_is_refused_to_the_servers_own_clients_until_a_sync(setup):
+    """An update aborted after loading a tensor, without keep_previous: the server answers its
+    own clients (direct requests) 503 naming the aborted update until the next sync lands."""
+    engine, trainer, model = setup
+    check_a_half_written_update_is_refused_to_the_servers_clients(
+        engine, trainer, _hammer(engine, model), "vllm", NAME
     )
 
 

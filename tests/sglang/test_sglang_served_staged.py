@@ -126,8 +126,9 @@ def test_a_switch_that_fails_in_the_servers_scheduler_fails_the_sync_and_the_act
     through SGLang's own update route, before it copies anything, or after half of the
     parameters switched) fails the sync with the scheduler's words; the server's weight
     version stays the last whole one, and the actor refuses to generate until a sync
-    completes. The next staged sync switches every parameter (the copy a failed switch left
-    is made again), and the server answers with the trainer's weights."""
+    completes, and so does the server, to its own clients (503). The next staged sync switches
+    every parameter (the copy a failed switch left is made again), and the server answers
+    with the trainer's weights."""
     engine, started, model = served
     trainer = _trainer(model)
     marker = tmp_path / "switching"
@@ -150,6 +151,17 @@ def test_a_switch_that_fails_in_the_servers_scheduler_fails_the_sync_and_the_act
             Exception, match=f"does not serve: update 'planted-{where}-2' was aborted"
         ):
             ray.get(engine.generate.remote(prompt_ids()[:1], max_new_tokens=2), timeout=300)
+        # The server's own clients are refused too (a direct request, as theirs).
+        status, out = http_json(
+            "POST",
+            started.base + "/generate",
+            {"input_ids": prompt_ids()[:1], "sampling_params": {"max_new_tokens": 2}},
+            api_key=KEY,
+            timeout=300,
+        )
+        assert status == 503, (status, out)
+        want = f"sglang engine does not serve: update 'planted-{where}-2' was aborted"
+        assert want in out["error"], out
         trainer.call("set_weights_from", 53 if where == "before" else 55)
         assert trainer.sync(f"planted-{where}-3").verify["planted"].verified
         assert _version(started) == f"planted-{where}-3"

@@ -203,8 +203,9 @@ def test_a_switch_that_fails_on_one_server_worker_fails_the_sync_and_the_actor_r
     """Staged, verified syncs into the server's two workers. Worker 1's switch failing while
     worker 0 switches (planted through the server's /collective_rpc) fails the sync naming the
     worker; the server's weight version stays the last whole one, and the actor refuses to
-    generate until a sync completes. The next staged sync switches both workers, and the
-    server's own API serves the trainer's reference."""
+    generate until a sync completes, and so does the server, to its own clients (503). The next
+    staged sync switches both workers, and the server's own API serves the trainer's
+    reference."""
     engine, _, started = attached
     model = server[1]
     trainer = _trainer(model, staged=True, verify=True, timeout_s=240)
@@ -229,12 +230,22 @@ def test_a_switch_that_fails_on_one_server_worker_fails_the_sync_and_the_actor_r
         assert "planted-1" in str(version()) and "planted-2" not in str(version())
         with pytest.raises(Exception, match="does not serve: update 'planted-2' was aborted"):
             ray.get(engine.generate.remote(prompt_ids()[:1], max_new_tokens=2), timeout=300)
+        # The server's own clients are refused too (a direct request, as theirs), until a sync
+        # completes.
+        served = http_json("GET", started.base + "/v1/models", api_key=KEY)[1]["data"][0]["id"]
+        status, out = http_json(
+            "POST",
+            started.base + "/v1/completions",
+            {"model": served, "prompt": prompt_ids()[:1], "max_tokens": 2},
+            api_key=KEY,
+        )
+        assert status == 503, (status, out)
+        assert "vllm engine does not serve: update 'planted-2' was aborted" in out["error"], out
 
         trainer.call("set_weights_from", 13)
         last = trainer.sync("planted-3")
         assert last.verify["planted"].verified and "planted-3" in str(version())
         ray.get(engine.settle.remote(), timeout=300)
-        served = http_json("GET", started.base + "/v1/models", api_key=KEY)[1]["data"][0]["id"]
         _assert_server_serves_reference(started, served, trainer)
     finally:
         trainer.kill()

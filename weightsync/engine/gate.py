@@ -6,8 +6,11 @@ During a weight update the engine actor closes it: POST /weightsync/gate {"close
 with the weights: the update's own calls), waits until the requests in flight have finished
 (each answer computed on one version), and answers {"drained": true, "inflight": 0}; a request
 carrying `X-Weightsync-Probe: t` still passes (the probe's forward on the staged weights,
-weightsync/wire/probe.py); {"close": false} lets the held requests go on. The caller checks the
-API key before handing a request here. One gate per server process.
+weightsync/wire/probe.py); {"close": false} lets the held requests go on. After an update that
+was aborted with the weights partly written (the engine does not serve until a sync completes),
+{"close": false, "refuse": reason} answers every held and new request 503 with the reason
+instead, until the next {"close": false}. The caller checks the API key before handing a
+request here. One gate per server process.
 """
 
 from __future__ import annotations
@@ -31,20 +34,21 @@ class Gate:
 
     def __init__(self) -> None:
         self.token: str | None = None  # set while closed
+        self.refused: str | None = None  # why the open gate answers 503 to every request
         self.inflight = 0  # requests past the gate, not finished
         self._opened = asyncio.Event()
         self._opened.set()
 
     async def close(self, token: str, timeout_s: float) -> dict[str, Any]:
-        self.token = token
+        self.token, self.refused = token, None  # held now; the update's probe passes
         self._opened.clear()
         deadline = time.monotonic() + timeout_s
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         return {"drained": self.inflight == 0, "inflight": self.inflight}
 
-    def open(self) -> dict[str, Any]:
-        self.token = None
+    def open(self, refuse: str | None = None) -> dict[str, Any]:
+        self.token, self.refused = None, refuse
         self._opened.set()
         return {"drained": True, "inflight": self.inflight}
 
@@ -113,6 +117,9 @@ class GatedRoutes:
             await self.app(scope, receive, send)
             return
         await self.gate.passes(scope)
+        if self.gate.refused is not None:
+            await answer(send, 503, {"error": self.gate.refused})
+            return
         self.gate.inflight += 1  # no await since `passes` returned: the gate cannot close between
         try:
             await self.app(scope, receive, send)
@@ -129,7 +136,8 @@ class GatedRoutes:
                 token = str(body["token"])
                 out = await self.gate.close(token, float(body.get("timeout_s", 60.0)))
             else:
-                out = self.gate.open()
+                refuse = body.get("refuse")
+                out = self.gate.open(None if refuse is None else str(refuse))
         except (ValueError, KeyError, TypeError) as exc:
             await answer(send, 400, {"error": f"{GATE_PATH}: {type(exc).__name__}: {exc}"})
             return
@@ -157,7 +165,12 @@ def close_gate(request: Request, engine: str) -> str:
     return token
 
 
-def open_gate(request: Request, engine: str) -> None:
-    status, out = request("POST", GATE_PATH, {"close": False})
+def open_gate(request: Request, engine: str, *, refuse: str | None = None) -> None:
+    """Let the held requests go on; with `refuse` (why the engine does not serve), answer
+    them, and every later one until the gate opens again, 503 with it."""
+    body: dict[str, Any] = {"close": False}
+    if refuse is not None:
+        body["refuse"] = f"{engine} engine does not serve: {refuse}"
+    status, out = request("POST", GATE_PATH, body)
     if status != 200:
         raise RuntimeError(f"{engine} server {GATE_PATH} answered {status}: {out}")

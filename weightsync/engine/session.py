@@ -415,8 +415,11 @@ class EngineSession(WeightReceiver):
                 report = replace(report, probe=probed)
             swapped = self._into_copy and self._engine_swaps()
             self._revert_to = self._version if swapped else None
-            self._open, self._broken, self._version = None, None, version
+            broken, self._open, self._broken = self._broken, None, None
+            self._version = version
             self._resume_generation()
+            if broken:  # its server refused its clients (a staged sync paused nothing)
+                self._server_serves(refuse=None)
             if known:
                 report = without_known(report, known)
             return replace(
@@ -471,6 +474,21 @@ class EngineSession(WeightReceiver):
             finally:
                 self._open = None
                 self._resume_generation()
+                if self._broken:  # a staged update paused nothing: say so all the same
+                    self._server_serves(refuse=self._broken)
+
+    def _server_serves(self, *, refuse: str | None) -> None:
+        """`_refuse`, its failure logged (the engine itself may be what failed)."""
+        try:
+            self._refuse(refuse)
+        except Exception as exc:
+            logger.warning(
+                "%s: telling its server to serve or refuse failed: %s", self.engine_name, exc
+            )
+
+    def _refuse(self, reason: str | None) -> None:
+        """An engine's server answers its own clients with `reason` (None: serves them again)
+        until a sync completes (where it can: a server weightsync's gate fronts)."""
 
     def p2p_support(self) -> str | None:
         if type(self)._engine_p2p_open is EngineSession._engine_p2p_open:
@@ -581,6 +599,7 @@ class EngineSession(WeightReceiver):
             except Exception as exc:
                 self._revert_to = None
                 self._broken = f"the revert to {version!r} failed ({exc}); sync again"
+                self._server_serves(refuse=self._broken)
                 raise
             if switch_at is not None:
                 report = replace(report, switch_at=float(switch_at))

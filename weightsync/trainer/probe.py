@@ -4,7 +4,7 @@ On the first sync into each engine after `connect` (and every `every`-th sync af
 trainer rank runs the model's forward on fixed token ids (a collective, as FSDP2's forward
 gathers its shards), and each probed engine scores the same ids with its own forward on the
 staged weights before it commits them (weightsync/wire/probe.py). A mean absolute log-prob gap
-above `bound` fails the sync with `ProbeFailed`; the update is aborted (rolled back with
+above `bound`, or one token's gap above `max_bound`, fails the sync with `ProbeFailed`; the update is aborted (rolled back with
 keep_previous).
 """
 
@@ -38,6 +38,11 @@ class Probe:
     """The largest mean absolute gap (nats) between the engine's and the trainer's log-probs.
     Two forwards in float32 agree to ~1e-5 on the test models; bfloat16 engines differ from a
     float32 trainer by more, growing with depth: set it from a sync known to be right."""
+    max_bound: float | None = 1.0
+    """The largest gap (nats) any one scored token may show: a fault that reaches few tokens
+    (one embedding row, one expert) moves the mean little. None: no such bound. Set it, as
+    `bound`, from a sync known to be right (bfloat16 engines differ from a float32 trainer
+    token by token by more than on average)."""
     score: Scorer | None = None
     """The trainer's scores for `tokens` (per prompt, each token's log-prob after the first),
     called on every rank at once. None: the model called as `model(input_ids=ids)`, its
@@ -57,6 +62,14 @@ class Probe:
             isinstance(self.bound, int | float) and self.bound > 0 and math.isfinite(self.bound)
         ):
             raise ValueError(f"Probe.bound={self.bound!r}: must be a positive number of nats")
+        if self.max_bound is not None and not (
+            isinstance(self.max_bound, int | float)
+            and self.max_bound > 0
+            and math.isfinite(self.max_bound)
+        ):
+            raise ValueError(
+                f"Probe.max_bound={self.max_bound!r}: must be a positive number of nats, or None"
+            )
         if self.tokens is not None and (not self.tokens or any(len(p) < 2 for p in self.tokens)):
             raise ValueError(
                 f"Probe.tokens={self.tokens!r:.200}: give prompts of at least 2 token ids each"
@@ -109,4 +122,9 @@ class ProbeScorer:
         """The trainer's scores (every rank at once) as the engines' `ProbeRequest`."""
         score = self.probe.score or (lambda tokens: score_causal_lm(self.model, tokens))
         expected = score(self.tokens)
-        return ProbeRequest(tokens=self.tokens, expected=expected, bound=self.probe.bound).to_dict()
+        return ProbeRequest(
+            tokens=self.tokens,
+            expected=expected,
+            bound=self.probe.bound,
+            max_bound=self.probe.max_bound,
+        ).to_dict()

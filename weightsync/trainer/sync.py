@@ -114,7 +114,8 @@ class SyncOptions:
     """An end-to-end check independent of the engines' loaders (weightsync/trainer/probe.py):
     on each engine's first sync after `connect` (and every `probe.every`-th), the engine
     scores fixed tokens with its own forward on the staged weights, the trainer with its
-    model; a gap above `probe.bound` fails the sync before the engine commits. Engines that
+    model; a mean gap above `probe.bound` (or one token's above `probe.max_bound`) fails the
+    sync before the engine commits. Engines that
     cannot score one are refused at `connect`."""
     staged: bool = False
     """Engines keep serving their current weights while each sync loads into a second copy of

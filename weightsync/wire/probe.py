@@ -7,7 +7,7 @@ consistently, and the fingerprints agree. The probe asks the model instead: the 
 fixed token sequence with its own forward (`expected`: the log-probability of each token given
 the ones before it), the engine scores the same tokens with its forward on the staged weights,
 every tensor-parallel worker included, and the mean absolute gap must stay within `bound`
-(nats) or the engine refuses to commit the update (`ProbeFailed`; the sender aborts it, and with
+(nats), and each token's gap within `max_bound`, or the engine refuses to commit the update (`ProbeFailed`; the sender aborts it, and with
 keep_previous the engine puts its previous weights back).
 
 Plain data only: `ProbeRequest` travels with `end`, `ProbeReport` comes back in its answer.
@@ -33,6 +33,8 @@ class ProbeRequest:
     """Per prompt, the trainer's log-probability of tokens[i][j] given tokens[i][:j], j >= 1."""
     bound: float
     """The largest mean absolute gap (nats) an update may show."""
+    max_bound: float | None = None
+    """The largest gap (nats) any one scored token may show; None: no such bound."""
 
     def __post_init__(self) -> None:
         if not self.tokens or any(len(t) < 2 for t in self.tokens):
@@ -46,9 +48,20 @@ class ProbeRequest:
             )
         if not (self.bound > 0 and math.isfinite(self.bound)):
             raise ValueError(f"probe bound={self.bound!r}: must be a positive number of nats")
+        if self.max_bound is not None and not (
+            self.max_bound > 0 and math.isfinite(self.max_bound)
+        ):
+            raise ValueError(
+                f"probe max_bound={self.max_bound!r}: must be a positive number of nats or None"
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "expected": self.expected, "bound": self.bound}
+        return {
+            "tokens": self.tokens,
+            "expected": self.expected,
+            "bound": self.bound,
+            "max_bound": self.max_bound,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ProbeRequest:
@@ -56,6 +69,7 @@ class ProbeRequest:
             tokens=[[int(t) for t in prompt] for prompt in d["tokens"]],
             expected=[[float(x) for x in row] for row in d["expected"]],
             bound=float(d["bound"]),
+            max_bound=None if d.get("max_bound") is None else float(d["max_bound"]),
         )
 
 
@@ -106,7 +120,8 @@ def check_probe(
     probe_s: float = 0.0,
 ) -> ProbeReport:
     """Compare the engine's scores `got` (shaped like `request.expected`) with the trainer's;
-    raise `ProbeFailed` when the mean gap exceeds the bound or a score is not finite."""
+    raise `ProbeFailed` when the mean gap exceeds `bound`, one token's gap exceeds `max_bound`,
+    or a score is not finite."""
     if [len(row) for row in got] != [len(row) for row in request.expected]:
         raise ProbeFailed(
             f"{engine}: the probe of update {version!r} scored "
@@ -135,6 +150,15 @@ def check_probe(
             f"trainer's on average (bound {request.bound:g}; worst {worst_gap:.4g} at prompt "
             f"{wi}, token {wj + 1}); its loader put some tensor where the model does not read "
             f"it (swapped, transposed or dropped). The update is not committed."
+        )
+    if request.max_bound is not None and not worst_gap <= request.max_bound:
+        raise ProbeFailed(
+            f"{engine}: update {version!r} failed the log-prob probe: the engine's forward on "
+            f"the staged weights scores token {wj + 1} of prompt {wi} {worst_gap:.4g} nats away "
+            f"from the trainer's (max_bound {request.max_bound:g}; mean over {len(gaps)} "
+            f"tokens {mean:.4g}, within its bound {request.bound:g}); some tensor the model "
+            f"reads for it (an embedding row, an expert) is not the trainer's. The update is "
+            f"not committed."
         )
     return report
 
