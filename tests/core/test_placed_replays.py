@@ -139,7 +139,7 @@ def test_a_placement_of_many_runs_still_goes_through_the_loader():
     sender = WeightSender(source.specs(), transport=ShmSender(), capacity_bytes=1 << 10)
     try:
         sender.add_engine(LocalEndpoint(receiver, name="sliced"))
-        sender.sync(source.tensors(), version="v1", verify=True)
+        sender.sync(list(source.tensors()), version="v1", verify=True)
         assert len(receiver.receiver.placements["t"][1]) > PLACED_PATTERNS
         assert len(receiver.receiver.placements["w"][1]) == 1
         first = dict(calls)
