@@ -4,6 +4,7 @@ parameters moved into shared memory, trainer writes, digests, and the sender's o
 from __future__ import annotations
 
 import os
+import stat
 
 import pytest
 import torch
@@ -271,6 +272,8 @@ def test_shared_parameters_take_trainer_writes_and_notice_when_moved():
     target = OneCopyTarget(shared.describe())  # as a trainer rank maps it
     try:
         assert shared.segment.name in list_segments()
+        mode = os.stat(os.path.join(SHM_DIR, shared.segment.name)).st_mode
+        assert stat.S_IMODE(mode) == 0o600  # owner-only
         k = torch.randn(4, 8).to(torch.bfloat16)
         first, second = k[:2].contiguous(), k[2:].contiguous()
         assert target.write("k", 0, first, check=True)  # one rank's half, read back ...

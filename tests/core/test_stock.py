@@ -216,6 +216,11 @@ def _stock_rank(rank: int, port: int, results, options: dict) -> None:
             engine.check_serving()
         except RuntimeError as exc:
             out["serving_error"] = str(exc)
+        engine.fail_reload = False
+    sync.sync("v3")  # a later sync completes
+    if engine is not None:
+        engine.check_serving()
+        out["after_recovery"] = (engine.weight_version(), list(engine.reloads))
         engine.shutdown()
         out["folder_left"] = os.path.exists(out["folder"])
         results.put(out)
@@ -253,6 +258,7 @@ def test_trainer_sync_into_a_stock_engine_stages_reloads_and_refuses_verificatio
     assert "reload failed half way" in out["failed_reload"]
     assert out["reloads"] == ["v1"]
     assert "does not serve: update 'v2' was aborted" in out["serving_error"]
+    assert out["after_recovery"] == ("v3", ["v1", "v3"])  # and serves again
     assert not out["folder_left"]
 
 
