@@ -166,12 +166,20 @@ def test_a_writer_copies_first_and_writes_again_when_the_plan_no_longer_holds(
         assert writer.write(again, verify=verify) == done
         assert writer.plan is first and _engine_holds(params, source)
         issued = []
-        first_launch = first.launch
-        first.launch = lambda **kw: issued.append(kw) or first_launch(**kw)
+        plan_type = type(first)
+        real_launch = plan_type.launch
+        monkeypatch.setattr(
+            plan_type,
+            "launch",
+            lambda plan, **kw: issued.append((plan, kw)) or real_launch(plan, **kw),
+        )
         model.b.data = torch.randn(33, device=device)  # new storage: the plan's "b" is stale
         assert writer.write(again, verify=verify) == done
-        # copied (and, verifying, read back) first, then planned anew
-        assert issued == [{"verify": verify}] and writer.plan is not first
+        # copied (and, verifying, read back) first, then planned anew and written (and, verifying,
+        # read back) again
+        assert writer.plan is not first
+        assert issued == [(first, {"verify": verify}), (writer.plan, {"verify": verify})]
+        monkeypatch.setattr(plan_type, "launch", real_launch)
         assert _engine_holds(params, source)
         model.inner.a = torch.nn.Parameter(torch.randn(16, 8, device=device))  # a new object
         assert writer.write(again, verify=verify) == done
