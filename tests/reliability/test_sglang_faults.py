@@ -78,10 +78,12 @@ def _start_sync(trainer: launcher.TrainerGroup, version: str) -> list:
     return refs
 
 
-def _unchanged(engine, prints, version):
+def _unchanged(engine, prints, version, tokens):
+    """The engine holds `prints`, is tagged `version` and answers `tokens`, as before."""
     assert ray.get(engine.fingerprints.remote()) == prints
     assert ray.get(engine.weight_version.remote()) == version
-    assert ray.get(engine.generate.remote(prompt_ids()))["weight_version"] == version
+    answer = ray.get(engine.generate.remote(prompt_ids()))
+    assert answer["weight_version"] == version and answer["tokens"] == tokens
 
 
 def test_keep_previous_from_the_constructor_rolls_back_an_aborted_update(setup):
@@ -102,6 +104,7 @@ def test_keep_previous_from_the_constructor_rolls_back_an_aborted_update(setup):
 def test_bad_refit_info_is_rejected_before_any_weight_changes(setup, case):
     engine, trainer, _ = setup
     prints = ray.get(engine.fingerprints.remote())
+    served = ray.get(engine.generate.remote(prompt_ids()))["tokens"]
     specs = trainer.call("refit_info")
     bad, message = {
         "missing": (
@@ -121,13 +124,14 @@ def test_bad_refit_info_is_rejected_before_any_weight_changes(setup, case):
     }[case]
     with pytest.raises(ValueError, match=message):
         ray.get(engine.check_refit.remote(bad))
-    _unchanged(engine, prints, "v0")
+    _unchanged(engine, prints, "v0", served)
 
 
 def test_a_bucket_too_small_for_its_tensors_is_rejected_before_any_weight_changes(setup):
     engine, trainer, _ = setup
     version = ray.get(engine.weight_version.remote())
     prints = ray.get(engine.fingerprints.remote())
+    served = ray.get(engine.generate.remote(prompt_ids()))["tokens"]
     spec = trainer.call("refit_info")[0]
     meta = TensorMeta(name=spec["name"], dtype=spec["dtype"], shape=tuple(spec["shape"]), offset=0)
     sender = ShmSender(num_slots=1)
@@ -150,7 +154,7 @@ def test_a_bucket_too_small_for_its_tensors_is_rejected_before_any_weight_change
     finally:
         sender.close()
     # Refused before a byte was written: the engine serves on, unchanged.
-    _unchanged(engine, prints, version)
+    _unchanged(engine, prints, version, served)
 
 
 def test_non_contiguous_trainer_tensors_arrive_intact(setup):
@@ -233,6 +237,7 @@ def test_an_update_left_open_by_another_trainer_is_refused_until_it_expires(setu
 def test_a_trainer_rank_killed_mid_sync_fails_it_within_the_timeout(setup, victim, path):
     engine, trainer, model = setup
     # keep_previous from the doomed trainer's SyncOptions: its connect sets it on the engine.
+    ray.get(engine.set_keep_previous.remote(False))
     doomed = _paused_trainer(model, engine, path, keep_previous=True)
     version = f"before-kill-{victim}-{path}"
     # On the one-copy path the doomed trainer's own first sync (by buckets) comes first.
