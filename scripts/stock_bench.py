@@ -79,7 +79,12 @@ def main() -> None:
         ours = launcher.launch(ours_class, url=server.base, api_key=key)
         stock = launcher.launch(stock_class, url=server.base, api_key=key)
         trainer = launcher.TrainerGroup(
-            worker, model_path=model, world_size=1, dtype="bfloat16", bucket_bytes=256 << 20
+            worker,
+            model_path=model,
+            world_size=1,
+            dtype="bfloat16",
+            bucket_bytes=256 << 20,
+            verify=False,  # a stock engine cannot be verified
         )
         trainer.call("connect", {"weightsync": ours, "stock": stock})
         times: dict[str, list[float]] = {"weightsync": [], "stock": []}

@@ -157,8 +157,12 @@ def _stock_rank(rank: int, port: int, results, options: dict) -> None:
     init_trainer_group(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port)
     model = shard_model(build_model("opt", "tiny", seed=3), device="cpu")
     # timeout_s: a failed sync leaves rank 1 waiting in a collective until then
-    sync = TrainerSync(model, options=SyncOptions(bucket_bytes=1 << 16, timeout_s=8.0))
-    strict = TrainerSync(model, options=SyncOptions(verify=True))  # every rank makes one
+    sync = TrainerSync(
+        model, options=SyncOptions(bucket_bytes=1 << 16, timeout_s=8.0, verify=False)
+    )
+    strict = TrainerSync(
+        model, options=SyncOptions()
+    )  # verifies, the default; every rank makes one
     out: dict = {}
     engine = None
     if rank == 0:
@@ -237,9 +241,10 @@ def test_trainer_sync_into_a_stock_engine_stages_reloads_and_refuses_verificatio
     assert out["folder"].startswith(str(tmp_path))
     assert out["folder_mode"] == 0o700  # the staged weights: owner-only
     assert (
-        "engine 'disk' cannot be verified and this trainer verifies every sync"
-        in (out["strict_error"])
+        "engine 'disk' cannot be verified and this trainer verifies every sync (verify=True, "
+        "the default)" in out["strict_error"]
     )
+    assert "make the trainer with SyncOptions(verify=False)" in out["strict_error"]
     assert "sync(verify=True) refused, nothing was written: engine 'disk'" in out["verify_error"]
     assert out["after_refusal"] is None
     assert out["verify_call_error"].startswith("verify refused: engine 'disk': disk runs nothing")

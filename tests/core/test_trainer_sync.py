@@ -100,7 +100,9 @@ def _rank_main(rank: int, port: int, results, options: dict) -> None:
         for param in model.parameters():
             param.to_local().mul_(1.5).add_(0.01)
     out["stale"] = sync.verify()
-    out["reports"].append(sync.sync("v3"))  # unverified: through each rank's write plan
+    out["reports"].append(
+        sync.sync("v3", verify=False)
+    )  # unverified: through each rank's write plan
     out["fresh"] = sync.verify()
     with torch.no_grad():  # another step: the plan copies again from the same storages
         for param in model.parameters():

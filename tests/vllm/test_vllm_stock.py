@@ -46,6 +46,7 @@ def stock(server):
         model_path=model,
         bucket_bytes=1 << 20,
         seed=0,
+        verify=False,  # a stock engine cannot be verified
     )
     answers = trainer.call("connect", {NAME: engine})
     yield engine, trainer, started, answers

@@ -75,8 +75,10 @@ class SyncOptions:
     """Deadline of every engine call and every collective of one sync."""
     connect_timeout_s: float = 900.0
     """Deadline of `connect`, which also waits for engines that are still starting."""
-    verify: bool = False
-    """Default of `sync(verify=...)`: compare what each engine holds with what was sent."""
+    verify: bool = True
+    """Default of `sync(verify=...)`: compare what each engine holds with what was sent, before
+    it adopts the update (on by default; False opts out). Engines that cannot be verified (stock
+    engines) are refused at `connect` unless it is False."""
     allow_unchecked: bool = False
     """A verified sync by buckets fails, before any engine commits, when an engine holds a
     parameter that could not be compared (its loader does not copy the tensors verbatim),
@@ -318,7 +320,8 @@ class TrainerSync:
                 del sender.engines[name]
                 raise ValueError(
                     f"engine {name!r} cannot be verified and this trainer verifies every sync "
-                    f"(verify=True): {answers[name].unverifiable}"
+                    f"(verify=True, the default): {answers[name].unverifiable}; to sync into it "
+                    f"unverified, make the trainer with SyncOptions(verify=False)"
                 )
             if self.probe is not None:
                 self._check_probe_support(sender, name)
