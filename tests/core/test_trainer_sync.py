@@ -100,14 +100,13 @@ def _rank_main(rank: int, port: int, results, options: dict) -> None:
         for param in model.parameters():
             param.to_local().mul_(1.5).add_(0.01)
     out["stale"] = sync.verify()
-    out["reports"].append(
-        sync.sync("v3", verify=False)
-    )  # unverified: through each rank's write plan
+    # Unverified: through each rank's write plan.
+    out["reports"].append(sync.sync("v3", verify=False))
     out["fresh"] = sync.verify()
     with torch.no_grad():  # another step: the plan copies again from the same storages
         for param in model.parameters():
             param.to_local().mul_(-0.5)
-    out["reports"].append(sync.sync("v4"))
+    out["reports"].append(sync.sync("v4"))  # verified: SyncOptions() verifies by default
     out["fresh_again"] = sync.verify()
     full = dict(sync.source.tensors())
     if rank == 0:
@@ -131,6 +130,8 @@ def test_trainer_sync_takes_buckets_then_the_one_copy_path_and_verifies():
     assert first.path == "buckets" and first.verify["ref"].verified
     assert second.path == "one_copy" and second.verify["ref"].verified
     assert third.path == fourth.path == "one_copy"
+    assert third.verify is None  # verify=False
+    assert fourth.verify is not None and fourth.verify["ref"].verified  # the default
     # verify() compares the engine with the model as it is now: stale before the sync.
     assert not out["stale"]["ref"].verified and out["stale"]["ref"].mismatched
     for fresh in (out["fresh"], out["fresh_again"]):
