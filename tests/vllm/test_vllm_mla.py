@@ -30,12 +30,13 @@ NEW_TOKENS = 16
 FLOOR = 0.05  # nats: the least gap bound (three times the largest seen here)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def start_mla(tmp_path_factory, tensor_parallel_size: int):
+    """The tiny DeepSeek-V2 in a framework's rollout actor over `tensor_parallel_size` workers,
+    connected to a 2-rank trainer: (handle, trainer, model path, decode gap bound)."""
     model = make_tiny_model(str(tmp_path_factory.mktemp("deepseek_v2")), arch="deepseek_v2")
     launcher.init_ray(num_cpus=2)
     launcher.register_actor(ROLLOUT, "*vllm")
-    handle = launcher.launch(ROLLOUT, model, 1, ENGINE_ARGS)
+    handle = launcher.launch(ROLLOUT, model, tensor_parallel_size, ENGINE_ARGS)
     trainer = launcher.TrainerGroup(
         TRAINER, world_size=2, model_path=model, bucket_bytes=1 << 20, seed=0
     )
@@ -43,6 +44,12 @@ def setup(tmp_path_factory):
     # This machine's own gap between decode and prefill on a fresh engine (kernels differ by
     # CPU): a synced engine is held to three times it, or `FLOOR`.
     bound = max(FLOOR, 3 * decode_gap(handle))
+    return handle, trainer, model, bound
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    handle, trainer, model, bound = start_mla(tmp_path_factory, 1)
     yield handle, trainer, model, bound
     trainer.kill()
     ray.shutdown()

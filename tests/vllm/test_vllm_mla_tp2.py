@@ -11,22 +11,12 @@ import pytest
 import ray
 
 from tests.engine_checks import training_batch
-from tests.vllm.test_vllm_mla import ENGINE_ARGS, FLOOR, ROLLOUT, TRAINER, decode_gap
-from weightsync.apps.models import make_tiny_model
-from weightsync.driver import launcher
+from tests.vllm.test_vllm_mla import decode_gap, start_mla
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    model = make_tiny_model(str(tmp_path_factory.mktemp("deepseek_v2")), arch="deepseek_v2")
-    launcher.init_ray(num_cpus=2)
-    launcher.register_actor(ROLLOUT, "*vllm")
-    handle = launcher.launch(ROLLOUT, model, 2, ENGINE_ARGS)
-    trainer = launcher.TrainerGroup(
-        TRAINER, world_size=2, model_path=model, bucket_bytes=1 << 20, seed=0
-    )
-    trainer.call("connect", {"mla": {"actor": handle, "dispatch": "weightsync"}})
-    bound = max(FLOOR, 3 * decode_gap(handle))
+    handle, trainer, _, bound = start_mla(tmp_path_factory, 2)
     yield handle, trainer, bound
     trainer.kill()
     ray.shutdown()
