@@ -17,6 +17,9 @@ for s in "${suites[@]}"; do
 done
 
 ensure_root_env
+# A full run builds two engine envs here and two more for the wheel test (~45 GB with an empty uv
+# cache): what the disk has left, printed first, explains a failed extraction later.
+df -h . "${TMPDIR:-/tmp}" | sed 's/^/== disk: /'
 # What the machine was busy with, printed after the suites (scripts/load_watch.py).
 watch_log=$(mktemp)
 "$ROOT_PY" scripts/load_watch.py --every 10 >"$watch_log" 2>&1 &
