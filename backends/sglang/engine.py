@@ -33,9 +33,16 @@ from weightsync.engine.gate import GATE_PATH, close_gate, open_gate
 from weightsync.engine.one_copy.sharing import combine_worker_shares
 from weightsync.engine.pause_clock import PauseClock
 from weightsync.engine.replica import sharing_of
-from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
+from weightsync.engine.sampling import (
+    Sample,
+    SamplingOptions,
+    as_decoded,
+    generate_answer,
+    probe_decoding,
+)
 from weightsync.engine.server import LocalServer, RemoteServer, cli_flags
 from weightsync.engine.session import EngineSession, NothingSwitched
+from weightsync.wire.probe import Decoded
 from weightsync.wire.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer, StageReport
 from weightsync.wire.specs import as_plain, unwrap_all
 
@@ -116,6 +123,27 @@ def _sglang_sampling(options: SamplingOptions, seed: int | None) -> dict[str, An
     if seed is not None:
         params["sampling_seed"] = seed
     return params
+
+
+def _samples(outs: list[dict], options: SamplingOptions) -> list[Sample]:
+    """SGLang's answers to `generate` (one per sample) as `Sample`s."""
+    samples = []
+    for out in outs:
+        meta = out["meta_info"]
+        pairs = meta["output_token_logprobs"]  # (logprob, token id, text) per token
+        samples.append(
+            Sample(
+                tokens=[int(p[1]) for p in pairs],
+                logprobs=[float(p[0]) for p in pairs],
+                finish_reason=str((meta.get("finish_reason") or {}).get("type")),
+                top_logprobs=[
+                    [(int(t[1]), float(t[0])) for t in step] for step in meta["output_top_logprobs"]
+                ]
+                if options.top_logprobs
+                else None,
+            )
+        )
+    return samples
 
 
 class _InProcess:
@@ -238,7 +266,12 @@ class _InProcess:
         return ok, clock.report()
 
     def generate(
-        self, input_ids: list[list[int]], sampling: list[dict[str, Any]], *, top_logprobs: int
+        self,
+        input_ids: list[list[int]],
+        sampling: list[dict[str, Any]],
+        *,
+        top_logprobs: int,
+        probe: bool = False,
     ) -> list[dict]:
         return self.engine.generate(
             input_ids=input_ids,
@@ -452,8 +485,15 @@ class _Http:
         ]
 
     def generate(
-        self, input_ids: list[list[int]], sampling: list[dict[str, Any]], *, top_logprobs: int
+        self,
+        input_ids: list[list[int]],
+        sampling: list[dict[str, Any]],
+        *,
+        top_logprobs: int,
+        probe: bool = False,
     ) -> list[dict]:
+        """`_InProcess.generate` through the server; with `probe`, past its closed gate (the
+        probe's decode steps)."""
         status, out = self._request(
             "POST",
             "/generate",
@@ -463,6 +503,7 @@ class _Http:
                 "return_logprob": True,
                 **({"top_logprobs_num": top_logprobs} if top_logprobs else {}),
             },
+            headers={"X-Weightsync-Probe": self._token} if probe else None,
         )
         if status != 200:
             raise RuntimeError(f"sglang server /generate answered {status}: {out}")
@@ -629,7 +670,7 @@ class SglEngineActor(EngineSession):
         finally:
             self._session("end")
 
-    def check_refit(self, specs: list[dict]) -> dict:
+    def check_refit(self, specs: list[dict], accept: dict[str, str] | None = None) -> dict:
         """Every TP scheduler checks; `num_receivers`: how many a sync reaches."""
         answers = self._read_only_all("check", specs=specs)
         first = RefitAnswer.from_dict(answers[0])
@@ -669,7 +710,7 @@ class SglEngineActor(EngineSession):
             self._control("load", descriptor=descriptor, keep_previous=self.keep_previous)
         )
 
-    def probe_support(self) -> str | None:
+    def probe_support(self, decode: bool = False) -> str | None:
         if isinstance(self.client, _Http) and not self.client.gated:
             return (
                 "sglang: this server runs no weightsync gate, and SGLang's own pause holds every "
@@ -692,6 +733,16 @@ class SglEngineActor(EngineSession):
         if not self.client.flush_cache():
             raise RuntimeError("sglang: the prefix cache could not be flushed before the probe")
         return self.client.score(tokens)
+
+    def _engine_probe_decode(self, tokens: list[list[int]], steps: int) -> list[Decoded]:
+        options = probe_decoding(steps)
+        outs = self.client.generate(
+            tokens,
+            [_sglang_sampling(options, None) for _ in tokens],
+            top_logprobs=options.top_logprobs,
+            probe=True,
+        )
+        return as_decoded(_samples(outs, options))
 
     def _engine_end(self, version: str) -> EndReport:
         if self._staging:
@@ -888,25 +939,10 @@ class SglEngineActor(EngineSession):
             params,
             top_logprobs=options.top_logprobs,
         )
-        samples = []
-        for out in outs:
-            meta = out["meta_info"]
-            pairs = meta["output_token_logprobs"]  # (logprob, token id, text) per token
-            samples.append(
-                Sample(
-                    tokens=[int(p[1]) for p in pairs],
-                    logprobs=[float(p[0]) for p in pairs],
-                    finish_reason=str((meta.get("finish_reason") or {}).get("type")),
-                    top_logprobs=[
-                        [(int(t[1]), float(t[0])) for t in step]
-                        for step in meta["output_top_logprobs"]
-                    ]
-                    if options.top_logprobs
-                    else None,
-                )
-            )
         return generate_answer(
-            samples, weight_version=outs[0]["meta_info"].get("weight_version"), options=options
+            _samples(outs, options),
+            weight_version=outs[0]["meta_info"].get("weight_version"),
+            options=options,
         )
 
     # ---- SGLang's own paths, for benchmarks -------------------------------------------------

@@ -32,9 +32,16 @@ from weightsync.driver.preflight import (
 from weightsync.engine.gate import close_gate, open_gate
 from weightsync.engine.one_copy.sharing import combine_worker_shares
 from weightsync.engine.pause_clock import PauseClock
-from weightsync.engine.sampling import Sample, SamplingOptions, generate_answer
+from weightsync.engine.sampling import (
+    Sample,
+    SamplingOptions,
+    as_decoded,
+    generate_answer,
+    probe_decoding,
+)
 from weightsync.engine.server import LocalServer, RemoteServer, cli_flags
 from weightsync.engine.session import EngineSession, NothingSwitched
+from weightsync.wire.probe import Decoded
 from weightsync.wire.protocol import (
     EndReport,
     LoadReport,
@@ -147,7 +154,9 @@ class _InProcess:
         if hasattr(self.llm, "update_weight_version"):
             self.llm.update_weight_version(version)
 
-    def generate(self, prompts: list[list[int]], options: SamplingOptions) -> list[Sample]:
+    def generate(
+        self, prompts: list[list[int]], options: SamplingOptions, probe: bool = False
+    ) -> list[Sample]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -348,7 +357,11 @@ class _Http:
             )
         return scores
 
-    def generate(self, prompts: list[list[int]], options: SamplingOptions) -> list[Sample]:
+    def generate(
+        self, prompts: list[list[int]], options: SamplingOptions, probe: bool = False
+    ) -> list[Sample]:
+        """`_InProcess.generate` through the server; with `probe`, past its closed gate (the
+        probe's decode steps)."""
         status, out = self._request(
             "POST",
             "/v1/completions",
@@ -358,6 +371,7 @@ class _Http:
                 **_vllm_sampling(options),
                 "return_tokens_as_token_ids": True,
             },
+            headers={"X-Weightsync-Probe": self._token} if probe else None,
         )
         if status != 200:
             raise RuntimeError(f"vllm server /v1/completions answered {status}: {out}")
@@ -491,12 +505,19 @@ class VllmEngineActor(EngineSession):
         return self._rpc_all(method, *args)[0]
 
     # ---- WeightReceiver --------------------------------------------------------------------
-    def check_refit(self, specs: list[dict]) -> dict:
-        """Every worker checks; `num_receivers`: the worker processes a sync reaches (each
-        joins a collective transport's group)."""
-        results = self._rpc_all("weightsync_check", specs)
+    def check_refit(self, specs: list[dict], accept: dict[str, str] | None = None) -> dict:
+        """Every worker checks (`accept`: backends/vllm/unkept.py); `num_receivers`: the worker
+        processes a sync reaches (each joins a collective transport's group)."""
+        results = self._rpc_all("weightsync_check", specs, *((accept,) if accept else ()))
         first = RefitAnswer.from_dict(results[0])
-        return replace(first, num_receivers=len(results), tp_size=self.tp_size).to_dict()
+        accepted = [
+            f"worker {rank}: {form}"
+            for rank, result in enumerate(results)
+            for form in result.get("accepted") or []
+        ]
+        return replace(
+            first, num_receivers=len(results), tp_size=self.tp_size, accepted=accepted or None
+        ).to_dict()
 
     def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
         self._switching = False
@@ -633,7 +654,7 @@ class VllmEngineActor(EngineSession):
             pause_parts=timing["pause_parts"],
         )
 
-    def probe_support(self) -> str | None:
+    def probe_support(self, decode: bool = False) -> str | None:
         return None  # in-process, or a server past weightsync's gate (`_Http.score`)
 
     def _engine_probe(self, tokens: list[list[int]]) -> list[list[float]]:
@@ -641,6 +662,9 @@ class VllmEngineActor(EngineSession):
         # their parameters), the previous ones still kept for a rollback.
         self._rpc_all("weightsync_finish")
         return self.client.score(tokens)
+
+    def _engine_probe_decode(self, tokens: list[list[int]], steps: int) -> list[Decoded]:
+        return as_decoded(self.client.generate(tokens, probe_decoding(steps), probe=True))
 
     def _engine_abort(self, reason: str) -> bool:
         if self._into_copy:  # the served weights were not written before the switch

@@ -84,7 +84,9 @@ class WeightsyncWorkerExtension:
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
     @_guard
-    def weightsync_check(self, specs: list[dict]) -> dict[str, Any]:
+    def weightsync_check(
+        self, specs: list[dict], accept: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         from weightsync.engine.refit import check_against_checkpoint
         from weightsync.wire.protocol import RefitAnswer
         from weightsync.wire.specs import dtype_to_str, specs_from_dicts
@@ -102,14 +104,14 @@ class WeightsyncWorkerExtension:
         # first sync.
         self._ws_experts()
         self._ws_derived()
-        from weightsync.backends.vllm.unkept import unkept
+        from weightsync.backends.vllm.unkept import refuse_unkept
 
-        if refused := unkept(receiver.model):
-            raise ValueError(f"vllm: {len(refused)} layer(s) refused: {refused[0]}")
+        accepted = refuse_unkept(receiver.model, accept or {})
         return RefitAnswer(
             param_of=receiver.param_of,
             num_params=len(receiver.refit.accepted),
             tp_size=self._ws_tp()[1],
+            accepted=accepted or None,
         ).to_dict()
 
     @_guard

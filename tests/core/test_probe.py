@@ -12,7 +12,7 @@ import torch
 from tests.core.test_trainer_sync import _run_two_ranks_of
 from weightsync import Probe, SyncOptions
 from weightsync.wire.errors import ProbeFailed
-from weightsync.wire.probe import ProbeRequest, check_probe
+from weightsync.wire.probe import Decoded, ProbeRequest, check_probe
 
 LAYER = "model.decoder.layers.0.self_attn"
 
@@ -96,6 +96,8 @@ def test_a_right_loader_passes_the_probe_on_the_first_sync_and_at_its_cadence(pr
     right = [r["engines"]["right"] for r in probed["right"]["reports"]]
     assert "error" not in probed["right"] and probed["right"]["version"] == "v3"
     assert right[0]["probe_gap"] < 1e-4 and right[0]["probe_max_gap"] < 1e-3
+    # Two prompts, each continued 4 steps greedily (`Probe.decode`'s default), scored too.
+    assert right[0]["probe_decode_steps"] == 8 and right[0]["probe_decode_max_gap"] < 1e-3
     assert "probe_gap" not in right[1]  # Probe(every=3): due again on the third sync
     assert right[2]["probe_gap"] < 1e-4
 
@@ -181,3 +183,93 @@ def test_an_engine_that_cannot_score_a_probe_is_refused_at_connect():
     finally:
         sync.close()
         close_trainer_group()
+
+
+def _decode_request(bound: float = 0.1) -> ProbeRequest:
+    """One prompt, continued by the trainer with tokens 7, 8, 9 (log-probs -0.5, -0.6, -0.7)."""
+    return ProbeRequest(
+        tokens=[[1, 2, 3]],
+        expected=[[-1.0, -2.0]],
+        bound=bound,
+        max_bound=1.0,
+        decode_tokens=[[7, 8, 9]],
+        decode_expected=[[-0.5, -0.6, -0.7]],
+    )
+
+
+def test_decode_steps_are_scored_tokens_up_to_where_the_engine_chose_otherwise():
+    request = _decode_request()
+    same = Decoded(tokens=[7, 8, 9], logprobs=[-0.5, -0.61, -0.7], top=[[], [], []])
+    report = check_probe(request, [[-1.0, -2.0]], engine="e", version="v", decoded=[same])
+    assert report.num_tokens == 5 and report.decode_steps == 3
+    assert report.decode_max_gap == pytest.approx(0.01) and report.worst == (0, -2)
+    # A near tie at step 1: the engine chose 4, the trainer's 8 a hair below it in its top
+    # log-probs; scored there, the steps after (other contexts) not.
+    tie = Decoded(
+        tokens=[7, 4, 5],
+        logprobs=[-0.5, -0.59, -3.0],
+        top=[[(7, -0.5)], [(4, -0.59), (8, -0.6)], [(5, -3.0)]],
+    )
+    report = check_probe(request, [[-1.0, -2.0]], engine="e", version="v", decoded=[tie])
+    assert report.decode_steps == 2 and report.decode_max_gap == pytest.approx(0.0)
+
+
+def test_a_decode_step_off_fails_the_probe_naming_the_step():
+    """Prefill right, decode wrong (as an engine decoding with a stale derived tensor): the
+    mean (0.4 over 5 tokens) within a bound of 0.5, the step 2 nats off beyond max_bound."""
+    off = Decoded(tokens=[7, 8, 9], logprobs=[-0.5, -2.6, -0.7], top=[[], [], []])
+    with pytest.raises(ProbeFailed, match="scores decode step 1 of prompt 0 2 nats away"):
+        check_probe(_decode_request(0.5), [[-1.0, -2.0]], engine="e", version="v", decoded=[off])
+    # Another token chosen, the trainer's not among the engine's most likely.
+    other = Decoded(tokens=[7, 4, 5], logprobs=[-0.5, -0.1, -0.1], top=[[], [(4, -0.1)], []])
+    with pytest.raises(ProbeFailed, match="chose token 4 where the trainer's chose 8"):
+        check_probe(_decode_request(), [[-1.0, -2.0]], engine="e", version="v", decoded=[other])
+    with pytest.raises(ProbeFailed, match="decoded 0 prompts, expected 1"):
+        check_probe(_decode_request(), [[-1.0, -2.0]], engine="e", version="v", decoded=[])
+
+
+def test_decode_steps_default_to_four_with_the_models_forward_and_are_checked():
+    assert Probe().decode_steps == 4 and Probe(decode=0).decode_steps == 0
+    assert Probe(score=_one_token_off).decode_steps == 0
+    with pytest.raises(ValueError, match="Probe.decode=-1: must be an int >= 0"):
+        Probe(decode=-1)
+    with pytest.raises(ValueError, match="give decode=0"):
+        Probe(score=_one_token_off, decode=2)
+    with pytest.raises(ValueError, match="decode_tokens of lengths"):
+        ProbeRequest(
+            tokens=[[1, 2]], expected=[[-1.0]], bound=0.1, decode_tokens=[[3]], decode_expected=[]
+        )
+    round_trip = ProbeRequest.from_dict(_decode_request().to_dict())
+    assert round_trip == _decode_request() and round_trip.decode_steps == 3
+
+
+@pytest.mark.parametrize("arch, layers", [("qwen3_moe", 2), ("deepseek_v2", 1)])
+def test_the_probe_reports_the_experts_its_tokens_reached(arch, layers):
+    """Per MoE layer, the distinct routed experts the probe's tokens reach in the trainer's
+    forward (transformers' routers: (logits, weights, indices)); a dense model reports none."""
+    from weightsync.apps.models import build_model
+    from weightsync.trainer.probe import ProbeScorer
+
+    model = build_model(arch, "tiny", seed=0)
+    request = ProbeRequest.from_dict(ProbeScorer(Probe(decode=2), model).request())
+    experts = model.config.num_experts if arch == "qwen3_moe" else model.config.n_routed_experts
+    assert request.experts is not None and request.experts["experts"] == experts == 8
+    assert len(request.experts["reached"]) == layers, request.experts
+    assert all(1 < n <= experts for n in request.experts["reached"]), request.experts
+    # A prompt of two tokens reaches at most twice top-k experts per layer.
+    single = ProbeRequest.from_dict(ProbeScorer(Probe(tokens=[[5, 6]], decode=0), model).request())
+    assert single.experts is not None
+    assert all(n <= 2 * model.config.num_experts_per_tok for n in single.experts["reached"])
+    report = check_probe(
+        request,
+        request.expected,
+        engine="e",
+        version="v",
+        decoded=[
+            Decoded(tokens=t, logprobs=e, top=[])
+            for t, e in zip(request.decode_tokens, request.decode_expected)
+        ],
+    )
+    assert report.experts == request.experts
+    dense = ProbeScorer(Probe(decode=0), build_model("opt", "tiny", seed=0)).request()
+    assert dense["experts"] is None

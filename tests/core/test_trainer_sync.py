@@ -32,6 +32,11 @@ from weightsync import SyncOptions
         ({"sync_dtype": "float99"}, r"SyncOptions.sync_dtype='float99': not a torch dtype name"),
         ({"switch_lead_s": -0.1}, r"SyncOptions.switch_lead_s=-0.1: must be a number of seconds"),
         ({"switch_lead_s": "1"}, r"SyncOptions.switch_lead_s='1': must be a number of seconds"),
+        (
+            {"accept_unkept": {"sinks_copy": " "}},
+            r"SyncOptions.accept_unkept=\{'sinks_copy': ' '\}: expected \{kind: reason\}",
+        ),
+        ({"accept_unkept": ["sinks_copy"]}, r"SyncOptions.accept_unkept=\['sinks_copy'\]"),
     ],
 )
 def test_bad_sync_options_raise_a_value_error_naming_the_field(kwargs, message):

@@ -11,14 +11,14 @@ import pytest
 import ray
 
 from tests.engine_checks import training_batch
-from tests.vllm.test_vllm_mla import decode_gap, start_mla
+from tests.vllm.test_vllm_mla import decode_gap, decodes_as_fresh, start_mla
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    handle, trainer, _, bound = start_mla(tmp_path_factory, 2)
-    yield handle, trainer, bound
-    trainer.kill()
+    mla = start_mla(tmp_path_factory, 2)
+    yield mla
+    mla.trainer.kill()
     ray.shutdown()
 
 
@@ -29,7 +29,7 @@ def test_each_tp_worker_derives_its_heads_again_at_every_sync_and_decodes_the_tr
     derivation before any sync; three training steps and three verified syncs (buckets, then
     one-copy writes), after each every worker's derived tensors equal what vLLM derives from the
     kv_b_proj it holds, and greedy decode gives each token the log-prob prefill gives it."""
-    handle, trainer, bound = setup
+    handle, trainer, bound = setup.handle, setup.trainer, setup.bound
     states = ray.get(handle.derived_state.remote(), timeout=120)
     assert len(states) == 2 and all(len(s["names"]) == 4 and not s["stale"] for s in states)
     paths = []
@@ -44,3 +44,9 @@ def test_each_tp_worker_derives_its_heads_again_at_every_sync_and_decodes_the_tr
         assert decode_gap(handle) < bound
     assert paths == ["buckets", "one_copy", "one_copy"], paths
     print(f"gap bound {bound:.4f} nats")
+
+
+def test_a_sync_back_to_the_first_weights_decodes_as_the_fresh_engine_did(setup):
+    """`decodes_as_fresh` at TP=2: each worker's halves derived from the weights it started
+    from again."""
+    decodes_as_fresh(setup)

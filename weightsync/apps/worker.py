@@ -88,6 +88,7 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
             )
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.weights = TrainerSync(self.model, options=options)
+        self._kept: dict[str, torch.Tensor] = {}  # `keep_weights`
 
     def refit_info(self) -> list[dict[str, Any]]:
         return self.weights.refit_info()
@@ -101,6 +102,7 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
                 "num_params": a.num_params,
                 "num_receivers": a.num_receivers,
                 **({"unverifiable": a.unverifiable} if a.unverifiable else {}),
+                **({"accepted": a.accepted} if a.accepted else {}),
             }
             for name, a in answers.items()
         }
@@ -186,6 +188,18 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
                 local = param.to_local() if hasattr(param, "to_local") else param
                 local.copy_(torch.randn(local.shape, generator=gen) * 0.05)
 
+    def keep_weights(self) -> None:
+        """Keep a copy of this rank's shards of the current weights (`restore_weights`)."""
+        self._kept = {
+            name: _local(param).detach().clone() for name, param in self.model.named_parameters()
+        }
+
+    def restore_weights(self) -> None:
+        """Put back the weights `keep_weights` kept (tests: the weights an engine started from)."""
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                _local(param).copy_(self._kept[name])
+
     def scale_weights(self, suffix: str, factor: float) -> int:
         """Multiply every parameter whose name ends with `suffix` by `factor` (tests: weights
         that dominate what the model computes); how many there were."""
@@ -216,6 +230,11 @@ class DTensorV2WeightSyncWorker(WeightSyncWorker):
         from weightsync.driver.procstats import process_tree_stats
 
         return process_tree_stats()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of `param` (a DTensor's local tensor, or `param` itself)."""
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def _pause_hook(pause: tuple[str, int, float], rank: int) -> BeforeWrite:

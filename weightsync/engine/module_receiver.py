@@ -10,7 +10,7 @@ from weightsync.engine.inbox import PointToPointInbox
 from weightsync.engine.refit import copy_loader
 from weightsync.engine.replica import ModelReceiver, sharing_of
 from weightsync.engine.session import EngineSession
-from weightsync.wire.probe import score_causal_lm
+from weightsync.wire.probe import Decoded, greedy_causal_lm, score_causal_lm
 from weightsync.wire.protocol import (
     EndReport,
     LoadReport,
@@ -98,7 +98,7 @@ class ModuleWeightReceiver(EngineSession):
             self.receiver.buckets.placed = self.receiver.placements
         self.inbox = PointToPointInbox(self.receiver, name=name)
 
-    def check_refit(self, specs: list[dict]) -> dict:
+    def check_refit(self, specs: list[dict], accept: dict[str, str] | None = None) -> dict:
         parsed = specs_from_dicts(specs)
         answer = self.receiver.check_refit(parsed).to_dict()
         if self._fused:
@@ -174,6 +174,10 @@ class ModuleWeightReceiver(EngineSession):
     def _engine_probe(self, tokens: list[list[int]]) -> list[list[float]]:
         """The module's own forward (a causal LM: `model(input_ids=...)` gives logits)."""
         return score_causal_lm(self.receiver.model, tokens)
+
+    def _engine_probe_decode(self, tokens: list[list[int]], steps: int) -> list[Decoded]:
+        """The module's forward again for each step (it keeps no KV cache)."""
+        return greedy_causal_lm(self.receiver.model, tokens, steps)
 
     def fingerprints(self) -> dict[str, list[int]]:
         return self.receiver.fingerprints()

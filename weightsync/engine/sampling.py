@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from weightsync.wire.probe import DECODE_TOP, Decoded
+
 MAX_TOP_LOGPROBS = 20
 """vLLM's default `max_logprobs`: it refuses more per position."""
 
@@ -163,3 +165,22 @@ def generate_answer(
     if options.top_logprobs:
         answer["top_logprobs"] = [s.top_logprobs or [] for s in samples]
     return answer
+
+
+def probe_decoding(steps: int) -> SamplingOptions:
+    """A probe's decode steps (weightsync/wire/probe.py): `steps` greedy tokens whatever they
+    are, with the `DECODE_TOP` most likely at each."""
+    return SamplingOptions(
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        temperature=0.0,
+        ignore_eos=True,
+        top_logprobs=DECODE_TOP,
+    )
+
+
+def as_decoded(samples: list[Sample]) -> list[Decoded]:
+    """An engine's samples of `probe_decoding` as the probe's check reads them."""
+    return [
+        Decoded(tokens=s.tokens, logprobs=s.logprobs, top=s.top_logprobs or []) for s in samples
+    ]

@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from weightsync.wire.errors import BucketRejected, EngineBusy
-from weightsync.wire.probe import ProbeRequest, check_probe
+from weightsync.wire.probe import Decoded, ProbeRequest, check_probe
 from weightsync.wire.protocol import (
     BeginAnswer,
     EndReport,
@@ -49,10 +49,12 @@ class WeightReceiver(ABC):
     """
 
     @abstractmethod
-    def check_refit(self, specs: list[dict]) -> dict:
+    def check_refit(self, specs: list[dict], accept: dict[str, str] | None = None) -> dict:
         """Validate the trainer's tensors against the engine's parameters: a `RefitAnswer`.
 
-        Raises ValueError naming the first tensor whose name, shape or dtype the engine rejects.
+        Raises ValueError naming the first tensor whose name, shape or dtype the engine rejects,
+        or a form it derives after loading that a sync cannot keep in step, unless `accept`
+        ({kind: reason}, `SyncOptions.accept_unkept`) names its kind.
         """
 
     @abstractmethod
@@ -281,11 +283,21 @@ class EngineSession(WeightReceiver):
         that caches the probe's KV drops it at `_engine_abort`)."""
         raise NotImplementedError(self.probe_support())
 
-    def probe_support(self) -> str | None:
-        """Why this engine cannot score a probe (weightsync/wire/probe.py), or None when it can.
-        Asked at connect by a trainer that probes, so an engine that cannot is refused there."""
+    def _engine_probe_decode(self, tokens: list[list[int]], steps: int) -> list[Decoded]:
+        """After `_engine_probe`, in the same open update: per prompt, `steps` tokens the
+        engine decodes greedily on the staged weights (its decode path: KV cache, incremental
+        attention, tensors derived for decode), with their log-probs and its `DECODE_TOP` most
+        likely at each step."""
+        raise NotImplementedError(self.probe_support(True))
+
+    def probe_support(self, decode: bool = False) -> str | None:
+        """Why this engine cannot score a probe (weightsync/wire/probe.py), its greedy decode
+        steps too with `decode`, or None when it can. Asked at connect by a trainer that
+        probes, so an engine that cannot is refused there."""
         if type(self)._engine_probe is EngineSession._engine_probe:
             return f"{type(self).__name__} has no forward to score a probe with"
+        if decode and type(self)._engine_probe_decode is EngineSession._engine_probe_decode:
+            return f"{type(self).__name__} cannot decode a probe's steps"
         return None
 
     def begin(
@@ -434,6 +446,11 @@ class EngineSession(WeightReceiver):
         self._last_call = start = time.perf_counter()
         try:
             got = self._engine_probe(request.tokens)
+            decoded = (
+                self._engine_probe_decode(request.tokens, request.decode_steps)
+                if request.decode_steps
+                else []
+            )
         finally:
             self._last_call = time.perf_counter()
         checked = check_probe(
@@ -442,6 +459,7 @@ class EngineSession(WeightReceiver):
             engine=self.engine_name,
             version=version,
             probe_s=time.perf_counter() - start,
+            decoded=decoded,
         )
         return checked.to_dict()
 

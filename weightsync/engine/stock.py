@@ -199,7 +199,7 @@ class StockEngine(EngineSession):
         )
 
     # ---- WeightReceiver --------------------------------------------------------------------
-    def check_refit(self, specs: list[dict]) -> dict:
+    def check_refit(self, specs: list[dict], accept: dict[str, str] | None = None) -> dict:
         """The trainer's tensors against the checkpoint the server was started from; then the
         staging checkpoint is laid out (nothing reaches the engine)."""
         wanted = specs_from_dicts(specs)

@@ -2,8 +2,9 @@
 
 On the first sync into each engine after `connect` (and every `every`-th sync after that), every
 trainer rank runs the model's forward on fixed token ids (a collective, as FSDP2's forward
-gathers its shards), and each probed engine scores the same ids with its own forward on the
-staged weights before it commits them (weightsync/wire/probe.py). A mean absolute log-prob gap
+gathers its shards) and continues each greedily for `decode` steps, and each probed engine
+scores the same ids with its own forward, and decodes as many steps greedily, on the staged
+weights before it commits them (weightsync/wire/probe.py). A mean absolute log-prob gap
 above `bound`, or one token's gap above `max_bound`, fails the sync with `ProbeFailed`; the update is aborted (rolled back with
 keep_previous).
 """
@@ -16,7 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.wire.probe import ProbeRequest, score_causal_lm
+from weightsync.wire.probe import ProbeRequest, greedy_causal_lm, score_causal_lm
+
+DEFAULT_DECODE = 4
+"""`Probe.decode` when not given (and no custom score)."""
 
 Scorer = Callable[[list[list[int]]], list[list[float]]]
 
@@ -47,6 +51,17 @@ class Probe:
     """The trainer's scores for `tokens` (per prompt, each token's log-prob after the first),
     called on every rank at once. None: the model called as `model(input_ids=ids)`, its
     logits in float32 (`wire.probe.score_causal_lm`)."""
+    decode: int | None = None
+    """Greedy decode steps scored after each prompt (wire/probe.py: the engine's decode path,
+    which a prefill does not take: KV cache, tensors derived for decode). The trainer continues
+    each prompt with its model's forward (`model(input_ids=ids)`), one forward per step. None:
+    4, or 0 with a custom `score`; 0: none."""
+
+    @property
+    def decode_steps(self) -> int:
+        if self.decode is None:
+            return 0 if self.score is not None else DEFAULT_DECODE
+        return self.decode
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "length", "every", "seed"):
@@ -69,6 +84,15 @@ class Probe:
         ):
             raise ValueError(
                 f"Probe.max_bound={self.max_bound!r}: must be a positive number of nats, or None"
+            )
+        if self.decode is not None and (
+            not isinstance(self.decode, int) or isinstance(self.decode, bool) or self.decode < 0
+        ):
+            raise ValueError(f"Probe.decode={self.decode!r}: must be an int >= 0, or None")
+        if self.score is not None and self.decode:
+            raise ValueError(
+                f"Probe(score=..., decode={self.decode}): decode steps continue each prompt "
+                f"with the model's own forward, which a custom score replaces; give decode=0"
             )
         if self.tokens is not None and (not self.tokens or any(len(p) < 2 for p in self.tokens)):
             raise ValueError(
@@ -121,10 +145,83 @@ class ProbeScorer:
     def request(self) -> dict[str, Any]:
         """The trainer's scores (every rank at once) as the engines' `ProbeRequest`."""
         score = self.probe.score or (lambda tokens: score_causal_lm(self.model, tokens))
-        expected = score(self.tokens)
+        steps = self.probe.decode_steps
+        with ExpertsReached(self.model) as experts:
+            expected = score(self.tokens)
+            decoded = greedy_causal_lm(self.model, self.tokens, steps) if steps else []
         return ProbeRequest(
             tokens=self.tokens,
             expected=expected,
             bound=self.probe.bound,
             max_bound=self.probe.max_bound,
+            decode_tokens=[d.tokens for d in decoded],
+            decode_expected=[d.logprobs for d in decoded],
+            experts=experts.summary(),
         ).to_dict()
+
+
+class ExpertsReached:
+    """Which routed experts the probe's tokens reach in the trainer's forward, per MoE layer:
+    a fault in an expert no probe token reaches cannot move the probe's scores. Hooks each
+    router (a module named `gate` or `router`, or whose class name ends in Router): its
+    output's integer tensor is the chosen experts (transformers' routers return (logits,
+    weights, indices)); a float tensor of `num_experts` columns is router logits, whose top
+    `num_experts_per_tok` are. Models without such routers report nothing."""
+
+    def __init__(self, model: Any) -> None:
+        config = getattr(model, "config", None)
+        self.num_experts = next(
+            (
+                n
+                for n in (
+                    getattr(config, key, None)
+                    for key in ("num_experts", "n_routed_experts", "num_local_experts")
+                )
+                if isinstance(n, int) and n > 1
+            ),
+            0,
+        )
+        self.top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+        self.model = model
+        self.reached: dict[str, set[int]] = {}
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> ExpertsReached:
+        if self.num_experts:
+            for name, module in self.model.named_modules():
+                leaf = name.rsplit(".", 1)[-1]
+                if leaf in ("gate", "router") or type(module).__name__.endswith("Router"):
+                    self.handles.append(module.register_forward_hook(self._hook(name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        import torch
+
+        def record(_module: Any, _inputs: Any, output: Any) -> None:
+            outputs = output if isinstance(output, tuple | list) else (output,)
+            tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+            chosen = next((t for t in tensors if not t.is_floating_point()), None)
+            if chosen is None:
+                logits = next((t for t in tensors if t.shape[-1] == self.num_experts), None)
+                if logits is None or not self.top_k:
+                    return
+                chosen = logits.float().topk(self.top_k, dim=-1).indices
+            if hasattr(chosen, "full_tensor"):
+                chosen = chosen.full_tensor()
+            self.reached.setdefault(name, set()).update(int(e) for e in chosen.flatten().tolist())
+
+        return record
+
+    def summary(self) -> dict[str, Any] | None:
+        """{"experts": routed experts per layer, "reached": [distinct experts reached, per MoE
+        layer in the model's order]}, or None (no routers found)."""
+        if not self.reached:
+            return None
+        return {
+            "experts": self.num_experts,
+            "reached": [len(self.reached[name]) for name in self.reached],
+        }

@@ -17,7 +17,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -111,16 +111,26 @@ class WeightSender:
         self.staged = staged
         self.switch_lead_s = switch_lead_s
 
-    def add_engine(self, endpoint: Endpoint, *, timeout_s: float | None = None) -> RefitAnswer:
+    def add_engine(
+        self,
+        endpoint: Endpoint,
+        *,
+        timeout_s: float | None = None,
+        accept: Mapping[str, str] | None = None,
+    ) -> RefitAnswer:
         """Check refit info with the engine (nothing is written) and remember it.
 
-        `timeout_s` bounds this first call, which also waits for an engine still starting."""
+        `timeout_s` bounds this first call, which also waits for an engine still starting;
+        `accept`: `SyncOptions.accept_unkept`."""
         if endpoint.name in self.engines:
             raise ValueError(f"engine {endpoint.name!r} is registered already")
         answer = from_wire(
             "check_refit",
             endpoint.call(
-                "check_refit", specs_to_dicts(self.specs), timeout_s=timeout_s or self.timeout_s
+                "check_refit",
+                specs_to_dicts(self.specs),
+                *((dict(accept),) if accept else ()),
+                timeout_s=timeout_s or self.timeout_s,
             ),
         )
         self.engines[endpoint.name] = EngineState(

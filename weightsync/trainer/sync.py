@@ -100,6 +100,12 @@ class SyncOptions:
     """Send floating-point tensors in this dtype ("bfloat16", ...); None: the training dtype."""
     collective_host: str = "127.0.0.1"
     """`gloo` / `nccl`: the address of rank 0 that engine processes connect to."""
+    accept_unkept: Mapping[str, str] | None = None
+    """Forms an engine derives after loading that a sync cannot keep in step, accepted anyway:
+    {kind: why it is acceptable} (the kinds a refusal at `connect` names, e.g. "sinks_copy":
+    backends/vllm/unkept.py). The engine then computes with those tensors as they were when it
+    started, whatever the syncs write; `connect` logs each with its reason, and its answer
+    lists them. None: each such form is refused at `connect`, naming it."""
     check_finite: bool = False
     """Before each sync every rank reads its own shards once: a NaN or an infinity (or a value
     the sending dtype cannot hold) refuses the sync, naming the tensors, before anything is
@@ -179,6 +185,17 @@ class SyncOptions:
         if self.probe is not None and not isinstance(self.probe, Probe):
             raise ValueError(
                 f"SyncOptions.probe={self.probe!r:.100}: expected a weightsync.Probe (or None)"
+            )
+        accept = self.accept_unkept
+        if accept is not None and not (
+            isinstance(accept, Mapping)
+            and all(
+                isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in accept.items()
+            )
+        ):
+            raise ValueError(
+                f"SyncOptions.accept_unkept={accept!r:.200}: expected {{kind: reason}}, each "
+                f"reason a non-empty string saying why serving that form stale is acceptable"
             )
         if self.sync_dtype is not None:
             try:
@@ -315,7 +332,11 @@ class TrainerSync:
         answers: dict[str, RefitAnswer] = {}
         for name, engine in engines.items():
             endpoint = _endpoint(name, engine)
-            answers[name] = sender.add_engine(endpoint, timeout_s=opts.connect_timeout_s)
+            answers[name] = sender.add_engine(
+                endpoint, timeout_s=opts.connect_timeout_s, accept=opts.accept_unkept
+            )
+            for form in answers[name].accepted or []:
+                self.log.warning("engine %r serves stale, as accepted: %s", name, form)
             if opts.verify and answers[name].unverifiable:
                 del sender.engines[name]
                 raise ValueError(
@@ -357,13 +378,13 @@ class TrainerSync:
         return self.sender
 
     def _refuse_unless(
-        self, sender: WeightSender, name: str, method: str, cannot: str, instead: str
+        self, sender: WeightSender, name: str, method: str, cannot: str, instead: str, *args: Any
     ) -> None:
         """Refuse, at connect, an engine whose `method` ("probe_support", "p2p_support") says
         why it cannot do what this trainer asks (`cannot`); `instead`: the trainer that would
         take it."""
         try:
-            why = sender.call(name, method)
+            why = sender.call(name, method, *args)
         except (AttributeError, RuntimeError) as exc:
             why = f"it answers no {method} ({str(exc).splitlines()[0][:200]})"
         if why:
@@ -373,16 +394,20 @@ class TrainerSync:
             )
 
     def _check_probe_support(self, sender: WeightSender, name: str) -> None:
-        """Refuse, at connect, an engine that cannot score this trainer's probe."""
+        """Refuse, at connect, an engine that cannot score this trainer's probe (its decode
+        steps included)."""
+        if self.probe is None:  # never, when called: narrowed for the type checker
+            return
+        decode = self.probe.probe.decode_steps > 0
         self._refuse_unless(
             sender,
             name,
             "probe_support",
             "cannot score this trainer's probe (SyncOptions.probe)",
-            "without a probe",
+            "without a probe" + (", or with Probe(decode=0)" if decode else ""),
+            *((True,) if decode else ()),
         )
-        if self.probe is not None:  # always, when called: narrowed for the type checker
-            self.probe.probed.discard(name)  # connected anew: probed on its next sync
+        self.probe.probed.discard(name)  # connected anew: probed on its next sync
 
     def _keep_previous(self, sender: WeightSender, name: str) -> None:
         try:

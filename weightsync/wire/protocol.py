@@ -72,6 +72,9 @@ class RefitAnswer:
     unverifiable: str | None = None
     """Why the engine's weights cannot be read back (a stock engine, updated through its own
     reload: weightsync/engine/stock.py); None when syncs into it can be verified."""
+    accepted: list[str] | None = None
+    """Forms the engine derived after loading that syncs leave as they were, accepted by
+    `SyncOptions.accept_unkept`: each with its layer and the reason given."""
 
     def to_dict(self) -> dict[str, Any]:
         return _without_none(
@@ -81,6 +84,7 @@ class RefitAnswer:
                 "num_receivers": self.num_receivers,
                 "tp_size": self.tp_size,
                 "unverifiable": self.unverifiable,
+                "accepted": self.accepted,
             }
         )
 
@@ -92,6 +96,7 @@ class RefitAnswer:
             num_receivers=int(_get(d, cls, "num_receivers", 1)),
             tp_size=int(_get(d, cls, "tp_size", 1)),
             unverifiable=_get(d, cls, "unverifiable", None),
+            accepted=_get(d, cls, "accepted", None),
         )
 
 
@@ -357,7 +362,17 @@ class EngineSyncReport:
     """Where this sync was probed (weightsync/wire/probe.py): the mean absolute log-prob gap
     between the engine's forward and the trainer's, in nats."""
     probe_max_gap: float | None = None
-    """The largest gap of one probe token."""
+    """The largest gap of one probe token (its decode steps included)."""
+    probe_decode_steps: int | None = None
+    """Greedy decode steps the probe scored (`Probe.decode` per prompt, fewer where the
+    engine and the trainer chose differently; counted in `probe_gap` too)."""
+    probe_decode_max_gap: float | None = None
+    """The largest gap among them."""
+    probe_experts: dict[str, Any] | None = None
+    """An MoE model's probe: {"experts": routed experts per layer, "reached": [distinct
+    experts its tokens reached, per MoE layer]} in the trainer's forward. A fault in an
+    expert no probe token reaches cannot move the probe's scores: more or longer prompts
+    (`Probe.num_prompts`, `Probe.length`) reach more."""
     switched_at: float | None = None
     """A staged sync: when the engine's new weights were in place (`time.time()`)."""
     switch_at: float | None = None
@@ -388,6 +403,9 @@ class EngineSyncReport:
             cache_flushed=end.cache_flushed,
             probe_gap=probe.get("mean_gap"),
             probe_max_gap=probe.get("max_gap"),
+            probe_decode_steps=probe.get("decode_steps"),
+            probe_decode_max_gap=probe.get("decode_max_gap") if probe.get("decode_steps") else None,
+            probe_experts=probe.get("experts"),
             switched_at=end.switched_at,
             switch_at=end.switch_at,
             pause_s=end.pause_s,
@@ -409,6 +427,9 @@ class EngineSyncReport:
                     "share_s": self.share_s,
                     "probe_gap": self.probe_gap,
                     "probe_max_gap": self.probe_max_gap,
+                    "probe_decode_steps": self.probe_decode_steps,
+                    "probe_decode_max_gap": self.probe_decode_max_gap,
+                    "probe_experts": self.probe_experts,
                     "switched_at": self.switched_at,
                     "switch_at": self.switch_at,
                     "pause_s": self.pause_s,
@@ -434,6 +455,9 @@ class EngineSyncReport:
                     "share_s",
                     "probe_gap",
                     "probe_max_gap",
+                    "probe_decode_steps",
+                    "probe_decode_max_gap",
+                    "probe_experts",
                     "switched_at",
                     "switch_at",
                     "pause_s",
@@ -658,7 +682,8 @@ class SyncReport:
           `sync_s` (once: the sync by buckets before its first one-copy sync);
           `<engine>/probe_gap`, `<engine>/probe_max_gap` (a probed sync, `SyncOptions.probe`):
           the mean and the largest absolute log-prob gap, in nats, between its forward and the
-          trainer's; `<engine>/pause_s` (a staged sync, `SyncOptions.staged`): seconds it held
+          trainer's; `<engine>/probe_decode_max_gap`: the largest among the probe's decode
+          steps; `<engine>/pause_s` (a staged sync, `SyncOptions.staged`): seconds it held
           generation to switch to the staged weights.
         - `switch_skew_s` (a staged sync): seconds between the first and the last engine having
           its new weights in place.
@@ -700,6 +725,7 @@ class SyncReport:
             _put_seconds(out, f"{prefix}{name}/pause_s", engine.pause_s)
             _put_seconds(out, f"{prefix}{name}/probe_gap", engine.probe_gap)
             _put_seconds(out, f"{prefix}{name}/probe_max_gap", engine.probe_max_gap)
+            _put_seconds(out, f"{prefix}{name}/probe_decode_max_gap", engine.probe_decode_max_gap)
         if self.verify is not None:
             out.update(self.verify.metrics(prefix))
         if self.dropped:
