@@ -670,6 +670,9 @@ class SglEngineActor(EngineSession):
         finally:
             self._session("end")
 
+    def _engine_release_staged(self) -> int:
+        return sum(int(r["released"]) for r in self._read_only_all("release_staged"))
+
     def check_refit(self, specs: list[dict], accept: dict[str, str] | None = None) -> dict:
         """Every TP scheduler checks; `num_receivers`: how many a sync reaches."""
         answers = self._read_only_all("check", specs=specs)

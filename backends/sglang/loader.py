@@ -3,7 +3,8 @@
 SGLang calls `weightsync_load(model, named_tensors)` from `update_weights_from_tensor` when the
 request's load_format names it. We pass one control item: its name is a JSON message
 {"op": "check"|"load"|"finish"|"commit"|"rollback"|"fingerprints"|"share"|"begin_one_copy"|
-"staged_support"|"begin_staged"|"stage"|"prepare"|"switch"|"discard", "reply": dir, ...} and
+"staged_support"|"begin_staged"|"stage"|"prepare"|"switch"|"discard"|"release_staged", "reply": dir,
+...} and
 its tensor is empty; the weights themselves are in a transport buffer that the message's
 descriptor points at. SGLang ignores what a custom loader returns and an exception kills the
 scheduler (and with it the caller), so every outcome, failure included, is written as JSON to
@@ -255,6 +256,12 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
     size = _tp()[1]
     if op == "staged_support":
         return {"why": staged_support(model)}
+    if op == "release_staged":  # the copy dropped; the next staged update makes it again
+        state = _staged.get(id(model))
+        if state is not None and state["open"]:
+            raise RuntimeError("sglang: a staged update is open; release its copy once it ends")
+        state = _staged.pop(id(model), None)
+        return {"released": state["weights"].nbytes if state is not None else 0}
     if message.get("staged") or op in ("begin_staged", "discard", "switch", "revert"):
         return _run_staged(model, receiver, op, message)
     derived = _derived_state.setdefault(id(model), {})

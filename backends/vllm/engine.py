@@ -654,6 +654,9 @@ class VllmEngineActor(EngineSession):
             pause_parts=timing["pause_parts"],
         )
 
+    def _engine_release_staged(self) -> int:
+        return sum(int(r["released"]) for r in self._rpc_all("weightsync_release_staged"))
+
     def probe_support(self, decode: bool = False) -> str | None:
         return None  # in-process, or a server past weightsync's gate (`_Http.score`)
 

@@ -288,6 +288,17 @@ class WeightsyncWorkerExtension:
         return {"undone": True, "why": None}
 
     @_guard
+    def weightsync_release_staged(self) -> dict[str, Any]:
+        """Drop the staged copy (the next staged update makes it again): {"released": its
+        bytes}. The last switch can no longer be reverted."""
+        state = self._ws_state()
+        if state.get("open"):
+            raise RuntimeError("vllm: an update is open; release the staged copy once it ends")
+        staging = state.pop("staging", None)
+        state["revertible"] = None
+        return {"released": staging.nbytes if staging is not None else 0}
+
+    @_guard
     def weightsync_discard(self) -> dict[str, Any]:
         """A staged update aborted: the served parameters were never written; the staged copy
         is made again from them at the next staged update."""

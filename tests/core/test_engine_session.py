@@ -395,3 +395,21 @@ def test_a_switch_instant_far_ahead_is_waited_for_at_most_switch_wait_max_s(monk
     start = time.time()
     engine.end("v1", None, None, start + 3600)
     assert 0.2 <= engine.switched[-1] - start < 5 and engine.weight_version() == "v1"
+
+
+def test_release_staged_is_refused_while_an_update_is_open_and_frees_the_copy_after():
+    class Staging(PausingEngine):
+        held = 1024
+
+        def _engine_release_staged(self) -> int:
+            released, self.held = self.held, 0
+            return released
+
+    engine = Staging()
+    engine.begin("v1")
+    with pytest.raises(RuntimeError, match="release_staged during update 'v1'"):
+        engine.release_staged()
+    engine.end("v1")
+    assert engine.release_staged() == {"released_bytes": 1024}
+    assert engine.release_staged() == {"released_bytes": 0}
+    assert PausingEngine().release_staged() == {"released_bytes": 0}  # no copy: nothing held

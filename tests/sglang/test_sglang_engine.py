@@ -216,7 +216,9 @@ def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_on_both_replic
     with the staged copy, so `TrainerSync.revert` asks both in-process engines at once to serve
     the previous version again, each in one short pause: its version tag, its fingerprints and
     its greedy tokens. Nothing is left to revert after a revert; the next staged sync is
-    verified (its copy made again from the reverted weights)."""
+    verified (its copy made again from the reverted weights). Released on request
+    (`release_staged`), each copy's bytes are freed and the last switch can no longer be
+    reverted; the next staged sync makes them again."""
     engine, _, replica = setup
     engines = {"sglang": engine, "sglang-2": replica}
     staged = _staged_trainer(model, keep_previous=True)
@@ -254,6 +256,25 @@ def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_on_both_replic
             staged.call("revert")
         staged.call("set_weights_from", 3102)
         report = staged.sync("rev-2")
+        assert all(report.verify[n].verified for n in engines), report.verify
+        for one in engines.values():
+            assert_engine_matches_reference(one, staged)
+
+        # Each staged copy released on request: its bytes freed (one copy of every parameter,
+        # the same model in both), the switch before can no longer be reverted, and the next
+        # staged sync makes the copies again.
+        released = [
+            ray.get(one.release_staged.remote())["released_bytes"] for one in engines.values()
+        ]
+        print(f"released: {released}")
+        assert released[0] == released[1] > 0
+        with pytest.raises(Exception, match="nothing to revert"):
+            staged.call("revert")
+        assert [ray.get(one.release_staged.remote()) for one in engines.values()] == [
+            {"released_bytes": 0}
+        ] * 2
+        staged.call("set_weights_from", 3103)
+        report = staged.sync("rev-3")
         assert all(report.verify[n].verified for n in engines), report.verify
         for one in engines.values():
             assert_engine_matches_reference(one, staged)

@@ -229,7 +229,9 @@ def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_on_both_worker
     version again, on both tensor-parallel workers, in one short pause: its version tag and
     its greedy tokens. Nothing is left to revert after a revert; the next staged sync is
     verified (its copy made again from the reverted weights) and can be reverted in turn.
-    (Last in the module: the engine keeps `keep_previous` on.)"""
+    Released on request (`release_staged`), the copy's bytes are freed and the last switch can
+    no longer be reverted; the next staged sync makes it again. (The engine keeps
+    `keep_previous` on after it.)"""
     handle, path = rollout
     trainer = _staged_trainer(path, keep_previous=True)
     tokens, version = _served(handle)
@@ -273,6 +275,24 @@ def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_on_both_worker
         assert version() == "rev-3" and tokens() == second
         assert trainer.call("revert")["rev"]["weight_version"] == "rev-1"
         assert tokens() == first
+
+        # The staged copy released on request, both workers' (each holds half of most
+        # parameters): the switch before it can no longer be reverted, and the next staged
+        # sync makes the copy again.
+        trainer.call("train_step", training_batch(7))
+        assert trainer.sync("rev-4").verify["rev"].verified
+        fourth = tokens()
+        release = ray.get(handle.weightsync.remote("release_staged"), timeout=120)
+        print(f"released: {release}")
+        assert release["released_bytes"] > 0
+        with pytest.raises(Exception, match="nothing to revert"):
+            trainer.call("revert")
+        assert version() == "rev-4" and tokens() == fourth
+        again = ray.get(handle.weightsync.remote("release_staged"), timeout=120)
+        assert again == {"released_bytes": 0}
+        trainer.call("train_step", training_batch(8))
+        assert trainer.sync("rev-5").verify["rev"].verified
+        assert version() == "rev-5" and tokens() == reference()
     finally:
         trainer.kill()
 

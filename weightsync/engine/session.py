@@ -581,6 +581,28 @@ class EngineSession(WeightReceiver):
         self._expire_idle()
         return self._version
 
+    def release_staged(self) -> dict:
+        """Free the staged copy of the parameters that staged updates load into
+        (weightsync/engine/staging.py), which they otherwise keep between syncs: {"released_bytes":
+        what it held, over every worker; 0 without one}. The next staged update makes it again
+        from the served weights (a full copy, while the engine serves), and the last switch can
+        no longer be reverted. Refused while an update is open."""
+        with self._lock:
+            self._expire_idle()
+            if self._open is not None:
+                raise RuntimeError(
+                    f"{self.engine_name}: release_staged during update {self._open!r}; release "
+                    f"the staged copy once it ends"
+                )
+            released = self._engine_release_staged()
+            self._revert_to = None
+            logger.info("%s: staged copy released (%d bytes)", self.engine_name, released)
+            return {"released_bytes": released}
+
+    def _engine_release_staged(self) -> int:
+        """Drop the staged copy, if the engine holds one: the bytes it held."""
+        return 0
+
     def revert(self, switch_at: float | None = None) -> dict:
         """Serve again the weights the last update replaced, and their version tag: after a
         staged update whose switch kept them (`SyncOptions(staged=True, keep_previous=True)`),
