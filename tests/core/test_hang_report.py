@@ -123,3 +123,35 @@ def test_a_block_that_ends_in_time_reports_nothing(capfd):
     time.sleep(3)
     out, err = capfd.readouterr()
     assert "Timeout (" not in out + err and MARK not in out + err
+
+
+def test_the_native_report_is_one_piece_whatever_else_writes_beside_it(capfd):
+    """The native report (its header, thread states and py-spy's frames) is written in one
+    piece once py-spy is done, so what other threads write meanwhile (faulthandler's report,
+    started at the same moment) comes before or after it, never between its lines, and a
+    reader of the output finds it whole."""
+    import sys
+    import threading
+
+    stop = threading.Event()
+
+    def noise() -> None:
+        while not stop.wait(0.05):
+            print("noise", file=sys.stderr, flush=True)
+
+    writer = threading.Thread(target=noise, daemon=True)
+    writer.start()
+    text = ""
+    try:
+        with HangReport(1.0, "slow"):
+            deadline = time.monotonic() + 60  # py-spy may take its 30 s under load
+            while "native frames:" not in text and time.monotonic() < deadline:
+                time.sleep(1)
+                out, err = capfd.readouterr()
+                text += out + err
+    finally:
+        stop.set()
+        writer.join()
+    assert MARK in text, text
+    native = text[text.index(MARK) :].split("noise\n", 1)[0]
+    assert "its threads' native frames:" in native and "time_sleep" in native, text

@@ -128,9 +128,11 @@ class HangReport:
     def _native(self) -> None:
         pid = os.getpid()
         head = f"{MARK}: {self.what} still running after {self.seconds:g} s in pid {pid}"
-        print(f"{head}; threads: {thread_states(pid)}", file=sys.stderr)
-        print(f"its threads' native frames:\n{native_stacks(pid)}", file=sys.stderr)
-        sys.stderr.flush()
+        states = thread_states(pid)  # as they are now, before py-spy stops the process
+        # One write, once py-spy is done: faulthandler's report, written at the same moment
+        # from its own thread, comes before or after this one, never inside it.
+        report = f"{head}; threads: {states}\nits threads' native frames:\n{native_stacks(pid)}"
+        print(report, file=sys.stderr, flush=True)
 
 
 def split_threads(report: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
