@@ -19,7 +19,7 @@ derives tensors weightsync does not know.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,7 +39,8 @@ class PostLoadTensors:
         self.model = model
         self.derives = callable(getattr(type(model), "post_load_weights", None))
         self.layers: list[tuple[str, Any]] = []  # (module name, MLA attention layer)
-        self.refused: list[str] = []  # why the model's derived tensors cannot be kept in step
+        # (kind, why) the model's derived tensors cannot be kept in step (`refuse`)
+        self.refused: list[tuple[str, str]] = []
         if not self.derives:
             return
         fix = (
@@ -49,8 +50,11 @@ class PostLoadTensors:
         platform = post_load_platform()
         if platform is not None:
             self.refused.append(
-                f"{type(model).__name__}: SGLang's post-load step on {platform} transforms the "
-                f"weights in ways that do not repeat; {fix}"
+                (
+                    "post_load_platform",
+                    f"{type(model).__name__}: SGLang's post-load step on {platform} transforms "
+                    f"the weights in ways that do not repeat; {fix}",
+                )
             )
             return
         for name, module in model.named_modules():
@@ -59,12 +63,15 @@ class PostLoadTensors:
                 if why is None:
                     self.layers.append((name, module))
                 else:
-                    self.refused.append(why)
+                    self.refused.append(("mla_up_projections", why))
         if not self.layers and not self.refused:
             self.refused.append(
-                f"{type(model).__name__} derives tensors after loading "
-                f"(`post_load_weights`) that weightsync does not know how to keep in step; "
-                f"{fix}"
+                (
+                    "post_load_unknown",
+                    f"{type(model).__name__} derives tensors after loading "
+                    f"(`post_load_weights`) that weightsync does not know how to keep in step; "
+                    f"{fix}",
+                )
             )
 
     @staticmethod
@@ -93,6 +100,16 @@ class PostLoadTensors:
             return f"MLA layer {name}: its up-projections carry a quantization scale; {fix}"
         return None
 
+    def refuse(self, accept: Mapping[str, str]) -> list[str]:
+        """At connect: raise ValueError naming the first refusal unless `accept`
+        (`SyncOptions.accept_unkept`) names its kind; else the accepted ones, each with its
+        reason. Once accepted, the model's own post-load step no longer runs after a sync:
+        what it derived at start-up stays, but for the MLA layers weightsync derives itself
+        (`derive`)."""
+        from weightsync.engine.refit import refuse_forms
+
+        return refuse_forms("sglang", self.refused, accept)
+
     def names(self) -> list[str]:
         """The derived tensors' names (`<layer>.w_kc`, `<layer>.w_vc`)."""
         return [f"{name}.{attr}" for name, _ in self.layers for attr in DERIVED]
@@ -113,9 +130,17 @@ class PostLoadTensors:
     @torch.no_grad()
     def derive(self) -> None:
         """The model's own post-load step, over every layer, from the weights it holds now
-        (SGLang's `bind_or_assign` writes the derived tensors in place)."""
+        (SGLang's `bind_or_assign` writes the derived tensors in place); where some layers
+        were refused and accepted, each other MLA layer's derived tensors written from its
+        weight in place instead (SGLang's step would transform the refused ones again)."""
         if self.derives and not self.refused:
             self.model.post_load_weights()
+            return
+        for _, layer in self.layers:  # refused layers accepted: the others derived here
+            if layer.kv_b_proj is None:
+                continue
+            for attr, want in zip(DERIVED, self._derivation(layer)):
+                getattr(layer, attr).copy_(want)
 
     @staticmethod
     def _derivation(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -674,10 +674,20 @@ class SglEngineActor(EngineSession):
         return sum(int(r["released"]) for r in self._read_only_all("release_staged"))
 
     def check_refit(self, specs: list[dict], accept: dict[str, str] | None = None) -> dict:
-        """Every TP scheduler checks; `num_receivers`: how many a sync reaches."""
-        answers = self._read_only_all("check", specs=specs)
+        """Every TP scheduler checks (`accept`: backends/sglang/derived.py `refuse`);
+        `num_receivers`: how many a sync reaches."""
+        answers = self._read_only_all(
+            "check", specs=specs, **({"accept": accept} if accept else {})
+        )
         first = RefitAnswer.from_dict(answers[0])
-        return replace(first, num_receivers=len(answers), tp_size=self.tp_size).to_dict()
+        accepted = [
+            f"scheduler {rank}: {form}"
+            for rank, answer in enumerate(answers)
+            for form in answer.get("accepted") or []
+        ]
+        return replace(
+            first, num_receivers=len(answers), tp_size=self.tp_size, accepted=accepted or None
+        ).to_dict()
 
     def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
         self._finished = False
@@ -729,7 +739,11 @@ class SglEngineActor(EngineSession):
             raise RuntimeError(why)
         # The staged weights as the model computes with them: the one-copy writes over and the
         # session ended (SGLang post-processes the weights there), the previous weights still
-        # kept for a rollback; no KV cache of the previous weights may serve the probe.
+        # kept for a rollback; no KV cache of the previous weights may serve the probe. A
+        # staged update's switch did all that (the probe comes after it:
+        # `EngineSession._probe_switched`).
+        if self._into_copy:
+            return self.client.score(tokens)
         self._control_all("finish", one_copy=self._one_copy)
         self._session("end")
         self._finished = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import replace
 from typing import Any
 
 from weightsync.wire.specs import error_reply, ok_reply
@@ -63,11 +64,10 @@ def _post_load(model: Any) -> Any:
     return post_load
 
 
-def _refuse_derived(model: Any) -> None:
-    """A model whose derived tensors cannot be kept in step is refused at `check` (connect)."""
-    refused = _post_load(model).refused
-    if refused:
-        raise ValueError(f"sglang: {len(refused)} layer(s) refused: {refused[0]}")
+def _refuse_derived(model: Any, accept: dict[str, str] | None) -> list[str]:
+    """A model whose derived tensors cannot be kept in step is refused at `check` (connect),
+    unless `accept` (`SyncOptions.accept_unkept`) names the kind: the accepted ones."""
+    return _post_load(model).refuse(accept or {})
 
 
 def _derive(model: Any, state: dict[str, Any]) -> None:
@@ -271,8 +271,9 @@ def _run(model: Any, message: dict[str, Any]) -> dict[str, Any]:
     elif op in ("stage", "finish", "commit"):
         _derive(model, derived)  # before fingerprints, a probe or serving
     if op == "check":
-        _refuse_derived(model)
-        return receiver.check_refit(specs_from_dicts(message["specs"])).to_dict()
+        accepted = _refuse_derived(model, message.get("accept"))
+        answer = receiver.check_refit(specs_from_dicts(message["specs"]))
+        return replace(answer, accepted=accepted or None).to_dict()
     if op == "load":
         report, _ = receiver.load_bucket(
             BucketDescriptor.from_dict(message["descriptor"]),

@@ -19,11 +19,13 @@ decode context parallelism.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 DERIVED = ("W_UK_T", "W_UV")  # the layer's attributes, in that order
+REFUSED_KIND = "mla_up_projections"  # `SyncOptions.accept_unkept`'s kind for a refused layer
 
 
 class DerivedTensors:
@@ -32,7 +34,9 @@ class DerivedTensors:
     def __init__(self, model: torch.nn.Module | None) -> None:
         """`model`: the worker's model; None for none."""
         self.layers: list[tuple[str, Any]] = []  # (module name, MLA attention layer)
-        self.refused: list[str] = []  # why a layer cannot be kept in step, one per layer
+        # (kind, why) a layer cannot be kept in step, one per layer (`refuse`); such a layer's
+        # derived tensors are neither derived again nor checked
+        self.refused: list[tuple[str, str]] = []
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self._names: dict[tuple[int, str], str] = {}
         for name, module in model.named_modules() if model is not None else ():
@@ -40,7 +44,7 @@ class DerivedTensors:
                 continue
             why = self._why_not(name, module)
             if why is not None:
-                self.refused.append(why)
+                self.refused.append((REFUSED_KIND, why))
                 continue
             self.layers.append((name, module))
             for attr in DERIVED:
@@ -77,6 +81,15 @@ class DerivedTensors:
         if any(not isinstance(getattr(layer, a, None), torch.Tensor) for a in DERIVED):
             return f"MLA layer {name}: no {' / '.join(DERIVED)} tensors to keep in step; {fix}"
         return None
+
+    def refuse(self, accept: Mapping[str, str]) -> list[str]:
+        """At connect: raise ValueError naming the first refused layer unless `accept`
+        (`SyncOptions.accept_unkept`) names its kind; else the accepted layers, each with
+        its reason. An accepted layer decodes with the up-projections it derived at start-up,
+        whatever the syncs write."""
+        from weightsync.engine.refit import refuse_forms
+
+        return refuse_forms("vllm", self.refused, accept)
 
     def names(self) -> list[str]:
         """The derived tensors' parameter names."""

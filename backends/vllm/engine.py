@@ -662,8 +662,10 @@ class VllmEngineActor(EngineSession):
 
     def _engine_probe(self, tokens: list[list[int]]) -> list[list[float]]:
         # The staged weights as the model computes with them (experts packed, layers reading
-        # their parameters), the previous ones still kept for a rollback.
-        self._rpc_all("weightsync_finish")
+        # their parameters), the previous ones still kept for a rollback; a staged update's
+        # switch did that already (the probe comes after it: `EngineSession._probe_switched`).
+        if not self._into_copy:
+            self._rpc_all("weightsync_finish")
         return self.client.score(tokens)
 
     def _engine_probe_decode(self, tokens: list[list[int]], steps: int) -> list[Decoded]:

@@ -103,10 +103,10 @@ class WeightsyncWorkerExtension:
         # keep in step (backends/vllm/unkept.py) are refused here, at connect, not at the
         # first sync.
         self._ws_experts()
-        self._ws_derived()
         from weightsync.backends.vllm.unkept import refuse_unkept
 
-        accepted = refuse_unkept(receiver.model, accept or {})
+        accepted = self._ws_derived().refuse(accept or {})
+        accepted += refuse_unkept(receiver.model, accept or {})
         return RefitAnswer(
             param_of=receiver.param_of,
             num_params=len(receiver.refit.accepted),
@@ -325,18 +325,13 @@ class WeightsyncWorkerExtension:
 
     def _ws_derived(self) -> Any:
         """vLLM's derived tensors of this model (backends/vllm/derived.py); a layer whose
-        derived tensors cannot be kept in step raises ValueError here: at `weightsync_check`
-        (connect), before any weight changes."""
+        derived tensors cannot be kept in step is refused at `weightsync_check` (connect),
+        before any weight changes, unless the trainer accepts its kind."""
         state = self._ws_state()
         if "derived_tensors" not in state:
             from weightsync.backends.vllm.derived import DerivedTensors
 
-            derived = DerivedTensors(state["receiver"].model)
-            if derived.refused:
-                raise ValueError(
-                    f"vllm: {len(derived.refused)} layer(s) refused: {derived.refused[0]}"
-                )
-            state["derived_tensors"] = derived
+            state["derived_tensors"] = DerivedTensors(state["receiver"].model)
         return state["derived_tensors"]
 
     @_guard

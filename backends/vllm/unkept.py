@@ -48,16 +48,9 @@ def refuse_unkept(model: torch.nn.Module | None, accept: Mapping[str, str]) -> l
     """Raise ValueError naming the first layer of `model` whose form (`unkept`) `accept`
     ({kind: reason}) does not name, and the opt-in; else the accepted ones, with their
     reasons (empty: none)."""
-    forms = unkept(model)
-    refused = [(kind, why) for kind, why in forms if kind not in accept]
-    if refused:
-        kind, why = refused[0]
-        raise ValueError(
-            f"vllm: {len(refused)} layer(s) refused: {why}. To serve it as it was when the "
-            f"engine started, whatever the syncs write, accept it with a reason: "
-            f"SyncOptions(accept_unkept={{{kind!r}: 'why that is right for this model'}})"
-        )
-    return [f"{why} (accepted: {accept[kind]})" for kind, why in forms]
+    from weightsync.engine.refit import refuse_forms
+
+    return refuse_forms("vllm", unkept(model), accept)
 
 
 def _why(module: Any) -> tuple[str, str] | None:

@@ -211,7 +211,7 @@ def test_an_update_after_a_staged_one_pauses_again():
     engine.end("v2")
 
 
-def test_staged_updates_are_refused_where_unsupported_or_asked_with_one_copy_or_a_probe():
+def test_staged_updates_are_refused_where_unsupported_or_asked_with_one_copy():
     with pytest.raises(ValueError, match="PausingEngine has no staged updates"):
         PausingEngine().begin("v1", False, "t", True)
     engine = StagingEngine()
@@ -219,8 +219,6 @@ def test_staged_updates_are_refused_where_unsupported_or_asked_with_one_copy_or_
         engine.begin("v1", True, "t", True)
     assert engine.staged == [] and engine.generating
     engine.begin("v1", False, "t", True)
-    with pytest.raises(ValueError, match="with a probe on a staged update"):
-        engine.end("v1", probe={"tokens": [[1, 2]]})
     engine.end("v1")
 
 
@@ -413,3 +411,106 @@ def test_release_staged_is_refused_while_an_update_is_open_and_frees_the_copy_af
     assert engine.release_staged() == {"released_bytes": 1024}
     assert engine.release_staged() == {"released_bytes": 0}
     assert PausingEngine().release_staged() == {"released_bytes": 0}  # no copy: nothing held
+
+
+class ProbedStagingEngine(StagingEngine):
+    """A `StagingEngine` whose forward scores a probe (`scores`), recording what it was asked
+    in order (`steps`); its switch swaps (keeps the previous weights) where `swaps`."""
+
+    def __init__(self, *, swaps: bool) -> None:
+        super().__init__()
+        self.swaps = swaps
+        self.scores = [-1.0, -2.0]
+        self.steps: list[str] = []
+
+    def _pause(self) -> bool:
+        self.steps.append("hold")
+        return super()._pause()
+
+    def _resume(self) -> None:
+        self.steps.append("release")
+        super()._resume()
+
+    def _engine_end(self, version: str) -> EndReport:
+        self.steps.append(f"switch to {version}")
+        self._switching = True
+        return EndReport(weight_version=version)
+
+    def _engine_probe(self, tokens: list[list[int]]) -> list[list[float]]:
+        assert not self.generating, "probed while generating"
+        self.steps.append("probe")
+        return [list(self.scores)]
+
+    def _engine_swaps(self) -> bool:
+        return self.swaps
+
+    def _engine_revert(self, version: str) -> EndReport:
+        self.steps.append(f"switch back to {version}")
+        return EndReport(weight_version=version)
+
+
+def _probe_request() -> dict:
+    from weightsync.wire.probe import ProbeRequest
+
+    return ProbeRequest(tokens=[[1, 2, 3]], expected=[[-1.0, -2.0]], bound=0.1).to_dict()
+
+
+def test_a_staged_update_is_probed_just_after_its_switch_with_generation_held():
+    """Loading serves on; at `end` generation is held, the update switched in, the probe scored
+    on the weights now served, generation released: a probe that passes is in the report."""
+    engine = ProbedStagingEngine(swaps=True)
+    engine.begin("v1", False, "t", True)
+    engine.load_bucket(BUCKET)
+    assert engine.generating
+    report = engine.end("v1", probe=_probe_request())
+    assert engine.steps == ["hold", "switch to v1", "probe", "release"]
+    assert report["probe"]["num_tokens"] == 2 and report["probe"]["mean_gap"] == 0.0
+    assert engine.weight_version() == "v1" and engine.generating
+    engine.check_serving()
+    engine.begin("v2", False, "t", True)  # without a probe: no hold but the switch's own
+    engine.end("v2")
+    assert engine.steps[-1] == "switch to v2" and engine.generating
+
+
+def test_a_staged_update_that_fails_its_probe_is_switched_back_before_generation_goes_on():
+    """A probe that fails after the switch: with keep_previous (a swapping switch) the engine
+    switches back to the previous weights while generation is still held and serves them;
+    the error says so and the sender's abort finds nothing left open."""
+    from weightsync.wire.errors import ProbeFailed
+
+    engine = ProbedStagingEngine(swaps=True)
+    engine.begin("v1", False, "t", True)
+    engine.end("v1")
+    engine.scores = [-1.0, -2.9]  # 0.45 nats a token off: past the bound
+    engine.begin("v2", False, "t", True)
+    engine.load_bucket(BUCKET)
+    engine.steps.clear()
+    with pytest.raises(ProbeFailed, match="probed after its switch: it serves 'v1' again"):
+        engine.end("v2", probe=_probe_request())
+    assert engine.steps == ["hold", "switch to v2", "probe", "switch back to v1", "release"]
+    engine.abort("the probe failed", "t")
+    assert engine.aborted == []  # the update had ended: nothing to abort
+    assert engine.weight_version() == "v1" and engine.generating
+    engine.check_serving()
+    with pytest.raises(RuntimeError, match="nothing to revert"):
+        engine.revert()  # v1 is served: there is nothing before it to go back to
+
+
+def test_a_staged_update_that_fails_its_probe_without_keep_previous_refuses_to_serve():
+    """Without keep_previous the switch copied over the previous weights: the failed probe
+    leaves the engine refusing to serve (its server's clients too) until a sync completes."""
+    from weightsync.wire.errors import ProbeFailed
+
+    engine = ProbedStagingEngine(swaps=False)
+    engine.scores = [-1.0, -2.9]
+    engine.begin("v1", False, "t", True)
+    with pytest.raises(ProbeFailed, match="it refuses to serve: its switch did not keep"):
+        engine.end("v1", probe=_probe_request())
+    assert engine.steps == ["hold", "switch to v1", "probe", "release"]
+    with pytest.raises(RuntimeError, match="does not serve: update 'v1' failed its probe"):
+        engine.check_serving()
+    engine.scores = [-1.0, -2.0]
+    engine.begin("v2", False, "t", True)
+    engine.end("v2", probe=_probe_request())
+    engine.check_serving()
+    assert engine.weight_version() == "v2"

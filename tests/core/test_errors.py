@@ -102,3 +102,16 @@ def test_errors_with_fields_survive_pickling_as_a_trainer_actors_error_does():
     assert failed.results == {"e": {"verified": False}}
     died = pickle.loads(pickle.dumps(EngineDied("engine 'e' died", "e")))
     assert isinstance(died, EngineDied) and died.engine == "e" and str(died) == "engine 'e' died"
+
+
+def test_an_error_rank_0_broadcasts_to_the_other_ranks_keeps_its_start_and_its_end():
+    """A remote error's message comes after its traceback: cut to fit, the other ranks' error
+    still ends with it."""
+    from weightsync.trainer.sync import _cut
+
+    text = "RayTaskError(ProbeFailed): Traceback\n" + "  frame\n" * 1000 + "ProbeFailed: too far"
+    cut = _cut(text)
+    assert len(cut) < 2100, len(cut)
+    assert cut.startswith("RayTaskError(ProbeFailed): Traceback") and cut.endswith("too far")
+    assert f"({len(text) - 2000} characters left out)" in cut
+    assert _cut("short") == "short"

@@ -168,10 +168,10 @@ def test_a_trainer_that_stages_refuses_an_engine_that_cannot_at_connect_and_bad_
     for given, what in (
         ({"one_copy": True}, "one_copy=True"),
         ({"point_to_point": True}, "point_to_point=True"),
-        ({"probe": Probe()}, "a probe"),
     ):
         with pytest.raises(ValueError, match=f"SyncOptions.staged=True with {what}: a staged"):
             SyncOptions(staged=True, **given)
+    assert SyncOptions(staged=True, probe=Probe()).probe is not None  # probed after its switch
     init_trainer_group(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
     model = torch.nn.Linear(4, 4)
     sync = TrainerSync(model, options=SyncOptions(staged=True))

@@ -638,3 +638,62 @@ def check_a_failed_staged_sync_is_seen_by_no_request(
 
     counts = check_version_spans(hammer, [served], margins_on)
     assert counts["complete"] > 0 and counts["switched"] == 0
+
+
+def check_a_staged_sync_failing_its_probe_is_seen_by_no_request(
+    engine,
+    model: str,
+    worker: str,
+    name: str,
+    hammer: Hammer,
+    served: list[list[int]],
+    version: Callable[[], Any],
+) -> None:
+    """`hammer`'s clients (tagging the served version as index 0) call the server while a
+    trainer (`worker`) with `staged=True, keep_previous=True` and a probe no engine passes (a
+    mean bound of 1e-12 nats: the failure planted on the trainer's side, so the engine really
+    switches to the new weights before its probe fails) syncs new weights: the server holds its
+    clients from before the switch until the engine is switched back, so the sync fails on its
+    probe and every answer, before, during and after it, is the served version's (`served`:
+    its greedy tokens of `prompt_ids()`), tagged so; `version()` is unchanged. The engine
+    keeps `keep_previous` on afterwards."""
+    from weightsync.driver import launcher
+
+    before = version()
+    trainer = launcher.TrainerGroup(
+        worker,
+        model_path=model,
+        bucket_bytes=1 << 20,
+        seed=0,
+        staged=True,
+        verify=True,
+        keep_previous=True,
+        probe={"bound": 1e-12, "max_bound": None},
+    )
+    try:
+        trainer.call("connect", {name: engine})
+        trainer.call("set_weights_from", 3100)  # a version unlike the served one
+        hammer.start()
+        try:
+            time.sleep(0.5)
+            start = time.monotonic()
+            with pytest.raises(Exception, match="failed the log-prob probe") as caught:
+                trainer.sync("probe-fails")
+            end = time.monotonic()
+            time.sleep(0.5)
+        finally:
+            hammer.stop()
+    finally:
+        trainer.kill()
+    assert f"probed after its switch: it serves {before!r} again" in str(caught.value), str(
+        caught.value
+    )[:2000]
+    assert version() == before
+
+    def margins_on(v: int, asks: list) -> list:
+        raise AssertionError(f"an answer switched to version {v} mid-request: {asks}")
+
+    counts = check_version_spans(hammer, [served], margins_on)
+    across = [a for a in hammer.answers if a.sent_s < end and a.done_s > start]
+    print(f"a staged sync failing its probe: {counts}; {len(across)} answers overlap it")
+    assert counts["complete"] > 0 and counts["switched"] == 0 and across

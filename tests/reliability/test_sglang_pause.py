@@ -18,6 +18,7 @@ from tests.reliability.hammer import (
     check_a_half_written_update_is_refused_to_the_servers_clients,
     check_a_request_waits_for_the_open_update,
     check_a_revert_under_requests,
+    check_a_staged_sync_failing_its_probe_is_seen_by_no_request,
     check_answers,
     check_probes_through_the_gate,
     check_staged_syncs_under_requests,
@@ -274,6 +275,25 @@ def test_a_staged_sync_that_fails_verification_is_seen_by_no_request(setup):
     version = ray.get(engine.engine_weight_version.remote())
     check_a_failed_staged_sync_is_seen_by_no_request(
         engine, trainer, NAME, _spans_hammer(engine, {version: 0}), _served(engine)
+    )
+
+
+def test_a_staged_sync_that_fails_its_probe_after_the_switch_is_seen_by_no_request(setup):
+    """Clients call the server while a staged sync with a probe is switched in and fails its
+    probe (planted on the trainer's side): the server holds its new requests from before the
+    switch, lets those in flight finish, and answers again only once the engine is switched
+    back (keep_previous): every answer is the served version's, tagged so
+    (tests/reliability/hammer.py)."""
+    engine, trainer, model = setup
+    version = trainer.sync("probe-base").engines[NAME].weight_version  # a version of its own
+    check_a_staged_sync_failing_its_probe_is_seen_by_no_request(
+        engine,
+        model,
+        WORKER,
+        NAME,
+        _spans_hammer(engine, {version: 0}),
+        _served(engine),
+        lambda: ray.get(engine.engine_weight_version.remote(), timeout=120),
     )
 
 

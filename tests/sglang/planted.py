@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -167,7 +168,10 @@ class PlantedEngine(FrameworkEngine):
             )
         finally:
             self.engine.end_weight_update()
-        return [json.load(open(os.path.join(reply, n))) for n in sorted(os.listdir(reply))]
+        try:
+            return [json.load(open(os.path.join(reply, n))) for n in sorted(os.listdir(reply))]
+        finally:
+            shutil.rmtree(reply, ignore_errors=True)
 
     def unplant(self) -> list[dict]:
         """SGLang's own loaders back, and a fresh receiver."""

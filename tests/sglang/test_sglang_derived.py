@@ -146,6 +146,7 @@ def test_the_module_derives_its_mla_tensors_from_its_weights():
     model = TinyDeepseek()
     derived = PostLoadTensors(model)
     assert derived.refused == [] and len(derived.layers) == 2
+    assert derived.refuse({}) == []
     assert derived.names() == [
         f"model.layers.{i}.self_attn.{a}" for i in range(2) for a in ("w_kc", "w_vc")
     ]
@@ -250,5 +251,40 @@ def test_a_model_whose_derived_tensors_cannot_be_kept_in_step_is_refused_at_chec
     try:
         with pytest.raises(ValueError, match=rf"sglang: 1 layer\(s\) refused: {why}.*another way"):
             scheduler.call("check", specs=specs)
+        with pytest.raises(
+            ValueError,
+            match=r"SyncOptions\(accept_unkept=\{'(mla_up_projections|post_load_unknown)': ",
+        ):
+            scheduler.call("check", specs=specs)
+    finally:
+        scheduler.close()
+
+
+def test_an_accepted_refusal_connects_and_syncs_leave_only_the_refused_layer_as_it_started(
+    tmp_path,
+):
+    """`SyncOptions(accept_unkept={"mla_up_projections": reason})`: the model with a quantized
+    kv_b_proj in layer 1 passes the check, the answer naming layer 1 with the reason; a sync
+    derives layer 0's w_kc / w_vc from what it wrote (SGLang's own step, which would transform
+    layer 1 again, no longer runs) and leaves layer 1's as they were at start-up."""
+    model = _QuantizedDeepseek()
+    specs = [TensorSpec.of(n, p).to_dict() for n, p in model.named_parameters()]
+    scheduler = _Scheduler(model, str(tmp_path))
+    try:
+        answer = scheduler.call(
+            "check", specs=specs, accept={"mla_up_projections": "layer 1 is frozen"}
+        )
+        (accepted,) = answer["accepted"]
+        assert accepted.startswith("MLA layer model.layers.1.self_attn: kv_b_proj is quantized")
+        assert accepted.endswith("(accepted: layer 1 is frozen)")
+        refused = model.model.layers[1].self_attn
+        kept = (refused.w_kc.clone(), refused.w_vc.clone())
+        new = {n: t for n, t in _trained(model, 1).items() if "layers.1.self_attn.kv_b" not in n}
+        scheduler.sync(new)
+        attn = model.model.layers[0].self_attn
+        kc, vc = _derivation(attn)
+        assert torch.equal(attn.kv_b_proj.weight, new["model.layers.0.self_attn.kv_b_proj.weight"])
+        assert torch.equal(attn.w_kc, kc) and torch.equal(attn.w_vc, vc)
+        assert torch.equal(refused.w_kc, kept[0]) and torch.equal(refused.w_vc, kept[1])
     finally:
         scheduler.close()

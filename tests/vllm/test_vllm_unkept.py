@@ -150,3 +150,27 @@ def test_a_form_is_refused_naming_the_opt_in_unless_its_kind_is_accepted_with_a_
         "(accepted: sinks are frozen in this run)"
     )
     assert refuse_unkept(_model(), {}) == []
+
+
+def test_an_mla_layer_whose_up_projections_cannot_be_derived_again_is_refused_unless_accepted():
+    """vLLM's MLA attention with its AMX kernel (up-projections packed, kv_b_proj's weight
+    dropped; a stand-in of vLLM's class with that attribute): refused at connect naming the
+    layer and the opt-in; accepted with a reason, named with it, and left out of what syncs
+    derive and check."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    from weightsync.backends.vllm.derived import DerivedTensors
+
+    amx = MLAAttention.__new__(MLAAttention)
+    torch.nn.Module.__init__(amx)
+    amx.is_amx_bmm_enabled = True
+    derived = DerivedTensors(_model(attn=amx))
+    assert derived.layers == [] and [kind for kind, _ in derived.refused] == ["mla_up_projections"]
+    with pytest.raises(ValueError, match=r"vllm: 1 layer\(s\) refused: MLA layer attn: vLLM's AMX"):
+        derived.refuse({})
+    with pytest.raises(ValueError, match=r"accept_unkept=\{'mla_up_projections': "):
+        derived.refuse({"sinks_copy": "another kind"})
+    (accepted,) = derived.refuse({"mla_up_projections": "the attention is frozen"})
+    assert accepted.startswith("MLA layer attn: vLLM's AMX MLA kernel packs")
+    assert accepted.endswith("(accepted: the attention is frozen)")
+    assert derived.derive() == [] and derived.stale() == []

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -290,3 +290,19 @@ def check_against_checkpoint(
         )
     if not specs:
         raise ValueError(f"{name}: the trainer offers no tensors (an empty model?)")
+
+
+def refuse_forms(engine: str, forms: list[tuple[str, str]], accept: Mapping[str, str]) -> list[str]:
+    """Raise ValueError naming the first of `forms` ((kind, why): a layer whose form after
+    loading a sync cannot keep in step) whose kind `accept` ({kind: reason},
+    `SyncOptions.accept_unkept`) does not name, and the opt-in; else each form, with its reason
+    (empty: none)."""
+    refused = [(kind, why) for kind, why in forms if kind not in accept]
+    if refused:
+        kind, why = refused[0]
+        raise ValueError(
+            f"{engine}: {len(refused)} layer(s) refused: {why}. To serve it as it was when the "
+            f"engine started, whatever the syncs write, accept it with a reason: "
+            f"SyncOptions(accept_unkept={{{kind!r}: 'why that is right for this model'}})"
+        )
+    return [f"{why} (accepted: {accept[kind]})" for kind, why in forms]

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from weightsync.wire.errors import BucketRejected, EngineBusy
+from weightsync.wire.errors import BucketRejected, EngineBusy, ProbeFailed
 from weightsync.wire.probe import Decoded, ProbeRequest, check_probe
 from weightsync.wire.protocol import (
     BeginAnswer,
@@ -407,20 +407,21 @@ class EngineSession(WeightReceiver):
             # A failed end leaves the update open, and so paused: the sender's `abort` (or the
             # idle expiry) resumes, once the engine's weights are whole or it refuses to serve.
             # The probe scores the staged weights before the engine finishes the update (and
-            # drops what it kept of the previous weights): a failed probe is rolled back.
-            if probe is not None and self._into_copy:
-                raise ValueError(
-                    f"{self.engine_name}: end({version!r}) with a probe on a staged update: the "
-                    f"engine's forward serves the current weights, not the staged ones"
-                )
-            probed = None if probe is None else self._probe(version, probe)
+            # drops what it kept of the previous weights): a failed probe is rolled back. A
+            # staged update's forward serves the current weights until its switch: it is
+            # probed just after, generation held (`_probe_switched`).
+            probed = None if probe is None or self._into_copy else self._probe(version, probe)
             if self._into_copy and not self._prepared:  # not inside the pause, nor late
                 self._engine_prepare()
                 self._prepared = True
             at = float(switch_at) if switch_at is not None and self._into_copy else None
             if at is not None:  # serving on until the instant
                 wait_until(at)
+            if probe is not None and self._into_copy:
+                self._pause_generation()  # a server's new requests held, those in flight done
             report = self._engine_end(version)
+            if probe is not None and self._into_copy:
+                probed = self._probe_switched(version, probe)
             if at is not None:
                 report = replace(report, switch_at=at)
             if probed is not None:
@@ -439,6 +440,31 @@ class EngineSession(WeightReceiver):
                 end_s=time.perf_counter() - start,
                 session_s=time.perf_counter() - self._begin_t,
             ).to_dict()
+
+    def _probe_switched(self, version: str, probe: dict) -> dict:
+        """A staged update just switched in, generation still held (`end`): the probe scored
+        on the weights now served. When it fails, the update ends here: an engine whose switch
+        kept the previous weights (a swap) is switched back to them and serves on; one whose
+        switch copied them over refuses to serve until a sync completes. Either way the
+        error is raised and no client was answered by the failed weights."""
+        try:
+            return self._probe(version, probe)
+        except Exception as exc:
+            previous, why = self._version, None
+            if self._engine_swaps():
+                try:
+                    self._engine_revert(previous or "")
+                except Exception as revert_exc:  # noqa: BLE001 - reported in the state below
+                    why = f"switching back to {previous!r} failed too ({revert_exc})"
+            else:
+                why = "its switch did not keep the previous weights (keep_previous=False)"
+            self._open, self._revert_to, self._switching = None, None, False
+            if why is not None:
+                self._broken = f"update {version!r} failed its probe after its switch; {why}"
+            self._resume_generation()  # a server refuses its clients too, when broken
+            done = f"it serves {previous!r} again" if why is None else f"it refuses to serve: {why}"
+            kind = type(exc) if type(exc) in (ProbeFailed, ValueError) else RuntimeError
+            raise kind(f"{exc} (a staged update, probed after its switch: {done})") from exc
 
     def _probe(self, version: str, probe: dict) -> dict:
         """Score the probe on the staged weights; `ProbeFailed` when too far off."""

@@ -102,8 +102,9 @@ class SyncOptions:
     """`gloo` / `nccl`: the address of rank 0 that engine processes connect to."""
     accept_unkept: Mapping[str, str] | None = None
     """Forms an engine derives after loading that a sync cannot keep in step, accepted anyway:
-    {kind: why it is acceptable} (the kinds a refusal at `connect` names, e.g. "sinks_copy":
-    backends/vllm/unkept.py). The engine then computes with those tensors as they were when it
+    {kind: why it is acceptable} (the kinds a refusal at `connect` names, e.g. "sinks_copy",
+    "mla_up_projections": backends/vllm/unkept.py and derived.py, backends/sglang/derived.py).
+    The engine then computes with those tensors as they were when it
     started, whatever the syncs write; `connect` logs each with its reason, and its answer
     lists them. None: each such form is refused at `connect`, naming it."""
     check_finite: bool = False
@@ -124,7 +125,11 @@ class SyncOptions:
     scores fixed tokens with its own forward on the staged weights, the trainer with its
     model; a mean gap above `probe.bound` (or one token's above `probe.max_bound`) fails the
     sync before the engine commits. Engines that
-    cannot score one are refused at `connect`."""
+    cannot score one are refused at `connect`. A staged sync that probes scores the weights
+    just switched in, generation still held (a server's clients held, those in flight let
+    finish first), and on a failure switches back to the previous weights (with
+    `keep_previous`; without, the engine refuses to serve until a sync completes) before any
+    client is answered: its hold lasts the probe too (docs/staged.md)."""
     staged: bool = False
     """Engines keep serving their current weights while each sync loads into a second copy of
     their parameters (weightsync/engine/staging.py), which is verified (with `verify`) and then
@@ -171,16 +176,12 @@ class SyncOptions:
                 "SyncOptions.point_to_point=True with one_copy=True: the two paths exclude each "
                 "other; set one_copy=None (off with point_to_point) or point_to_point=False"
             )
-        if self.staged and (self.one_copy or self.point_to_point or self.probe is not None):
-            given = (
-                "one_copy=True"
-                if self.one_copy
-                else ("point_to_point=True" if self.point_to_point else "a probe")
-            )
+        if self.staged and (self.one_copy or self.point_to_point):
+            given = "one_copy=True" if self.one_copy else "point_to_point=True"
             raise ValueError(
                 f"SyncOptions.staged=True with {given}: a staged sync goes by buckets into a copy "
-                f"the engine does not compute with, so it has no one-copy or point-to-point path "
-                f"and no probe; leave {given.split('=')[0]} out or staged=False"
+                f"the engine does not compute with, so it has no one-copy or point-to-point path; "
+                f"leave {given.split('=')[0]} out or staged=False"
             )
         if self.probe is not None and not isinstance(self.probe, Probe):
             raise ValueError(
@@ -772,7 +773,7 @@ class _RankZeroSteps:
     def failed(self, exc: BaseException) -> None:
         if self.waiting:
             self.waiting = False
-            self.sync.group.broadcast({"error": f"{type(exc).__name__}: {str(exc)[:2000]}"})
+            self.sync.group.broadcast({"error": _cut(f"{type(exc).__name__}: {exc}")})
 
     def alive(self) -> None:
         if self.waiting:
@@ -782,6 +783,16 @@ class _RankZeroSteps:
         if self.waiting:
             self.waiting = False
             self.sync.group.broadcast({"done": True})
+
+
+def _cut(text: str, limit: int = 2000) -> str:
+    """`text` within `limit` characters: its start and its end (a remote error's message comes
+    after its traceback), what was left out between them counted."""
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    tail = limit - head
+    return f"{text[:head]} ... ({len(text) - limit} characters left out) ... {text[-tail:]}"
 
 
 def _changed_since_connect(agreed: Layout, now: Layout) -> str | None:

@@ -368,6 +368,9 @@ class EngineSyncReport:
     engine and the trainer chose differently; counted in `probe_gap` too)."""
     probe_decode_max_gap: float | None = None
     """The largest gap among them."""
+    probe_s: float | None = None
+    """Seconds the engine took to score the probe (a staged sync holds generation for them
+    too: it is probed just after its switch)."""
     probe_experts: dict[str, Any] | None = None
     """An MoE model's probe: {"experts": routed experts per layer, "reached": [distinct
     experts its tokens reached, per MoE layer]} in the trainer's forward. A fault in an
@@ -379,7 +382,9 @@ class EngineSyncReport:
     """A staged sync into several engines: the instant the trainer named for every engine's
     switch (`SyncOptions.switch_lead_s`, `EndReport.switch_at`)."""
     pause_s: float | None = None
-    """A staged sync: how long the engine held generation to switch (its only pause)."""
+    """A staged sync: how long the engine held generation to switch (its only pause; one that
+    is probed also holds a server's new requests from before the switch, while those in
+    flight finish, until its probe is scored: `probe_s`)."""
     pause_parts: dict[str, float] | None = None
     """A staged sync: `pause_s` in its parts (`EndReport.pause_parts`)."""
 
@@ -405,6 +410,7 @@ class EngineSyncReport:
             probe_max_gap=probe.get("max_gap"),
             probe_decode_steps=probe.get("decode_steps"),
             probe_decode_max_gap=probe.get("decode_max_gap") if probe.get("decode_steps") else None,
+            probe_s=probe.get("probe_s"),
             probe_experts=probe.get("experts"),
             switched_at=end.switched_at,
             switch_at=end.switch_at,
@@ -429,6 +435,7 @@ class EngineSyncReport:
                     "probe_max_gap": self.probe_max_gap,
                     "probe_decode_steps": self.probe_decode_steps,
                     "probe_decode_max_gap": self.probe_decode_max_gap,
+                    "probe_s": self.probe_s,
                     "probe_experts": self.probe_experts,
                     "switched_at": self.switched_at,
                     "switch_at": self.switch_at,
@@ -457,6 +464,7 @@ class EngineSyncReport:
                     "probe_max_gap",
                     "probe_decode_steps",
                     "probe_decode_max_gap",
+                    "probe_s",
                     "probe_experts",
                     "switched_at",
                     "switch_at",
