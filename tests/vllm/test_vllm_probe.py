@@ -173,6 +173,61 @@ def test_a_switch_that_fails_on_one_worker_fails_the_sync_and_the_others_are_swi
         trainer.kill()
 
 
+@pytest.fixture(scope="module")
+def replica(rollout):
+    """A second engine of the same model, on one worker (the module's Ray job ends it)."""
+    _, path = rollout
+    return launcher.launch(ROLLOUT, path, 1)
+
+
+def test_a_staged_sync_whose_switch_fails_on_one_replica_is_switched_back_on_the_other(
+    rollout, replica
+):
+    """Staged, verified syncs with `keep_previous` into two replicas (TP=2 and TP=1). The
+    TP=1 replica's switch failing (planted in `weightsync_commit`) while the TP=2 one switched
+    fails the sync, and the TP=2 replica is switched back before the sync returns: both serve
+    the previous version (their tags and greedy tokens), all or none, and the error says what
+    each serves. The next staged sync serves the trainer's reference tokens on both."""
+    handle, path = rollout
+    trainer = _staged_trainer(path, keep_previous=True)
+    engines = {"r2": handle, "r1": replica}
+
+    def served() -> dict[str, tuple]:
+        out = {}
+        for name, engine in engines.items():
+            tokens, version = _served(engine)
+            out[name] = (version(), tokens())
+        return out
+
+    try:
+        trainer.call(
+            "connect", {n: {"actor": e, "dispatch": "weightsync"} for n, e in engines.items()}
+        )
+        trainer.call("train_step", training_batch(12))
+        first = trainer.sync("aon-1")
+        assert all(first.verify[n].verified for n in engines)
+        before = served()
+        assert {v for v, _ in before.values()} == {"aon-1"}
+        trainer.call("train_step", training_batch(13))
+        assert ray.get(replica.plant_switch.remote(0), timeout=120) == [True]
+        try:
+            with pytest.raises(Exception, match="all or none") as caught:
+                trainer.sync("aon-2")
+        finally:
+            ray.get(replica.unplant_switch.remote(), timeout=120)
+        message = str(caught.value)
+        assert "1 of 2 engine(s) failed at the switch (['r1'])" in message, message[:3000]
+        assert "'r2': \"switched back to 'aon-1'\"" in message, message[:3000]
+        assert "planted: worker 0's switch failed" in message
+        assert served() == before
+        last = trainer.sync("aon-3")
+        assert all(last.verify[n].verified for n in engines)
+        want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
+        assert served() == {n: ("aon-3", want["tokens"]) for n in engines}
+    finally:
+        trainer.kill()
+
+
 def test_a_point_to_point_receive_one_worker_refused_after_the_other_wrote_is_rolled_back(
     rollout,
 ):

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from weightsync.trainer.endpoint import Call, Endpoint, EngineCalls, EngineState
+from weightsync.trainer.switches import end_all_or_none
 from weightsync.trainer.verify import Sent, SentPrints, Verifier, WorkerSent
 from weightsync.transports import SenderTransport
 from weightsync.wire.bucket import (
@@ -480,7 +481,8 @@ class WeightSender:
         self, version: str, names: list[str], probe: dict[str, dict] | None
     ) -> list[EndReport]:
         """`end` on every engine of `names` at once, with its probe where it has one; a staged
-        sync into several engines names the instant they all switch at (`switch_lead_s`)."""
+        sync into several engines names the instant they all switch at (`switch_lead_s`), and
+        switches in all of them or in none (weightsync/trainer/switches.py)."""
         probe = probe or {}
         calls = []
         if self.staged and len(names) > 1 and self.switch_lead_s > 0:
@@ -488,7 +490,7 @@ class WeightSender:
             for n in names:
                 known = known_maps(self.engines[n].placements) or None
                 calls.append(self.calls.submit(n, "end", version, probe.get(n), known, at))
-            return self.calls.wait_all(calls)
+            return end_all_or_none(self.calls, calls, version)
         for n in names:
             known = known_maps(self.engines[n].placements)
             if known:  # placements it holds whole are not sent again
@@ -497,6 +499,8 @@ class WeightSender:
                 calls.append(self.calls.submit(n, "end", version, probe[n]))
             else:
                 calls.append(self.calls.submit(n, "end", version))
+        if self.staged and len(names) > 1:  # switched in every engine or in none
+            return end_all_or_none(self.calls, calls, version)
         return self.calls.wait_all(calls)
 
     def verify_one_copy(self, written: dict[str, Any], *, engines: list[str]) -> VerifyReport:
