@@ -361,3 +361,21 @@ def test_from_wire_types_the_answers_of_the_receiver_methods_only():
     assert from_wire("begin", {"one_copy": True}) == BeginAnswer(one_copy=True)
     prints = {"w": [1, 2]}
     assert from_wire("fingerprints", prints) is prints
+
+
+def test_an_end_answer_leaves_out_the_maps_the_sender_holds_whole():
+    """`end(known=...)`: placements and the tensor -> parameter map the sender holds at their
+    size are not sent back (both only grow); a map of another size is."""
+    from weightsync.wire.protocol import EndReport, known_maps, without_known
+
+    param_of = {"a": ["a"], "b": ["b"]}
+    placements = [{"a": {}}, {"a": {}, "b": {}}]
+    report = EndReport(weight_version="v", param_of=param_of, placements=placements)
+    known = known_maps(placements, param_of)
+    assert known == {"placements": [1, 2], "param_of": 2}
+    bare = without_known(report, known)
+    assert bare.param_of is None and bare.placements is None and bare.weight_version == "v"
+    grown = without_known(report, known_maps(placements, {"a": ["a"]}))
+    assert grown.param_of == param_of and grown.placements is None
+    assert without_known(report, {}) == report
+    assert known_maps(None) == {}

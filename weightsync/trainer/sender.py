@@ -488,12 +488,12 @@ class WeightSender:
         if self.staged and len(names) > 1 and self.switch_lead_s > 0:
             at = time.time() + self.switch_lead_s
             for n in names:
-                known = known_maps(self.engines[n].placements) or None
+                known = known_maps(self.engines[n].placements, self.engines[n].param_of) or None
                 calls.append(self.calls.submit(n, "end", version, probe.get(n), known, at))
             return end_all_or_none(self.calls, calls, version)
         for n in names:
-            known = known_maps(self.engines[n].placements)
-            if known:  # placements it holds whole are not sent again
+            known = known_maps(self.engines[n].placements, self.engines[n].param_of)
+            if known:  # placements and the map it holds whole are not sent again
                 calls.append(self.calls.submit(n, "end", version, probe.get(n), known))
             elif n in probe:
                 calls.append(self.calls.submit(n, "end", version, probe[n]))

@@ -780,18 +780,28 @@ class SyncReport:
         )
 
 
-def known_maps(placements: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """What a sender holds of an engine's placements, as `end(known=...)` takes it: the size of
-    each worker's. Placements only grow (a tensor's is learned once, on first sight, and never
-    changes: weightsync/engine/replica.py `learn_placements`), so equal sizes mean equal
-    placements."""
-    return {} if placements is None else {"placements": [len(p or {}) for p in placements]}
+def known_maps(
+    placements: list[dict[str, Any]] | None, param_of: dict[str, list[str]] | None = None
+) -> dict[str, Any]:
+    """What a sender holds of an engine's placements and tensor -> parameter map, as
+    `end(known=...)` takes it: the size of each worker's placements, and of the map. Both
+    only grow (a tensor's is learned once, on first sight, and never changes:
+    weightsync/engine/replica.py `learn_placements`), so equal sizes mean equal maps."""
+    known: dict[str, Any] = {}
+    if placements is not None:
+        known["placements"] = [len(p or {}) for p in placements]
+    if param_of is not None:
+        known["param_of"] = len(param_of)
+    return known
 
 
 def without_known(report: EndReport, known: dict[str, Any]) -> EndReport:
-    """`report` without the placements the sender already holds whole (at 200k tensors they
-    are megabytes on the wire every sync)."""
+    """`report` without the placements and the tensor -> parameter map the sender already
+    holds whole (at 200k tensors each is megabytes on the wire every sync, and a map the
+    sender takes anew is worked over again)."""
     placements = report.placements
     if placements is not None and known.get("placements") == [len(p or {}) for p in placements]:
-        return replace(report, placements=None)
+        report = replace(report, placements=None)
+    if report.param_of is not None and known.get("param_of") == len(report.param_of):
+        report = replace(report, param_of=None)
     return report
