@@ -7,6 +7,7 @@ parameter (docs/benchmarks.md, "Control messages")."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import pytest
@@ -73,9 +74,16 @@ def _steady_messages(num_tensors: int, **options: Any) -> tuple[str, dict[str, l
 
 @pytest.fixture(scope="module")
 def group():
+    # The group sets GLOO_SOCKET_IFNAME in this process for the address it meets at: put back
+    # as it was, so later tests' processes choose their own.
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
     init_trainer_group(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
     yield
     close_trainer_group()
+    if before is None:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    else:
+        os.environ["GLOO_SOCKET_IFNAME"] = before
 
 
 @pytest.mark.parametrize(

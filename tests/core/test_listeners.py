@@ -170,7 +170,10 @@ def test_a_trainer_group_hosted_by_rank_0_listens_on_loopback_only():
     assert {ip for ip, _ in ranks} == {"127.0.0.1"}, ranks
 
 
-def test_a_trainer_group_given_a_multi_node_address_listens_there_only():
+def test_a_trainer_group_given_a_multi_node_address_listens_there_only(monkeypatch):
+    # The ranks choose their gloo interface from the address (an earlier test in this process
+    # may have set one for loopback, which the spawned ranks would inherit).
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     host = _multi_node_address()
     ours, ranks, port = _trainer_group_listeners(host, driver_hosts=True)
     assert ours == {(host, port)}
