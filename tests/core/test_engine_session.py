@@ -413,6 +413,62 @@ def test_release_staged_is_refused_while_an_update_is_open_and_frees_the_copy_af
     assert PausingEngine().release_staged() == {"released_bytes": 0}  # no copy: nothing held
 
 
+def test_an_update_that_is_not_staged_frees_the_staged_copy_once():
+    """Staged updates stop when one that is not staged comes: it writes the served weights, so
+    the copy would be made again whole anyway; its `begin` frees it (once, before pausing)."""
+
+    class Releasing(StagingEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.held, self.released = 0, []
+
+        def _engine_begin(self, one_copy: bool) -> str | None:
+            self.held = 4096 if self._into_copy else self.held
+            return super()._engine_begin(one_copy)
+
+        def _engine_release_staged(self) -> int:
+            self.released.append(self.generating)
+            freed, self.held = self.held, 0
+            return freed
+
+    engine = Releasing()
+    engine.begin("v1")
+    engine.end("v1")
+    assert engine.released == []  # no staged update yet: nothing to free
+    for version in ("v2", "v3"):
+        engine.begin(version, False, "t", True)
+        engine.end(version)
+    assert engine.released == [] and engine.held == 4096  # kept between staged updates
+    engine.begin("v4")
+    assert engine.released == [True] and engine.held == 0  # freed before the pause
+    engine.end("v4")
+    engine.begin("v5")
+    engine.end("v5")
+    assert engine.released == [True]  # once
+    engine.begin("v6", False, "t", True)
+    engine.end("v6")
+    assert engine.release_staged() == {"released_bytes": 4096}
+    assert len(engine.released) == 2
+    engine.begin("v7")
+    engine.end("v7")
+    assert len(engine.released) == 2  # released on request already: v7 frees nothing
+
+
+def test_an_update_goes_on_when_freeing_the_staged_copy_fails(caplog):
+    class Failing(StagingEngine):
+        def _engine_release_staged(self) -> int:
+            raise RuntimeError("worker 1 is gone")
+
+    engine = Failing()
+    engine.begin("v1", False, "t", True)
+    engine.end("v1")
+    with caplog.at_level("WARNING"):
+        engine.begin("v2")
+    assert "staged copy was not released: worker 1 is gone" in caplog.text
+    engine.end("v2")
+    assert engine.weight_version() == "v2"
+
+
 class ProbedStagingEngine(StagingEngine):
     """A `StagingEngine` whose forward scores a probe (`scores`), recording what it was asked
     in order (`steps`); its switch swaps (keeps the previous weights) where `swaps`."""

@@ -218,8 +218,9 @@ def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_on_both_replic
     its greedy tokens. Nothing is left to revert after a revert; the next staged sync is
     verified (its copy made again from the reverted weights). Released on request
     (`release_staged`), each copy's bytes are freed and the last switch can no longer be
-    reverted; the next staged sync makes them again."""
-    engine, _, replica = setup
+    reverted; the next staged sync makes them again. A sync that is not staged frees them at
+    its begin (staged syncs stopped)."""
+    engine, trainer, replica = setup
     engines = {"sglang": engine, "sglang-2": replica}
     staged = _staged_trainer(model, keep_previous=True)
 
@@ -278,6 +279,14 @@ def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_on_both_replic
         assert all(report.verify[n].verified for n in engines), report.verify
         for one in engines.values():
             assert_engine_matches_reference(one, staged)
+
+        # Staged syncs stop: the next sync, not staged, frees each engine's copy at its begin
+        # (it writes the served weights, so the copy would be made again whole anyway).
+        report = trainer.call("sync", "unstaged", verify=True)
+        assert all(report["verify"][n]["verified"] for n in engines), report["verify"]
+        assert [ray.get(one.release_staged.remote()) for one in engines.values()] == [
+            {"released_bytes": 0}
+        ] * 2
     finally:
         staged.kill()
         for one in engines.values():  # later tests update without keeping the previous weights

@@ -225,6 +225,7 @@ class EngineSession(WeightReceiver):
         # The version `revert` goes back to: set by a staged update whose switch swapped
         # (`_engine_swaps`), cleared by the next update or revert.
         self._revert_to: str | None = None
+        self._holds_copy = False  # a staged update made the staged copy; one not staged frees it
         # Taken by every method that changes the session, as the watchdog thread calls `abort`.
         self._lock = threading.RLock()
         self._pausing = GenerationPause(self)
@@ -332,6 +333,9 @@ class EngineSession(WeightReceiver):
             self._begin_t = self._last_call = time.perf_counter()
             self._into_copy, self._switching, self._prepared = staged, False, False
             self._revert_to = None  # this update may write what a revert would put back
+            if not staged and self._holds_copy:
+                self._release_unstaged(version)
+            self._holds_copy = self._holds_copy or staged
             if not staged:  # a staged update serves on until `_engine_end` switches
                 self._pause_generation()
             try:
@@ -621,9 +625,26 @@ class EngineSession(WeightReceiver):
                     f"the staged copy once it ends"
                 )
             released = self._engine_release_staged()
-            self._revert_to = None
+            self._revert_to, self._holds_copy = None, False
             logger.info("%s: staged copy released (%d bytes)", self.engine_name, released)
             return {"released_bytes": released}
+
+    def _release_unstaged(self, version: str) -> None:
+        """Staged updates stopped: an update that is not staged writes the served weights,
+        after which a staged copy would be made again whole anyway, so it is freed now rather
+        than held to the next staged update. A failure to free it is logged: the update goes on."""
+        self._holds_copy = False
+        try:
+            released = self._engine_release_staged()
+        except Exception as exc:  # housekeeping: the copy stays, stale, until released
+            logger.warning("%s: the staged copy was not released: %s", self.engine_name, exc)
+            return
+        logger.info(
+            "%s: staged copy released (%d bytes): update %r is not staged",
+            self.engine_name,
+            released,
+            version,
+        )
 
     def _engine_release_staged(self) -> int:
         """Drop the staged copy, if the engine holds one: the bytes it held."""
