@@ -943,7 +943,6 @@ class SglEngineActor(EngineSession):
         `weightsync.engine.sampling`). Log-probabilities are SGLang's: of logits / temperature,
         before top-p."""
         options = SamplingOptions(**sampling)
-        self.check_serving()
         # One request per sample (not SGLang's `n`): the order of rows is ours, and each sample
         # has its own seed.
         params = [
@@ -951,11 +950,13 @@ class SglEngineActor(EngineSession):
             for _ in prompts
             for j in range(options.n)
         ]
-        outs = self.client.generate(
-            [p for p in prompts for _ in range(options.n)],
-            params,
-            top_logprobs=options.top_logprobs,
-        )
+        rows = [p for p in prompts for _ in range(options.n)]
+        if isinstance(self.client, _InProcess):  # one engine call at a time, weightsync's or this
+            with self.serving():
+                outs = self.client.generate(rows, params, top_logprobs=options.top_logprobs)
+        else:  # the server runs updates between its steps
+            self.check_serving()
+            outs = self.client.generate(rows, params, top_logprobs=options.top_logprobs)
         return generate_answer(
             _samples(outs, options),
             weight_version=outs[0]["meta_info"].get("weight_version"),

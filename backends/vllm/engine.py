@@ -755,8 +755,12 @@ class VllmEngineActor(EngineSession):
         `weightsync.engine.sampling`). Log-probabilities are vLLM's default (raw logits: before
         temperature and top-p)."""
         options = SamplingOptions(**sampling)
-        self.check_serving()
-        samples = self.client.generate(prompts, options)
+        if isinstance(self.client, _Http):  # the server runs updates between its steps
+            self.check_serving()
+            samples = self.client.generate(prompts, options)
+        else:  # in-process: one engine call at a time, weightsync's or this
+            with self.serving():
+                samples = self.client.generate(prompts, options)
         return generate_answer(samples, weight_version=self._version, options=options)
 
     def native_reload(self, checkpoint_dir: str) -> float:

@@ -570,3 +570,64 @@ def test_a_staged_update_that_fails_its_probe_without_keep_previous_refuses_to_s
     engine.end("v2", probe=_probe_request())
     engine.check_serving()
     assert engine.weight_version() == "v2"
+
+
+def test_generation_inside_serving_runs_between_weightsyncs_calls_never_beside_one():
+    """A framework's sampling thread generating inside `serving()` while a staged update loads
+    and switches: each load, switch and generation runs alone (none overlaps another), the
+    generation goes on between the update's calls, and during an update that is not staged
+    `serving()` refuses."""
+    import threading
+
+    log: list[str] = []
+
+    class Recording(StagingEngine):
+        def _engine_load(self, descriptor: dict) -> LoadReport:
+            log.append("load+")
+            time.sleep(0.02)
+            log.append("load-")
+            return super()._engine_load(descriptor)
+
+        def _engine_end(self, version: str) -> EndReport:
+            log.append("switch+")
+            time.sleep(0.02)
+            log.append("switch-")
+            return super()._engine_end(version)
+
+    engine = Recording()
+    stop, refused = threading.Event(), []
+
+    def sample() -> None:
+        while not stop.is_set():
+            try:
+                with engine.serving():
+                    log.append("gen+")
+                    time.sleep(0.005)
+                    log.append("gen-")
+            except RuntimeError as exc:
+                refused.append(str(exc))
+                time.sleep(0.005)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        for version in ("v1", "v2"):
+            engine.begin(version, False, "t", True)
+            for _ in range(5):
+                engine.load_bucket(BUCKET)
+                time.sleep(0.01)  # the trainer's next bucket on its way
+            engine.end(version)
+        assert not refused  # a staged update serves on
+        engine.begin("v3")
+        time.sleep(0.05)
+        assert refused and "does not serve during update 'v3'" in refused[-1]
+        engine.end("v3")
+    finally:
+        stop.set()
+        thread.join()
+    pairs = list(zip(log[::2], log[1::2]))
+    assert all(a[:-1] == b[:-1] and (a[-1], b[-1]) == ("+", "-") for a, b in pairs), log
+    steps = [a[:-1] for a, _ in pairs]
+    assert steps.count("load") == 10 and steps.count("switch") == 3  # v3 ends by it too
+    first, last = steps.index("load"), len(steps) - 1 - steps[::-1].index("switch")
+    assert "gen" in steps[first:last], "no generation between the update's calls"

@@ -25,13 +25,17 @@ class FrameworkEngine:
 
     def rollout(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Greedy token ids, through the framework's own call of its own engine; refused while
-        weightsync writes its weights."""
-        self.weights.check_serving()
-        outs = self.engine.generate(
-            input_ids=prompts,
-            sampling_params={"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-            return_logprob=True,
-        )
+        weightsync writes its weights, and one engine call at a time with weightsync's."""
+        with self.weights.serving():
+            outs = self.engine.generate(
+                input_ids=prompts,
+                sampling_params={
+                    "max_new_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+                return_logprob=True,
+            )
         return [[int(p[1]) for p in out["meta_info"]["output_token_logprobs"]] for out in outs]
 
     def shutdown(self) -> None:

@@ -16,6 +16,8 @@ and the engine's greedy tokens equal the trainer's reference."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -350,6 +352,50 @@ def test_a_staged_sync_that_kept_the_previous_weights_is_reverted_on_both_worker
         assert version() == "rev-5" and tokens() == reference()
     finally:
         trainer.kill()
+
+
+def test_the_frameworks_own_sampling_thread_is_served_between_a_staged_syncs_calls(rollout):
+    """A framework's actor that samples in a thread of its own beside weightsync's calls
+    (`VllmEngineActor(llm=...)`, the same `vllm.LLM` on two workers), each rollout inside
+    `serving()`: while staged syncs load, verify and switch, its rollouts go on between their
+    calls, none beside one, and each rollout's greedy tokens are those of the version the engine
+    served when it began (the trainer's reference of that version)."""
+    handle, path = rollout
+    trainer = _staged_trainer(path)
+    references, windows = {}, []
+
+    def reference() -> list[list[int]]:
+        out = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
+        return out["tokens"]
+
+    try:
+        trainer.call("connect", {"beside": {"actor": handle, "dispatch": "weightsync"}})
+        trainer.call("train_step", training_batch(11))
+        assert trainer.sync("beside-0").verify["beside"].verified
+        references["beside-0"] = reference()
+        ray.get(handle.sample_beside.remote(prompt_ids(), MAX_NEW_TOKENS), timeout=120)
+        for i in (1, 2):
+            trainer.call("train_step", training_batch(11 + i))
+            references[f"beside-{i}"] = reference()
+            start = time.time()
+            assert trainer.sync(f"beside-{i}").verify["beside"].verified
+            windows.append((start, time.time()))
+    finally:
+        samples = ray.get(handle.stop_sampling.remote(), timeout=300)
+        trainer.kill()
+    errors = [s["error"] for s in samples if "error" in s]
+    assert not errors, errors[:3]
+    assert len(samples) >= 3, samples
+    for sample in samples:
+        assert sample["tokens"] == references[sample["version"]], sample["version"]
+    inside = [s for s in samples if any(a < s["start"] < b for a, b in windows)]
+    print(
+        f"{len(samples)} rollouts, {len(inside)} begun during a staged sync, versions "
+        f"{sorted({s['version'] for s in samples})}, syncs "
+        f"{[round(b - a, 2) for a, b in windows]} s"
+    )
+    assert inside, "no rollout began during a sync: nothing was served beside it"
+    assert {s["version"] for s in samples} >= {"beside-0", "beside-2"}
 
 
 def test_a_staged_sync_is_probed_after_its_switch_and_one_that_fails_is_switched_back(rollout):

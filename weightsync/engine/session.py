@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,7 @@ from weightsync.wire.protocol import (
 )
 
 if TYPE_CHECKING:
-    pass
+    from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -703,7 +704,9 @@ class EngineSession(WeightReceiver):
                 )
 
     def check_serving(self) -> None:
-        """Raise unless the engine holds one complete set of weights."""
+        """Raise unless the engine holds one complete set of weights. A framework that drives
+        the engine from several threads (a threaded actor, a sampling thread beside weightsync's
+        calls) generates inside `serving()` instead."""
         self._expire_idle()
         if self._broken:
             raise RuntimeError(f"{self.engine_name} engine does not serve: {self._broken}")
@@ -712,6 +715,18 @@ class EngineSession(WeightReceiver):
                 f"{self.engine_name} engine does not serve during update {self._open!r}"
                 + (" (its switch did not complete)" if self._into_copy else "")
             )
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """For the block, the engine computes with one version's weights whole: refused as
+        `check_serving` refuses, then every call of weightsync's (a staged update's loads and
+        switch, any update's `begin`) waits until the block ends, and the block waits for the
+        one in progress. An in-process engine's generation that can run beside weightsync's
+        calls (`llm=` / `engine=` in a framework's threaded actor) runs inside it; a staged
+        update then serves that generation between its calls."""
+        with self._lock:
+            self.check_serving()
+            yield
 
 
 class GenerationPause:
