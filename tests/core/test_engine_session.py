@@ -552,6 +552,19 @@ def test_a_staged_update_that_fails_its_probe_is_switched_back_before_generation
         engine.revert()  # v1 is served: there is nothing before it to go back to
 
 
+def test_an_engines_first_staged_update_with_keep_previous_reverts_to_its_start_up_weights():
+    """The first update of an engine serving the weights it started with (no version yet),
+    staged and swapping: `revert` puts those back (the engine's tag "", the session's version
+    None), as the all-or-none switch of several engines needs; nothing is left after it."""
+    engine = ProbedStagingEngine(swaps=True)
+    engine.begin("v1", False, "t", True)
+    engine.end("v1")
+    assert engine.revert()["weight_version"] == ""
+    assert engine.steps[-1] == "switch back to " and engine.weight_version() is None
+    with pytest.raises(RuntimeError, match="nothing to revert"):
+        engine.revert()
+
+
 def test_a_staged_update_that_fails_its_probe_without_keep_previous_refuses_to_serve():
     """Without keep_previous the switch copied over the previous weights: the failed probe
     leaves the engine refusing to serve (its server's clients too) until a sync completes."""

@@ -124,3 +124,65 @@ def test_a_staged_sync_is_probed_after_its_switch_and_one_that_fails_is_switched
         assert version() == "sp-2" and tokens() == want["tokens"]
     finally:
         trainer.kill()
+
+
+@pytest.fixture(scope="module")
+def replica(engine):
+    """A second in-process engine of the same model, keeping its previous weights."""
+    _, path = engine
+    one = launcher.launch(
+        "weightsync.backends.sglang.engine.SglEngineActor", path, mode="engine", keep_previous=True
+    )
+    yield one
+    ray.get(one.shutdown.remote(), timeout=120)
+
+
+def test_a_staged_sync_whose_probe_fails_on_one_engine_is_switched_back_on_the_other(
+    engine, replica
+):
+    """All or none across two SGLang engines: a staged, verified and probed sync with
+    `keep_previous` into the framework's engine (layer 0's q and k swapped by SGLang's own
+    loader: its probe fails after its switch, and it switches itself back) and a replica (its
+    probe passes, serving the weights it started with until then). The replica is switched
+    back before the sync raises: both serve what they served before (tags and greedy tokens),
+    and the error names what each serves. With SGLang's loaders back, the next sync serves the
+    trainer's reference tokens on both."""
+    rollout, path = engine
+    trainer = _trainer(path, staged=True, verify=True, keep_previous=True)
+
+    def served() -> dict[str, tuple]:
+        fault = ray.get(rollout.rollout.remote(prompt_ids(), MAX_NEW_TOKENS), timeout=300)
+        other = ray.get(
+            replica.generate.remote(prompt_ids(), max_new_tokens=MAX_NEW_TOKENS), timeout=300
+        )
+        return {
+            "fault": (ray.get(rollout.weightsync.remote("weight_version"), timeout=120), fault),
+            "replica": (ray.get(replica.weight_version.remote(), timeout=120), other["tokens"]),
+        }
+
+    try:
+        before = served()
+        ray.get(rollout.plant.remote("qk_swapped"), timeout=120)
+        try:
+            trainer.call(
+                "connect",
+                {"aon-fault": {"actor": rollout, "dispatch": "weightsync"}, "aon-r": replica},
+            )
+            trainer.call("train_step", training_batch(10))
+            with pytest.raises(Exception, match="all or none") as caught:
+                trainer.sync("aon-1")
+        finally:
+            ray.get(rollout.unplant.remote(), timeout=120)
+        message = str(caught.value)
+        assert "1 of 2 engine(s) failed at the switch (['aon-fault'])" in message, message[:3000]
+        assert "'aon-r': \"switched back to 'its start-up weights'\"" in message, message[:3000]
+        assert "failed the log-prob probe" in message
+        assert served() == before
+        # A fresh receiver for the framework's engine (loaders are learned on first sight).
+        trainer.call("connect", {"aon-ok": {"actor": rollout, "dispatch": "weightsync"}})
+        report = trainer.sync("aon-2", engines=["aon-ok", "aon-r"])
+        assert all(report.verify[n].verified for n in ("aon-ok", "aon-r")), report.verify
+        want = trainer.call("reference_generate", prompt_ids(), max_new_tokens=MAX_NEW_TOKENS)
+        assert served() == {n: ("aon-2", want["tokens"]) for n in ("fault", "replica")}
+    finally:
+        trainer.kill()

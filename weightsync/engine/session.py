@@ -223,9 +223,10 @@ class EngineSession(WeightReceiver):
         # The open staged update's switch was asked for: the served weights may have changed.
         self._switching = False
         self._prepared = False  # the open staged update's switch was made ready (`end`)
-        # The version `revert` goes back to: set by a staged update whose switch swapped
-        # (`_engine_swaps`), cleared by the next update or revert.
-        self._revert_to: str | None = None
+        # (the version `revert` goes back to,): set by a staged update whose switch swapped
+        # (`_engine_swaps`), cleared by the next update or revert. (None,): the weights the
+        # engine started with.
+        self._revert_to: tuple[str | None] | None = None
         self._holds_copy = False  # a staged update made the staged copy; one not staged frees it
         # Taken by every method that changes the session, as the watchdog thread calls `abort`.
         self._lock = threading.RLock()
@@ -432,7 +433,7 @@ class EngineSession(WeightReceiver):
             if probed is not None:
                 report = replace(report, probe=probed)
             swapped = self._into_copy and self._engine_swaps()
-            self._revert_to = self._version if swapped else None
+            self._revert_to = (self._version,) if swapped else None
             broken, self._open, self._broken = self._broken, None, None
             self._version = version
             self._resume_generation()
@@ -671,17 +672,17 @@ class EngineSession(WeightReceiver):
                     f"{self.engine_name}: {type(self).__name__} cannot revert a switch (its "
                     f"staged switch does not keep the weights it replaces)"
                 )
-            version = self._revert_to
-            if version is None:
+            if self._revert_to is None:
                 raise RuntimeError(
                     f"{self.engine_name}: nothing to revert: the last update was not a staged "
                     f"one switched with keep_previous=True (SyncOptions(staged=True, "
                     f"keep_previous=True)), or another update or a revert came after it"
                 )
+            (version,) = self._revert_to
             if switch_at is not None:
                 wait_until(float(switch_at))
-            try:
-                report = self._engine_revert(version)
+            try:  # the engine's tag of the weights it started with: ""
+                report = self._engine_revert(version or "")
             except (NotImplementedError, NothingSwitched):
                 raise  # nothing was written: the engine serves on, the revert may be asked again
             except Exception as exc:

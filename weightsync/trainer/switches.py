@@ -41,7 +41,7 @@ def end_all_or_none(calls: EngineCalls, ends: list[Call], version: str) -> list[
     for name in answers:
         try:
             back = calls.call(name, "revert")
-            serves[name] = f"switched back to {back.weight_version!r}"
+            serves[name] = f"switched back to {back.weight_version or 'its start-up weights'!r}"
         except Exception as exc:  # noqa: BLE001 - said in the error
             serves[name] = f"serves {version!r}: it could not be switched back ({_line(exc)})"
     every = all(text.startswith(("failed", "switched back")) for text in serves.values())
