@@ -217,13 +217,12 @@ def check_failed_verification_is_never_adopted(
         )
     tensors = random_tensors(123)
     seen: dict = {}
-    check = sender.verifier.check_staged
+    check, stage_all = sender.verifier.check_staged, sender.verifier.stage_all
 
-    def planted(staged, sent, *, worker_sent=None, **kwargs):
-        seen.update(staged)
+    def off(sent, worker_sent):
         table = sent.table.clone()  # the sent fingerprints (`SentTable`), one of them off
         table[sent.names.index(target), 0] += 1
-        off = {  # and, per worker of a tensor-parallel engine, what the target lands in
+        workers_off = {  # and, per worker of a tensor-parallel engine, what the target lands in
             engine: [
                 {
                     p: (f[0] + 1, *f[1:])
@@ -235,8 +234,19 @@ def check_failed_verification_is_never_adopted(
             ]
             for engine, workers in (worker_sent or {}).items()
         }
-        return check(staged, SentTable(sent.names, table), worker_sent=off, **kwargs)
+        return SentTable(sent.names, table), workers_off
 
+    def planted_stage(version, names, sent, *, worker_sent=None):
+        # The digests `stage` is sent are made from the same planted expectation.
+        table, workers_off = off(sent, worker_sent)
+        return stage_all(version, names, table, worker_sent=workers_off)
+
+    def planted(staged, sent, *, worker_sent=None, **kwargs):
+        seen.update(staged)
+        table, workers_off = off(sent, worker_sent)
+        return check(staged, table, worker_sent=workers_off, **kwargs)
+
+    sender.verifier.stage_all = planted_stage
     sender.verifier.check_staged = planted
     if not staged:  # a staged update never writes the served weights: nothing to keep
         for e in everyone.values():

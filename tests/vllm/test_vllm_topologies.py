@@ -104,7 +104,8 @@ def test_a_staged_sync_switches_every_worker_of_both_replicas(setup):
     parameters while both engines serve, verifies each worker against its copy, then switches
     both engines (their `end`s at once); each reports its pause and when it switched. The last
     sync is not verified: each worker readies its switch at `end` (`weightsync_prepare`), not
-    at `stage`, and both engines still serve the trainer's weights."""
+    at `stage`, and both engines still serve the trainer's weights. The second sync's checks
+    are answered by digest (`EngineVerification.by_digest`)."""
     engines, _, model, _ = setup
     staged = launcher.TrainerGroup(
         "weightsync.backends.vllm.worker.VllmDTensorV2WeightSyncWorker",
@@ -124,6 +125,10 @@ def test_a_staged_sync_switches_every_worker_of_both_replicas(setup):
                 assert checked["tp2"]["verified"] and checked["tp1"]["verified"], checked
                 assert checked["tp2"]["num_workers"] == 2
                 assert checked["tp2"]["num_checked"] == 2 * 17
+                # The first taught the sender each worker's placements: from the second on,
+                # each engine's `stage` answers by digest (docs/benchmarks.md).
+                by_digest = [checked[n].get("by_digest", False) for n in ("tp2", "tp1")]
+                assert by_digest == [i > 0] * 2, checked
             else:
                 assert not checked, checked
             parts = report["engines"]

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from weightsync.wire.errors import BucketRejected, EngineBusy, ProbeFailed
+from weightsync.wire.fingerprint import same_prints
 from weightsync.wire.probe import Decoded, ProbeRequest, check_probe
 from weightsync.wire.protocol import (
     BeginAnswer,
@@ -115,11 +116,13 @@ class WeightReceiver(ABC):
         """{engine parameter name: [s, h1, h2]} of the weights the engine holds now
         (weightsync/wire/fingerprint.py)."""
 
-    def stage(self, version: str) -> dict:
+    def stage(self, version: str, expect: list[str] | None = None) -> dict:
         """Inside the open update `version`, after its last bucket: what it holds, for
         verification before the engine adopts it: a `StageReport`. This default reports
-        `fingerprints()` without placements (checked by name)."""
-        return StageReport(fingerprints=[self.fingerprints()]).to_dict()
+        `fingerprints()` without placements (checked by name). `expect`: the digest the
+        trainer expects of each worker's fingerprints; where they match, the answer says so
+        (`same`) in place of the fingerprints."""
+        return _staged_answer(StageReport(fingerprints=[self.fingerprints()]), expect)
 
     @abstractmethod
     def weight_version(self) -> str | None:
@@ -382,8 +385,9 @@ class EngineSession(WeightReceiver):
             self._loaded += 1
             return result.to_dict()
 
-    def stage(self, version: str) -> dict:
-        """Still paused: what the open update holds (`_engine_stage`)."""
+    def stage(self, version: str, expect: list[str] | None = None) -> dict:
+        """Still paused: what the open update holds (`_engine_stage`); `expect` as
+        `WeightReceiver.stage`'s."""
         with self._lock:
             if self._open != version:
                 raise RuntimeError(
@@ -391,7 +395,7 @@ class EngineSession(WeightReceiver):
                 )
             self._last_call = time.perf_counter()
             try:
-                report = self._engine_stage().to_dict()
+                report = _staged_answer(self._engine_stage(), expect)
                 self._prepared = self._into_copy  # a staged engine readies its switch there
                 return report
             finally:
@@ -728,6 +732,14 @@ class EngineSession(WeightReceiver):
         with self._lock:
             self.check_serving()
             yield
+
+
+def _staged_answer(report: StageReport, expect: list[str] | None) -> dict:
+    """`stage`'s answer: `report`, or only `same` where every worker's fingerprints digest
+    to what the trainer expects (`same_prints`)."""
+    if same_prints(report.fingerprints, expect):
+        return StageReport(fingerprints=[], same=True).to_dict()
+    return report.to_dict()
 
 
 class GenerationPause:

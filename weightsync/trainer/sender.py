@@ -268,10 +268,10 @@ class WeightSender:
                     peers.alive()
             checked = None
             if sent:  # stage, verify, then commit: nothing failed is ever adopted
-                staged = dict(zip(names, self.calls.call_all("stage", version, names=names)))
+                prints, worker_sent = sent.result(), sent.worker_results()
+                staged = self.verifier.stage_all(version, names, prints, worker_sent=worker_sent)
                 if peers is not None:
                     peers.alive()
-                prints, worker_sent = sent.result(), sent.worker_results()
                 checked = self.verifier.check_staged(
                     staged, prints, version=version, worker_sent=worker_sent
                 )
@@ -446,11 +446,12 @@ class WeightSender:
             if peers is not None:
                 peers.alive()
             if verify:  # each rank hashed what it sent (`send`'s "worker_sent")
-                staged = dict(zip(engines, self.calls.call_all("stage", version, names=engines)))
+                worker_sent = sent["worker_sent"]
+                staged = self.verifier.stage_all(version, engines, {}, worker_sent=worker_sent)
                 if peers is not None:
                     peers.alive()
                 checked = self.verifier.check_staged(
-                    staged, {}, version=version, worker_sent=sent["worker_sent"]
+                    staged, {}, version=version, worker_sent=worker_sent
                 )
             ends = self._end_all(version, engines, probe)
         except BaseException as exc:

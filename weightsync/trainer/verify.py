@@ -31,6 +31,7 @@ from weightsync.wire.fingerprint import (
     FingerprintBatch,
     KeptHashes,
     expected_fingerprints,
+    prints_digest,
     sole_holders,
     table_prints,
 )
@@ -122,6 +123,8 @@ class Verifier:
         self.allow_unchecked = allow_unchecked
         # engine -> (its param_of, `sole_holders` of it): made once per map the engine reports
         self._holders: dict[str, tuple[dict, dict[str, str]]] = {}
+        # engine -> (the digests its last `stage` was sent, the parameters they cover)
+        self._digested: dict[str, tuple[list[str], int]] = {}
 
     def verify(
         self,
@@ -148,6 +151,37 @@ class Verifier:
             out[name] = self._compare(name, want, workers, _prints(sent))
         return VerifyReport(engines=out, verify_s=time.perf_counter() - start)
 
+    def stage_all(
+        self,
+        version: str,
+        names: list[str],
+        sent: Sent,
+        *,
+        worker_sent: WorkerSent | None = None,
+    ) -> dict[str, StageReport]:
+        """Every engine of `names`' `stage` answer, asked at once. Each is sent the digest of
+        what each of its workers must hold (`prints_digest`) where that is known already (a
+        layout seen in an earlier sync): an engine whose fingerprints digest to it answers
+        `same` in a few bytes, not one fingerprint per parameter (`check_staged` then counts
+        it verified); the others answer them all."""
+        calls = []
+        for name in names:
+            expect = self._digests(name, sent, worker_sent or {})
+            calls.append(self.calls.submit(name, "stage", version, expect))
+        return dict(zip(names, self.calls.wait_all(calls)))
+
+    def _digests(self, name: str, sent: Sent, worker_sent: WorkerSent) -> list[str] | None:
+        self._digested.pop(name, None)
+        if self.engines[name].param_of is None:
+            return None  # nothing known yet of where the tensors land
+        want = self._expected(name, sent, worker_sent)
+        if want is None:
+            return None
+        wanted = self._wanted(name, want, _prints(sent))
+        digests = [prints_digest(prints) for prints in wanted]
+        self._digested[name] = (digests, sum(map(len, wanted)))
+        return digests
+
     def check_staged(
         self,
         staged: dict[str, StageReport],
@@ -165,6 +199,9 @@ class Verifier:
         out: dict[str, EngineVerification] = {}
         for name, report in staged.items():
             state = self.engines[name]
+            if report.same:  # every worker's fingerprints digest to what it was sent
+                out[name] = self._same(name)
+                continue
             if report.param_of is not None:
                 state.param_of = report.param_of
             if report.placements is not None and known_maps(report.placements) != known_maps(
@@ -254,12 +291,9 @@ class Verifier:
         workers: list[dict[str, Any]],
         sent: dict[str, Fingerprint],
     ) -> EngineVerification:
-        state = self.engines[name]
-        if isinstance(want, str) or state.placements is None:  # "by-name"
-            kept = self._holders.get(name)
-            if kept is None or kept[0] is not state.param_of:
-                kept = self._holders[name] = (state.param_of, sole_holders(state.param_of))
-            expected = expected_fingerprints(state.param_of, sent, kept[1])
+        wanted = self._wanted(name, want, sent)
+        if isinstance(want, str) or self.engines[name].placements is None:  # "by-name"
+            expected = wanted[0]
             bad = _mismatched(expected, workers[0])
             return EngineVerification(
                 verified=not bad and bool(expected),
@@ -268,9 +302,7 @@ class Verifier:
                 unchecked=sorted(set(workers[0]) - set(expected)),
             )
         bad, checked, unchecked = [], 0, []
-        for rank, (placements, wanted, got) in enumerate(zip(state.placements, want, workers)):
-            placed = placed_params(state.param_of, placements)
-            expected = {p: fp for p, fp in wanted.items() if p in placed}
+        for rank, (expected, got) in enumerate(zip(wanted, workers)):
             bad += [f"worker {rank}: {p}" for p in _mismatched(expected, got)]
             checked += len(expected)
             unchecked += [f"worker {rank}: {p}" for p in sorted(set(got) - set(expected))]
@@ -280,6 +312,36 @@ class Verifier:
             num_checked=checked,
             num_workers=len(workers),
             unchecked=unchecked,
+        )
+
+    def _wanted(
+        self, name: str, want: str | list[dict[str, Fingerprint]], sent: dict[str, Fingerprint]
+    ) -> list[dict[str, Fingerprint]]:
+        """Per worker (one for "by-name"), {parameter: fingerprint} it must hold: `want`'s
+        parameters where the worker's placements put a trainer tensor."""
+        state = self.engines[name]
+        if isinstance(want, str) or state.placements is None:  # "by-name"
+            kept = self._holders.get(name)
+            if kept is None or kept[0] is not state.param_of:
+                kept = self._holders[name] = (state.param_of, sole_holders(state.param_of))
+            return [expected_fingerprints(state.param_of, sent, kept[1])]
+        out = []
+        for placements, wanted in zip(state.placements, want):
+            placed = placed_params(state.param_of, placements)
+            out.append({p: fp for p, fp in wanted.items() if p in placed})
+        return out
+
+    def _same(self, name: str) -> EngineVerification:
+        """An engine that answered `same`: it holds what its digests were made from."""
+        digested = self._digested.pop(name, None)
+        if digested is None:  # it was sent no digest: its answer cannot be right
+            return EngineVerification(
+                verified=False, mismatched=["its stage answer claims digests it was not sent"]
+            )
+        digests, checked = digested
+        workers = None if self.engines[name].placements is None else len(digests)
+        return EngineVerification(
+            verified=checked > 0, num_checked=checked, num_workers=workers, by_digest=True
         )
 
     def verify_one_copy(self, written: dict[str, Any], *, engines: list[str]) -> VerifyReport:

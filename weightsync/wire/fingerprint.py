@@ -31,9 +31,10 @@ result stays on the device until read (`fingerprints` reads many tensors' at onc
 
 from __future__ import annotations
 
+import hashlib
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +50,25 @@ KERNEL = True  # CUDA tensors hashed by weightsync/gpu/word_sums.py where Triton
 _KERNEL_WORDS = 1 << 28  # words queued before the kernel runs on them
 
 Fingerprint = tuple[int, int, int]
+
+
+def prints_digest(prints: Mapping[str, Sequence[int]]) -> str:
+    """One short digest of {parameter: fingerprint}: equal for two maps exactly when they
+    hold the same parameters with the same fingerprints (up to a BLAKE2b collision). A
+    verified sync's `stage` sends the trainer's for each worker, and an engine whose own
+    equals it answers in a few bytes instead of every parameter's fingerprint."""
+    lines = "\n".join(f"{n}\t{','.join(map(str, map(int, prints[n])))}" for n in sorted(prints))
+    return hashlib.blake2b(lines.encode(), digest_size=16).hexdigest()
+
+
+def same_prints(workers: Sequence[Mapping[str, Sequence[int]]], expect: Any) -> bool:
+    """Whether each worker's {parameter: fingerprint} digests to `expect`'s digest for it
+    (`prints_digest`, one per worker, in order); False without `expect` or where the
+    numbers of workers differ."""
+    if not isinstance(expect, list | tuple) or len(expect) != len(workers) or not workers:
+        return False
+    return all(prints_digest(w) == e for w, e in zip(workers, expect))
+
 
 _local = threading.local()
 

@@ -274,6 +274,10 @@ class StageReport:
     None from a receiver that reports none."""
     param_of: dict[str, list[str]] | None = None
     """Trainer tensor -> engine parameters, from an engine that learns it while loading."""
+    same: bool = False
+    """Every worker's fingerprints digest to what `stage`'s `expect` said
+    (`fingerprint.prints_digest`): then `fingerprints` is empty and `placements` and
+    `param_of` are left out (the trainer's own are those the digests were made from)."""
 
     def to_dict(self) -> dict[str, Any]:
         return _without_none(
@@ -281,6 +285,7 @@ class StageReport:
                 "fingerprints": self.fingerprints,
                 "placements": self.placements,
                 "param_of": None if self.param_of is None else _param_of(self.param_of),
+                "same": self.same or None,
             }
         )
 
@@ -291,6 +296,7 @@ class StageReport:
             fingerprints=list(_get(d, cls, "fingerprints")),
             placements=_get(d, cls, "placements", None),
             param_of=None if param_of is None else _param_of(param_of),
+            same=bool(_get(d, cls, "same", False)),
         )
 
 
@@ -498,6 +504,9 @@ class EngineVerification:
     loader does not put a tensor's bytes into its parameter as they are, or puts them where
     weightsync learned no placement): `verified` says nothing of them. "worker <i>: <name>"
     where workers are compared one by one."""
+    by_digest: bool = False
+    """Compared by digest: the engine's `stage` answered that every worker's fingerprints
+    digest to what the trainer expected there (`StageReport.same`), not with each one."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -511,6 +520,8 @@ class EngineVerification:
             out["pending"] = True
         if self.unchecked:
             out["unchecked"] = list(self.unchecked)
+        if self.by_digest:
+            out["by_digest"] = True
         return out
 
     @classmethod
@@ -523,6 +534,7 @@ class EngineVerification:
             num_workers=None if num_workers is None else int(num_workers),
             pending=bool(_get(d, cls, "pending", False)),
             unchecked=[str(p) for p in _get(d, cls, "unchecked", [])],
+            by_digest=bool(_get(d, cls, "by_digest", False)),
         )
 
 
