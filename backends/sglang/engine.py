@@ -21,7 +21,6 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from weightsync.driver.preflight import read_config, refuse_unsupported_sglang
 from weightsync.engine.gate import GATE_PATH, close_gate, open_gate
 from weightsync.engine.one_copy.sharing import combine_worker_shares
 from weightsync.engine.pause_clock import PauseClock
+from weightsync.engine.refit import combine_refit_answers
 from weightsync.engine.replica import sharing_of
 from weightsync.engine.sampling import (
     Sample,
@@ -43,7 +43,7 @@ from weightsync.engine.sampling import (
 from weightsync.engine.server import LocalServer, RemoteServer, cli_flags
 from weightsync.engine.session import EngineSession, NothingSwitched
 from weightsync.wire.probe import Decoded
-from weightsync.wire.protocol import EndReport, LoadReport, RefitAnswer, ShareAnswer, StageReport
+from weightsync.wire.protocol import EndReport, LoadReport, ShareAnswer, StageReport
 from weightsync.wire.specs import as_plain, unwrap_all
 
 logger = logging.getLogger(__name__)
@@ -679,15 +679,7 @@ class SglEngineActor(EngineSession):
         answers = self._read_only_all(
             "check", specs=specs, **({"accept": accept} if accept else {})
         )
-        first = RefitAnswer.from_dict(answers[0])
-        accepted = [
-            f"scheduler {rank}: {form}"
-            for rank, answer in enumerate(answers)
-            for form in answer.get("accepted") or []
-        ]
-        return replace(
-            first, num_receivers=len(answers), tp_size=self.tp_size, accepted=accepted or None
-        ).to_dict()
+        return combine_refit_answers(answers, who="scheduler", tp_size=self.tp_size)
 
     def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
         self._finished = False

@@ -19,7 +19,6 @@ import os
 import secrets
 import sys
 import time
-from dataclasses import replace
 from typing import Any
 
 from weightsync.backends.vllm.guard import KEY_VARIABLE, SWITCH_PATH, all_undone
@@ -32,6 +31,7 @@ from weightsync.driver.preflight import (
 from weightsync.engine.gate import close_gate, open_gate
 from weightsync.engine.one_copy.sharing import combine_worker_shares
 from weightsync.engine.pause_clock import PauseClock
+from weightsync.engine.refit import combine_refit_answers
 from weightsync.engine.sampling import (
     Sample,
     SamplingOptions,
@@ -45,7 +45,6 @@ from weightsync.wire.probe import Decoded
 from weightsync.wire.protocol import (
     EndReport,
     LoadReport,
-    RefitAnswer,
     SettleReport,
     ShareAnswer,
     StageReport,
@@ -509,15 +508,7 @@ class VllmEngineActor(EngineSession):
         """Every worker checks (`accept`: backends/vllm/unkept.py); `num_receivers`: the worker
         processes a sync reaches (each joins a collective transport's group)."""
         results = self._rpc_all("weightsync_check", specs, *((accept,) if accept else ()))
-        first = RefitAnswer.from_dict(results[0])
-        accepted = [
-            f"worker {rank}: {form}"
-            for rank, result in enumerate(results)
-            for form in result.get("accepted") or []
-        ]
-        return replace(
-            first, num_receivers=len(results), tp_size=self.tp_size, accepted=accepted or None
-        ).to_dict()
+        return combine_refit_answers(results, who="worker", tp_size=self.tp_size)
 
     def _engine_begin(self, one_copy: bool | list[str]) -> str | None:
         self._switching = False

@@ -379,3 +379,20 @@ def test_an_end_answer_leaves_out_the_maps_the_sender_holds_whole():
     assert grown.param_of == param_of and grown.placements is None
     assert without_known(report, {}) == report
     assert known_maps(None) == {}
+
+
+def test_an_engines_refit_answer_from_its_workers_names_each_ones_accepted_forms_by_rank():
+    """backends' `check_refit` at TP > 1: the first worker's answer, with how many a sync
+    reaches, the TP size and every worker's accepted forms named by rank."""
+    from weightsync.engine.refit import combine_refit_answers
+    from weightsync.wire.protocol import RefitAnswer
+
+    answers = [
+        RefitAnswer(param_of={"w": ["w"]}, num_params=1).to_dict(),
+        {**RefitAnswer(param_of={"w": ["w"]}, num_params=1).to_dict(), "accepted": ["a (ok)"]},
+    ]
+    combined = RefitAnswer.from_dict(combine_refit_answers(answers, who="worker", tp_size=2))
+    assert (combined.num_receivers, combined.tp_size) == (2, 2)
+    assert combined.accepted == ["worker 1: a (ok)"] and combined.param_of == {"w": ["w"]}
+    plain = combine_refit_answers(answers[:1], who="scheduler", tp_size=1)
+    assert RefitAnswer.from_dict(plain).accepted is None

@@ -21,6 +21,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -306,3 +307,18 @@ def refuse_forms(engine: str, forms: list[tuple[str, str]], accept: Mapping[str,
             f"SyncOptions(accept_unkept={{{kind!r}: 'why that is right for this model'}})"
         )
     return [f"{why} (accepted: {accept[kind]})" for kind, why in forms]
+
+
+def combine_refit_answers(answers: list[dict], *, who: str, tp_size: int) -> dict:
+    """One engine's `check_refit` answer from each of its `who`s' ("worker", "scheduler"), in
+    rank order: the first's, with how many receivers a sync reaches, the engine's TP size and
+    every one's accepted forms, each named by its rank."""
+    first = RefitAnswer.from_dict(answers[0])
+    accepted = [
+        f"{who} {rank}: {form}"
+        for rank, answer in enumerate(answers)
+        for form in answer.get("accepted") or []
+    ]
+    return replace(
+        first, num_receivers=len(answers), tp_size=tp_size, accepted=accepted or None
+    ).to_dict()
